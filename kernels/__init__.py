@@ -1,0 +1,1 @@
+"""Kernels: one family per file; each Triton kernel beside its torch reference."""

@@ -1,0 +1,3 @@
+"""optc: a compiler-style optimization toolchain for LLM inference."""
+
+__version__ = "0.1.0"

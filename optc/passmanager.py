@@ -1,0 +1,145 @@
+"""The pass contract and the PassManager.
+
+A pass is one class in one file of `passes/`, its `name` equal to the file stem, with an `Options`
+frozen dataclass (its recipe options) and `requires(graph)`, `run(graph, store, ctx) ->
+PassResult`, `ensures(graph)`. Passes return new objects rather than mutating their inputs, and a
+second run of the same pass reports `changed=False`.
+
+The manager runs the recipe's ordered list, times each pass, verifies after each on request, dumps
+the IR after each (`dump_ir`), prints a progress line per pass, and on failure raises a PassError
+that names the failing pass and the ones before it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from optc.ir import Graph
+from optc.ops import verify
+from optc.store import TensorStore
+
+
+class PassError(RuntimeError):
+    pass
+
+
+@dataclass
+class PassResult:
+    graph: Graph
+    store: TensorStore
+    changed: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)  # sections for manifest.json (e.g. quantization)
+
+
+@dataclass
+class PassContext:
+    """What passes may need, and nothing else."""
+
+    target: str = "cpu"
+    dtype: str = "float32"
+    generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    progress: Callable[[str], None] = lambda msg: None
+    show_progress_bars: bool = False
+    calibration_tokens: Callable[[], torch.Tensor] | None = None  # (samples, seq_len) int64, computed once
+    calibration_record: dict[str, Any] = field(default_factory=dict)
+
+
+class Pass(Protocol):
+    name: ClassVar[str]
+    Options: ClassVar[type]
+
+    def requires(self, graph: Graph) -> None: ...
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult: ...
+    def ensures(self, graph: Graph) -> None: ...
+
+
+@dataclass
+class PassRecord:
+    name: str
+    options: dict[str, Any]
+    changed: bool
+    stats: dict[str, Any]
+    seconds: float
+    peak_rss_bytes: int | None
+
+
+def registry() -> dict[str, type]:
+    """Pass name -> class, discovered from the modules of optc.passes (files starting with _ are helpers)."""
+    import optc.passes as pkg
+
+    found = {}
+    for m in pkgutil.iter_modules(pkg.__path__):
+        if m.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"optc.passes.{m.name}")
+        cls = next((c for c in vars(module).values() if isinstance(c, type) and getattr(c, "name", None) == m.name), None)
+        if cls is None:
+            raise ImportError(f"passes/{m.name}.py defines no pass class with name = {m.name!r}")
+        found[m.name] = cls
+    return found
+
+
+def make_pass(name: str, options: dict[str, Any] | None = None):
+    cls = registry()[name]
+    return cls(cls.Options(**(options or {})))
+
+
+class PassManager:
+    def __init__(self, passes: list[tuple[str, dict]], verify_each: bool = False, dump_ir: Path | None = None):
+        self.passes = [make_pass(n, o) for n, o in passes]
+        self.specs = passes
+        self.verify_each = verify_each
+        self.dump_ir = Path(dump_ir) if dump_ir else None
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> tuple[Graph, TensorStore, list[PassRecord], dict]:
+        records: list[PassRecord] = []
+        manifest: dict[str, Any] = {}
+        if self.dump_ir:
+            self.dump_ir.mkdir(parents=True, exist_ok=True)
+            (self.dump_ir / "00-input.txt").write_text(graph.text())
+        total = len(self.passes)
+        for i, (p, (name, options)) in enumerate(zip(self.passes, self.specs)):
+            ctx.progress(f"[{i + 1}/{total}] {name} ...")
+            t0 = time.perf_counter()
+            try:
+                p.requires(graph)
+                result = p.run(graph, store, ctx)
+                p.ensures(result.graph)
+                if self.verify_each:
+                    verify(result.graph, result.store)
+            except Exception as e:
+                before = ", ".join(n for n, _ in self.specs[:i]) or "none"
+                raise PassError(f"pass {name!r} (#{i + 1} of {total}; passes before it: {before}) failed: "
+                                f"{type(e).__name__}: {e}") from e
+            seconds = time.perf_counter() - t0
+            graph, store = result.graph, result.store
+            manifest.update(result.manifest)
+            records.append(PassRecord(name, options, result.changed, result.stats, seconds, _peak_rss()))
+            ctx.progress(f"[{i + 1}/{total}] {name}: {'changed' if result.changed else 'no change'} "
+                         f"{_short(result.stats)} ({seconds:.2f}s)")
+            if self.dump_ir:
+                (self.dump_ir / f"{i + 1:02d}-{name}.txt").write_text(graph.text())
+        return graph, store, records, manifest
+
+
+def _short(stats: dict) -> str:
+    items = [f"{k}={v}" for k, v in stats.items() if isinstance(v, int | float | str | bool)]
+    return ", ".join(items[:4])
+
+
+def _peak_rss() -> int | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None

@@ -1,0 +1,95 @@
+"""TensorStore: named tensors, loaded lazily.
+
+Each entry knows its shape and dtype without loading, and a `load()` that produces the tensor on
+demand (from a safetensors file, from another entry through a transform, or from a seeded
+generator). Stores are immutable: `with_entries` returns a new store, so a pass never edits its
+input, and nothing is materialized until somebody (usually the artifact writer, one shard at a
+time) asks for it. That is how an 8B build avoids holding two copies of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Entry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+
+class TensorStore:
+    def __init__(self, entries: Mapping[str, Entry] | None = None):
+        self._entries: dict[str, Entry] = dict(entries or {})
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in the store") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self.entry(name)
+        t = e.load()
+        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise ValueError(f"tensor {name!r} loaded as {t.dtype}{list(t.shape)}, declared {e.dtype}{list(e.shape)}")
+        return t
+
+    def with_entries(self, entries: Mapping[str, Entry] | None = None, remove: Iterable[str] = ()) -> TensorStore:
+        new = dict(self._entries)
+        for name in remove:
+            new.pop(name, None)
+        new.update(entries or {})
+        return TensorStore(new)
+
+    def keep(self, names: Iterable[str]) -> TensorStore:
+        return TensorStore({n: self._entries[n] for n in names})
+
+    @staticmethod
+    def of(tensors: Mapping[str, torch.Tensor]) -> TensorStore:
+        """A store over tensors already in memory."""
+        return TensorStore({n: Entry(tuple(t.shape), t.dtype, (lambda t=t: t)) for n, t in tensors.items()})
+
+    @staticmethod
+    def from_safetensors(files: Iterable[Path], rename: Callable[[str], str | None] = lambda k: k) -> TensorStore:
+        """Lazy entries for every tensor of `files`; `rename` maps a key to a store name (None drops it)."""
+        entries = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    name = rename(key)
+                    if name is None:
+                        continue
+                    sl = f.get_slice(key)
+                    entries[name] = Entry(tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()],
+                                          (lambda p=str(path), k=key: _read(p, k)))
+        return TensorStore(entries)
+
+
+def transformed(src: Entry, fn: Callable[[torch.Tensor], torch.Tensor], shape=None, dtype=None) -> Entry:
+    """An entry computed lazily from another: `fn(src.load())`."""
+    return Entry(tuple(shape or src.shape), dtype or src.dtype, lambda: fn(src.load()))
+
+
+def _read(path: str, key: str) -> torch.Tensor:
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(key)

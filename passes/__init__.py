@@ -1,0 +1,1 @@
+"""Passes: one file per pass, one class per file, registered by name."""

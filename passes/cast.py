@@ -1,0 +1,49 @@
+"""Cast dense weights (and the scales of quantized ones) to one floating dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from optc.formats import DTYPES, FormatKind, part_name
+from optc.ir import Graph, TensorInfo
+from optc.passmanager import PassContext, PassResult
+from optc.store import TensorStore, transformed
+
+
+class Cast:
+    """Cast dense weights (and the scales of quantized ones) to one floating dtype."""
+
+    name = "cast"
+
+    @dataclass(frozen=True)
+    class Options:
+        dtype: str | None = field(default=None, metadata={
+            "choices": tuple(DTYPES), "help": "target dtype; default: the recipe's dtype"})
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        pass
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        dtype = self.options.dtype or ctx.dtype
+        to = DTYPES[dtype]
+        new_graph = graph.copy()
+        entries, cast = {}, 0
+        for name, info in graph.tensors.items():
+            fmt = info.format
+            if fmt.dtype == dtype:
+                continue
+            # dense: the weight itself; quantized: only the scales carry the float dtype
+            role = "weight" if fmt.kind is FormatKind.DENSE else "scales"
+            key = part_name(name, role, fmt)
+            entries[key] = transformed(store.entry(key), lambda t, to=to: t.to(to), dtype=to)
+            new_graph.tensors[name] = TensorInfo(info.shape, replace(fmt, dtype=dtype))
+            cast += 1
+        if not cast:
+            return PassResult(graph, store, changed=False, stats={"cast": 0, "dtype": dtype})
+        return PassResult(new_graph, store.with_entries(entries), changed=True, stats={"cast": cast, "dtype": dtype})
+
+    def ensures(self, graph: Graph) -> None:
+        pass

@@ -1,0 +1,44 @@
+"""Fuse the gate and up projections of each MLP into one linear with split outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optc.ir import Graph
+from optc.passmanager import PassContext, PassResult
+from optc.passes._linears import can_fuse, fuse
+from optc.store import TensorStore
+
+
+class FuseGateUp:
+    """Fuse the gate and up projections of each MLP into one linear with split outputs."""
+
+    name = "fuse_gate_up"
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        pass
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        producer = graph.producers()
+        groups = []
+        for node in graph.nodes:
+            # silu_mul(linear_gate(x), linear_up(x)) -> silu_mul(linear_gate_up(x) {split})
+            if node.op != "silu_mul":
+                continue
+            group = [producer.get(node.inputs[0]), producer.get(node.inputs[1])]
+            if can_fuse(graph, group):
+                groups.append(group)
+        if not groups:
+            return PassResult(graph, store, changed=False, stats={"fused": 0})
+        graph, store = fuse(graph, store, groups, "gate_up_proj")
+        return PassResult(graph, store, changed=True, stats={"fused": len(groups)})
+
+    def ensures(self, graph: Graph) -> None:
+        pass
