@@ -39,8 +39,7 @@ class Step:
             return self.kv_caches[layer]
         if layer not in self._transient:  # one layer at a time: drop the others' caches
             self._transient.clear()
-            self._transient[layer] = torch.zeros(self.cache_shape, dtype=self.cache_dtype,
-                                                 device=self.positions.device)
+            self._transient[layer] = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.positions.device)
         return self._transient[layer]
 
 
@@ -49,8 +48,10 @@ def bind_params(graph: Graph, store: TensorStore, device: torch.device | str = "
     params = {}
     for name in graph.used_tensors():
         fmt = graph.tensors[name].format
-        parts = {role: store.get(part_name(name, role, fmt)).to(device)
-                 for role in fmt.part_shapes(graph.tensors[name].shape)}
+        parts = {
+            role: store.get(part_name(name, role, fmt)).to(device)
+            for role in fmt.part_shapes(graph.tensors[name].shape)
+        }
         params[name] = Param(parts, fmt)
     return params
 
@@ -70,18 +71,22 @@ class Executor:
             elif kernel in impls:
                 self._impls.append(impls[kernel])
             else:
-                raise ValueError(f"node {n.name!r} is bound to kernel {kernel!r}, which this runtime lacks "
-                                 f"(available: torch, {', '.join(sorted(impls)) or 'nothing else'})")
+                raise ValueError(
+                    f"node {n.name!r} is bound to kernel {kernel!r}, which this runtime lacks "
+                    f"(available: torch, {', '.join(sorted(impls)) or 'nothing else'})"
+                )
         self._node_params = [{r: params[t] for r, t in n.params.items()} for n in graph.nodes]
         last_use: dict[str, int] = {}
         for i, n in enumerate(graph.nodes):
             for v in n.inputs:
                 last_use[v] = i
-        self._dead_after = [[v for v in n.inputs if last_use[v] == i and v not in graph.outputs]
-                            for i, n in enumerate(graph.nodes)]
+        self._dead_after = [
+            [v for v in n.inputs if last_use[v] == i and v not in graph.outputs] for i, n in enumerate(graph.nodes)
+        ]
 
-    def run(self, input_ids: torch.Tensor, step: Step,
-            hook: Callable[[int, Node, list, list], None] | None = None) -> dict[str, torch.Tensor]:
+    def run(
+        self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values. Returns outputs."""
         env = {"input_ids": input_ids, "positions": step.positions}
         for i, node in enumerate(self.graph.nodes):
@@ -89,7 +94,7 @@ class Executor:
             outputs = self._impls[i](node, inputs, self._node_params[i], step)
             if hook is not None:
                 hook(i, node, inputs, outputs)
-            env.update(zip(node.outputs, outputs))
+            env.update(zip(node.outputs, outputs, strict=True))
             for v in self._dead_after[i]:
                 del env[v]
         return {v: env[v] for v in self.graph.outputs}
@@ -103,8 +108,15 @@ class _ContiguousBatch:
     slot_mapping: torch.Tensor
 
 
-def dense_step(graph: Graph, num_seqs: int, seq_len: int, device="cpu", dtype=torch.float32,
-               block_size: int = 16, all_logits: bool = True) -> Step:
+def dense_step(
+    graph: Graph,
+    num_seqs: int,
+    seq_len: int,
+    device="cpu",
+    dtype=torch.float32,
+    block_size: int = 16,
+    all_logits: bool = True,
+) -> Step:
     """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches."""
     from optc.rope import cos_sin_table
 
@@ -120,9 +132,14 @@ def dense_step(graph: Graph, num_seqs: int, seq_len: int, device="cpu", dtype=to
         slot_mapping=slots.to(device),
     )
     last = None if all_logits else (torch.arange(1, num_seqs + 1) * seq_len - 1).to(device)
-    return Step(pos.to(device), batch, cos_sin_table(cfg, max(seq_len, 1)).to(device), last,
-                cache_shape=(1 + num_seqs * per_seq, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                cache_dtype=dtype)
+    return Step(
+        pos.to(device),
+        batch,
+        cos_sin_table(cfg, max(seq_len, 1)).to(device),
+        last,
+        cache_shape=(1 + num_seqs * per_seq, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+        cache_dtype=dtype,
+    )
 
 
 def run_dense(executor: Executor, input_ids: torch.Tensor, hook=None, all_logits: bool = True) -> torch.Tensor:

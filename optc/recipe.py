@@ -32,8 +32,10 @@ class Target(str, Enum):
 class Calibration:
     """Text the quantization passes calibrate on."""
 
-    source: str = field(default="builtin:pydoc", metadata={
-        "help": "builtin:pydoc, a .txt file, a .jsonl file with a `text` field, or a HF dataset name"})
+    source: str = field(
+        default="builtin:pydoc",
+        metadata={"help": "builtin:pydoc, a .txt file, a .jsonl file with a `text` field, or a HF dataset name"},
+    )
     samples: int = field(default=128, metadata={"min": 1, "help": "number of token windows"})
     seq_len: int = field(default=512, metadata={"min": 8, "help": "tokens per window"})
     seed: int = field(default=0, metadata={"min": 0, "help": "seed of the window offsets"})
@@ -45,8 +47,9 @@ class Runtime:
 
     max_batch_size: int = field(default=64, metadata={"min": 1, "help": "max requests per step"})
     max_seq_len: int | None = field(default=None, metadata={"min": 1, "help": "context limit; default: the model's"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={"gt": 0.0, "max": 1.0,
-                                                                 "help": "share of GPU memory for weights + KV"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"gt": 0.0, "max": 1.0, "help": "share of GPU memory for weights + KV"}
+    )
     kv_cache_memory: int | None = field(default=None, metadata={"min": 1, "help": "KV pool bytes on the CPU"})
     max_num_batched_tokens: int = field(default=2048, metadata={"min": 1, "help": "token budget per step"})
 
@@ -61,8 +64,9 @@ class PassSpec:
 class Recipe:
     """An optc build recipe."""
 
-    model: str | None = field(default=None, metadata={
-        "help": "HF folder, hub id, *.gguf, package:<pkg>/<file> or random:<preset>"})
+    model: str | None = field(
+        default=None, metadata={"help": "HF folder, hub id, *.gguf, package:<pkg>/<file> or random:<preset>"}
+    )
     dtype: str = field(default="bfloat16", metadata={"choices": DTYPE_CHOICES, "help": "model dtype"})
     target: Target = field(default=Target.CPU, metadata={"help": "device kind the artifact is built for"})
     calibration: Calibration = field(default_factory=Calibration)
@@ -97,7 +101,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), model: str |
             line = f":{mark.line + 1}" if mark else ""
             raise RecipeError(f"{path}{line}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(data, dict):
-            raise RecipeError(f"{path}: a recipe is a mapping of keys (model, dtype, passes, ...), got {type(data).__name__}")
+            raise RecipeError(
+                f"{path}: a recipe is a mapping of keys (model, dtype, passes, ...), got {type(data).__name__}"
+            )
         _record_lines(node, "", str(path), where)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -132,9 +138,13 @@ def resolve_passes(raw: Any, where: dict[str, str]) -> tuple[PassSpec, ...]:
             name, options = next(iter(item.items()))
             options = options or {}
         else:
-            raise RecipeError(f"{where.get(key, '')}: {key}: expected a pass name or {{name: {{options}}}}, got {item!r}")
+            raise RecipeError(
+                f"{where.get(key, '')}: {key}: expected a pass name or {{name: {{options}}}}, got {item!r}"
+            )
         if name not in passes:
-            raise RecipeError(f"{where.get(key, '')}: {key}: unknown pass {name!r}; known passes: {', '.join(sorted(passes))}")
+            raise RecipeError(
+                f"{where.get(key, '')}: {key}: unknown pass {name!r}; known passes: {', '.join(sorted(passes))}"
+            )
         opts = validate(passes[name].Options, options, f"{key}.{name}", where)
         specs.append(PassSpec(name, asdict(opts)))
     return tuple(specs)
@@ -149,11 +159,20 @@ def recipe_json_schema() -> dict:
     variants = []
     for name, cls in sorted(registry().items()):
         variants.append({"const": name})
-        variants.append({"type": "object", "properties": {name: json_schema(cls.Options)},
-                         "required": [name], "additionalProperties": False,
-                         "description": " ".join((cls.__doc__ or "").split())})
-    schema["properties"]["passes"] = {"type": "array", "items": {"anyOf": variants},
-                                      "description": "ordered passes: a name, or {name: {options}}"}
+        variants.append(
+            {
+                "type": "object",
+                "properties": {name: json_schema(cls.Options)},
+                "required": [name],
+                "additionalProperties": False,
+                "description": " ".join((cls.__doc__ or "").split()),
+            }
+        )
+    schema["properties"]["passes"] = {
+        "type": "array",
+        "items": {"anyOf": variants},
+        "description": "ordered passes: a name, or {name: {options}}",
+    }
     return schema
 
 

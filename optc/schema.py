@@ -32,8 +32,11 @@ def validate(cls: type, data: Any, path: str, where: dict[str, str]) -> Any:
     for name, value in data.items():
         key = f"{path}.{name}" if path else name
         values[name] = check_value(hints[name], value, key, where, fields[name].metadata)
-    missing = [n for n, f in fields.items() if n not in values and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise _error(path or missing[0], where, f"missing required key {missing[0]!r}")
     try:
@@ -42,7 +45,9 @@ def validate(cls: type, data: Any, path: str, where: dict[str, str]) -> Any:
         raise _error(path, where, str(e)) from None
 
 
-def check_value(tp: Any, value: Any, key: str, where: dict[str, str], meta: typing.Mapping = types.MappingProxyType({})):
+def check_value(
+    tp: Any, value: Any, key: str, where: dict[str, str], meta: typing.Mapping = types.MappingProxyType({})
+):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -60,9 +65,13 @@ def check_value(tp: Any, value: Any, key: str, where: dict[str, str], meta: typi
         if value not in allowed:
             raise _error(key, where, f"{_show(value)} is not allowed; allowed: {', '.join(map(str, allowed))}")
         return tp(value)
-    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
-          float: isinstance(value, int | float) and not isinstance(value, bool), str: isinstance(value, str),
-          dict: isinstance(value, dict)}.get(tp, True)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        dict: isinstance(value, dict),
+    }.get(tp, True)
     if not ok:
         raise _error(key, where, f"expected {_type_name(tp)}, got {_show(value)}")
     if "choices" in meta and value not in meta["choices"]:
@@ -106,9 +115,16 @@ def _type_schema(tp: Any, meta: typing.Mapping) -> dict:
     if isinstance(tp, type) and issubclass(tp, Enum):
         s = {"enum": [m.value for m in tp]}
     else:
-        s = {"type": {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object"}.get(tp, "string")}
-    for k, j in (("choices", "enum"), ("min", "minimum"), ("max", "maximum"), ("gt", "exclusiveMinimum"),
-                 ("help", "description")):
+        s = {
+            "type": {bool: "boolean", int: "integer", float: "number", str: "string", dict: "object"}.get(tp, "string")
+        }
+    for k, j in (
+        ("choices", "enum"),
+        ("min", "minimum"),
+        ("max", "maximum"),
+        ("gt", "exclusiveMinimum"),
+        ("help", "description"),
+    ):
         if k in meta:
             s[j] = list(meta[k]) if k == "choices" else meta[k]
     return s
@@ -130,4 +146,6 @@ def _show(v: Any) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(tp, str(tp))
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}.get(
+        tp, str(tp)
+    )

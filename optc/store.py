@@ -16,9 +16,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F64": torch.float64}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F64": torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,9 @@ class TensorStore:
                     if name is None:
                         continue
                     sl = f.get_slice(key)
-                    entries[name] = Entry(tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()],
-                                          (lambda p=str(path), k=key: _read(p, k)))
+                    entries[name] = Entry(
+                        tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()], (lambda p=str(path), k=key: _read(p, k))
+                    )
         return TensorStore(entries)
 
 

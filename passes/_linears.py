@@ -51,16 +51,22 @@ def fuse(graph: Graph, store: TensorStore, groups: list[list[Node]], fused_name:
                 keys = [part_name(s, prole, fmt) for s in srcs]
                 first = store.entry(keys[0])
                 entries[part_name(tensor, prole, fmt)] = Entry(
-                    tuple(pshape), first.dtype, (lambda keys=keys: torch.cat([store.get(k) for k in keys], 0)))
+                    tuple(pshape), first.dtype, (lambda keys=keys: torch.cat([store.get(k) for k in keys], 0))
+                )
             params[role] = tensor
         attrs = {**group[0].attrs, "out_features": sum(sizes), "split": sizes}
-        replace[group[0].name] = Node(name, "linear", list(group[0].inputs), [n.outputs[0] for n in group], attrs, params)
+        replace[group[0].name] = Node(
+            name, "linear", list(group[0].inputs), [n.outputs[0] for n in group], attrs, params
+        )
         drop.update(n.name for n in group[1:])
     graph.nodes = [replace.get(n.name, n) for n in graph.nodes if n.name not in drop]
     used = set(graph.used_tensors())
     stale = [t for t in graph.tensors if t not in used]
-    removed = [part_name(t, r, graph.tensors[t].format) for t in stale
-               for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
+    removed = [
+        part_name(t, r, graph.tensors[t].format)
+        for t in stale
+        for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)
+    ]
     for t in stale:
         del graph.tensors[t]
     return graph, store.with_entries(entries, remove=removed)

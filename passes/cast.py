@@ -17,8 +17,9 @@ class Cast:
 
     @dataclass(frozen=True)
     class Options:
-        dtype: str | None = field(default=None, metadata={
-            "choices": tuple(DTYPES), "help": "target dtype; default: the recipe's dtype"})
+        dtype: str | None = field(
+            default=None, metadata={"choices": tuple(DTYPES), "help": "target dtype; default: the recipe's dtype"}
+        )
 
     def __init__(self, options: Options | None = None):
         self.options = options or self.Options()

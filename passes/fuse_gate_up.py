@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optc.ir import Graph
-from optc.passmanager import PassContext, PassResult
 from optc.passes._linears import can_fuse, fuse
+from optc.passmanager import PassContext, PassResult
 from optc.store import TensorStore
 
 

@@ -43,9 +43,15 @@ class ForwardBatch:
     def to(self, device: torch.device | str) -> ForwardBatch:
         move = lambda t: t.to(device, non_blocking=True)
         return ForwardBatch(
-            move(self.input_ids), move(self.positions), move(self.query_start_loc), move(self.seq_lens),
-            move(self.block_tables), move(self.slot_mapping), move(self.logits_indices),
-            self.max_query_len, self.max_seq_len,
+            move(self.input_ids),
+            move(self.positions),
+            move(self.query_start_loc),
+            move(self.seq_lens),
+            move(self.block_tables),
+            move(self.slot_mapping),
+            move(self.logits_indices),
+            self.max_query_len,
+            self.max_seq_len,
         )
 
     @staticmethod

@@ -1,0 +1,65 @@
+"""SwiGLU activation on the fused gate-up output: Triton kernel and its torch reference.
+
+`silu_mul(x)` takes x: (T, 2 * I) = [gate | up]; `silu_mul(gate, up)` takes the two halves as
+separate (T, I) views, e.g. two strided column slices of one (T, 2I) tensor (only the last dim must
+be contiguous). Numerical policy (matches the reference in x's dtype, as transformers does):
+silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up in fp32 and rounded.
+
+Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
+the session that wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_I = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(
+    # pointers
+    gate_ptr, up_ptr, out_ptr,
+    # sizes
+    inter,
+    # strides (rows; columns are contiguous)
+    stride_g, stride_u, stride_o,
+    # meta
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up; gate, up = x.chunk(2, -1) when `up` is None, else gate = x."""
+    if up is None:
+        assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} of [gate | up] must be even"
+        gate, up = x.chunk(2, dim=-1)
+    else:
+        gate = x
+    assert gate.shape == up.shape, f"gate {list(gate.shape)} != up {list(up.shape)}"
+    assert gate.dtype == up.dtype, f"gate dtype {gate.dtype} != up dtype {up.dtype}"
+    assert gate.dim() == 2, f"expected (T, I) inputs, got {list(gate.shape)}"
+    assert gate.stride(-1) == 1 and up.stride(-1) == 1, "gate/up columns must be contiguous"
+    num_tokens, inter = gate.shape
+    out = torch.empty((num_tokens, inter), dtype=gate.dtype, device=gate.device)
+    grid = lambda meta: (num_tokens, triton.cdiv(inter, meta["BLOCK"]))
+    _silu_mul_kernel[grid](
+        gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0),
+        BLOCK=min(BLOCK_I, triton.next_power_of_2(inter)), num_warps=4,
+    )
+    return out
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    # x: (T, 2 * I) = [gate | up] -> (T, I) = silu(gate) * up, in x's dtype (as transformers does)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

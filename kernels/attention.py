@@ -1,0 +1,63 @@
+"""Paged attention over the GQA-aware KV cache, and the KV store.
+
+KV cache per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V. K/V are
+stored once per KV head, never repeated per query head. A token at slot s lives in block
+s // block_size, offset s % block_size; slot -1 is not stored (padding). Block tables are padded
+with block 0, the reserved null block.
+
+Attention is causal over each request's whole context: query i of request b (at position
+seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # k, v: (T, H_kv, D) -> kv_cache[slot // bs, 0 | 1, slot % bs] in place
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """All requests at once: queries and K/V padded per request, one causal mask (no Python loop)."""
+    # q: (T, H_q, D) -> (T, H_q, D)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_requests = seq_lens.shape[0]
+    dev = q.device
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    max_query = int(query_lens.max()) if num_requests else 0
+    if num_tokens == 0 or max_query == 0:
+        return torch.empty_like(q)
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    kv = kv_cache[block_tables[:, :num_blocks].long()].float()  # (B, nb, 2, bs, H_kv, D)
+    k = kv[:, :, 0].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
+    v = kv[:, :, 1].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)
+    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
+    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()  # index within its request
+    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=torch.float32)
+    qp[request, row] = q.float()
+    # (B, H_kv, group * Lq, D): the query heads of one KV head share its K/V (read once per group)
+    qh = qp.view(num_requests, max_query, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qh = qh.reshape(num_requests, num_kv_heads, group * max_query, head_dim)
+    scores = (qh @ k.transpose(-1, -2)) * scale  # (B, H_kv, group * Lq, L)
+    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
+    masked = torch.arange(k.shape[2], device=dev)[None, None, :] > query_pos[:, :, None]  # (B, Lq, L)
+    scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))
+    out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
+    return out[request, row].to(q.dtype)

@@ -1,0 +1,101 @@
+"""RMSNorm and the residual add fused with it: Triton kernels and their torch references.
+
+Numerical policy (the same as transformers' LlamaRMSNorm): the mean of squares and the rsqrt are
+fp32; the normalized value is cast to the input dtype before the weight multiplies it. One program
+normalizes one row; the whole row sits in registers (hidden sizes up to 16384 fit).
+
+Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
+the session that wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 16384
+
+
+@triton.jit
+def _rms_norm_kernel(
+    # pointers
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
+    # sizes
+    H, eps,
+    # strides (rows; the hidden dim is contiguous)
+    stride_x, stride_r, stride_o, stride_s,
+    # meta
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        # the sum is rounded to x's dtype first, as the unfused add would be
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_ref(x, weight, eps) for x: (..., H)."""
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ref: (rms_norm(x + residual), x + residual)."""
+    assert residual.shape == x.shape, f"residual {list(residual.shape)} != x {list(x.shape)}"
+    assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
+    return _launch(x, residual, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: (T, H), weight: (H,)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def _launch(x, residual, weight, eps):
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), f"weight {list(weight.shape)} must be ({hidden},)"
+    assert weight.device == x.device, f"weight on {weight.device}, x on {x.device}"
+    assert hidden <= MAX_HIDDEN, f"hidden size {hidden} > {MAX_HIDDEN} does not fit one program"
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    summed = torch.empty_like(x2) if residual is not None else out  # `out` is a placeholder
+    block_h = triton.next_power_of_2(hidden)
+    num_warps = min(max(block_h // 256, 1), 16)
+    grid = lambda meta: (x2.shape[0],)
+    _rms_norm_kernel[grid](
+        x2, r2 if r2 is not None else x2, weight, out, summed,
+        hidden, eps,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0, out.stride(0), summed.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    out = out.view(*x.shape[:-1], hidden)
+    return out, (summed.view(x.shape) if residual is not None else None)

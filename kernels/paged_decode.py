@@ -1,0 +1,211 @@
+"""Decode attention over the paged, GQA-aware KV cache: one query token per request.
+
+One program serves one (request, KV head, split): the G = H_q / H_kv query heads of the group are
+the rows of one tile (padded to 16 for tl.dot), so each K/V block is read once per group, not once
+per query head. Long contexts are split across programs (`num_splits`); each split writes its
+normalized partial output with its running max and sum, and a second kernel combines the splits:
+
+    out = sum_s exp(m_s - M) * l_s * o_s / sum_s exp(m_s - M) * l_s,    M = max_s m_s
+
+K/V tokens are gathered through the block table (`BLOCK_N` tokens per step, any number of cache
+blocks), so the kernel does not depend on the cache's block size. Softmax math is fp32 (exp2 with
+the scale folded into log2 e); P is cast to the cache dtype for the second dot; the output is cast
+on store. Semantics are paged_attention_ref's for requests whose query length is 1 (a request with
+seq_len 0 gets zeros).
+
+Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
+the session that wrote it, and `num_splits` heuristics are untuned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from optc.kernels.attention import paged_attention_ref
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64  # KV tokens per inner step
+TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    if FP32:  # exact fp32 products (no tf32); see _fp32_dot
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _decode_kernel(
+    # pointers
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_ptr, ml_ptr,
+    # sizes
+    G, D, block_size, tokens_per_split, qk_scale,
+    # strides: q / out (token, head); cache (block, k|v, offset, head); block table (request);
+    # partials (request, head, split) and max/sum (request, head, split, 2)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
+    stride_bt, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ms,
+    # meta
+    IS_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    token = tl.load(query_start_ptr + req).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * G + offs_g
+    mask_gd = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_gd, other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    kv_base = cache_ptr + kv_head * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        blocks = tl.load(block_tables_ptr + req * stride_bt + offs_n // block_size, mask=mask_n, other=0)
+        rows = blocks.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_co
+        kv_ptr = kv_base + rows[:, None] + offs_d[None, :]
+        mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
+        k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
+        s = _dot(q, tl.trans(k), FP32_DOT)
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))  # (BLOCK_G, BLOCK_N), log2 units
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or request) stays zero
+    if IS_SPLIT:
+        part = part_ptr + req * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :]
+        tl.store(part, acc, mask=mask_gd)
+        ml = ml_ptr + req * stride_mb + heads * stride_mh + split * stride_ms
+        tl.store(ml, m_i, mask=offs_g < G)
+        tl.store(ml + 1, l_i, mask=offs_g < G)
+    else:
+        out = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_gd)
+
+
+@triton.jit
+def _combine_kernel(
+    # pointers
+    part_ptr, ml_ptr, query_start_ptr, out_ptr,
+    # sizes
+    num_splits, D,
+    # strides
+    stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ms, stride_ot, stride_oh,
+    # meta
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req, head = tl.program_id(0), tl.program_id(1)
+    token = tl.load(query_start_ptr + req).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    ml = ml_ptr + req * stride_mb + head * stride_mh + offs_s * stride_ms
+    m = tl.load(ml, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(ml + 1, mask=mask_s, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l_s > 0, tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0)) * l_s, 0.0)
+    part = part_ptr + req * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    o = tl.load(part, mask=mask_s[:, None] & (offs_d < D)[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < D)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """paged_attention_ref for batches where every request has exactly one query token.
+
+    `max_seq_len` (the batch's longest context) sizes the splits; without it the launcher reads
+    seq_lens (a device sync). `num_splits` overrides the heuristic.
+    """
+    # q: (B, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (B, H_q, D)
+    num_requests = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert q.dim() == 3 and q.stride(2) == 1, f"q must be (T, H_q, D) with contiguous D, got {list(q.shape)}"
+    assert q.shape[0] == num_requests, f"decode needs one query token per request: {q.shape[0]} != {num_requests}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, (
+        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, {head_dim})"
+    )
+    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
+    assert num_heads % num_kv_heads == 0, f"H_q {num_heads} is not a multiple of H_kv {num_kv_heads}"
+    assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
+    assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_requests == 0:
+        return out
+    max_seq_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+    if num_splits is None:
+        num_splits = _num_splits(num_requests * num_kv_heads, max_seq_len)
+    tokens_per_split = triton.cdiv(max(triton.cdiv(max_seq_len, num_splits), 1), BLOCK_N) * BLOCK_N
+    num_splits = max(triton.cdiv(max_seq_len, tokens_per_split), 1)
+    is_split = num_splits > 1
+    if is_split:
+        part = torch.empty(num_requests, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(num_requests, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out  # placeholders, never dereferenced
+    cs = kv_cache.stride()
+    block_d = triton.next_power_of_2(head_dim)
+    grid = lambda meta: (num_requests, num_kv_heads, num_splits)
+    _decode_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
+        group, head_dim, block_size, tokens_per_split, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3],
+        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
+        ml.stride(0), ml.stride(1), ml.stride(2),
+        IS_SPLIT=is_split, FP32_DOT=_fp32_dot(kv_cache),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N, num_warps=4,
+    )
+    if is_split:
+        grid = lambda meta: (num_requests, num_heads)
+        _combine_kernel[grid](
+            part, ml, query_start_loc, out, num_splits, head_dim,
+            part.stride(0), part.stride(1), part.stride(2), ml.stride(0), ml.stride(1), ml.stride(2),
+            out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+    """The specification: paged_attention_ref (query length 1 per request)."""
+    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _num_splits(num_groups: int, max_seq_len: int) -> int:
+    # split only when (request, KV head) programs leave the GPU idle, and keep >= 256 tokens a split
+    if num_groups >= TARGET_PROGRAMS:
+        return 1
+    return max(1, min(triton.cdiv(TARGET_PROGRAMS, num_groups), triton.cdiv(max_seq_len, 256)))
+
+
+def _fp32_dot(kv_cache: torch.Tensor) -> bool:
+    # fp32 caches keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
+    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+    return kv_cache.dtype == torch.float32 or (kv_cache.dtype == torch.bfloat16 and not kv_cache.is_cuda)

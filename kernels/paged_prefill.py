@@ -1,0 +1,149 @@
+"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache.
+
+The K/V of every token, the earlier context's and this step's, are read from the paged cache (the
+store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
+chunks before it through the block table with no special case. Query i of request b sits at
+position seq_lens[b] - query_len_b + i and sees keys 0 .. its own position.
+
+One program serves one (request, KV head, row tile): the rows of a tile are (query token, query
+head of the group) pairs flattened as row = i * G + g, so each K/V tile is read once per group.
+The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
+(exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot; cast on store.
+
+Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
+the session that wrote it, and the tile sizes are untuned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from optc.kernels.attention import paged_attention_ref
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64  # (query token, head) rows per program
+BLOCK_N = 32  # KV tokens per inner step
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    if FP32:  # exact fp32 products (no tf32); see _fp32_dot
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _prefill_kernel(
+    # pointers
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    # sizes
+    G, D, block_size, qk_scale,
+    # strides: q / out (token, head); cache (block, k|v, offset, head); block table (request)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch, stride_bt,
+    # meta
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    query_len = tl.load(query_start_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len  # tokens before this step's queries
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < query_len * G
+    query_idx = rows // G
+    heads = kv_head * G + rows % G
+    query_pos = context_len + query_idx  # (BLOCK_M,); rows past the end are masked on store
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_md = mask_m[:, None] & (offs_d < D)[None, :]
+    tokens = (q_start + query_idx).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_md, other=0.0).to(cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # causal: no row of this tile sees past its last query's position; an empty tile loops 0 times
+    last_query = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, query_len - 1)
+    end = tl.where(tile * BLOCK_M < query_len * G, context_len + last_query + 1, 0)
+    kv_base = cache_ptr + kv_head * stride_ch
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        blocks = tl.load(block_tables_ptr + req * stride_bt + offs_n // block_size, mask=mask_n, other=0)
+        kv_rows = blocks.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_co
+        kv_ptr = kv_base + kv_rows[:, None] + offs_d[None, :]
+        mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
+        k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
+        s = _dot(q, tl.trans(k), FP32_DOT)
+        # key 0 is visible to every row, so the first step leaves each row's max finite
+        visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_md)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """paged_attention_ref for any query lengths (prefill, chunked prefill, speculative verify).
+
+    `max_query_len` sizes the grid; without it the launcher reads query_start_loc (a device sync).
+    """
+    # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    num_requests = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert q.dim() == 3 and q.stride(2) == 1, f"q must be (T, H_q, D) with contiguous D, got {list(q.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, (
+        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, {head_dim})"
+    )
+    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
+    assert num_heads % num_kv_heads == 0, f"H_q {num_heads} is not a multiple of H_kv {num_kv_heads}"
+    assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
+    assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_requests == 0 or q.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    cs = kv_cache.stride()
+    grid = lambda meta: (num_requests, num_kv_heads, triton.cdiv(max_query_len * group, meta["BLOCK_M"]))
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        group, head_dim, block_size, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
+        FP32_DOT=_fp32_dot(kv_cache),
+        BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
+    )
+    return out
+
+
+def paged_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+    """The specification: paged_attention_ref."""
+    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _fp32_dot(kv_cache: torch.Tensor) -> bool:
+    # fp32 caches keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
+    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+    return kv_cache.dtype == torch.float32 or (kv_cache.dtype == torch.bfloat16 and not kv_cache.is_cuda)

@@ -1,0 +1,182 @@
+"""Rotary position embedding (rotate-half / NeoX form, as in HF Llama), and rope fused with the
+KV-cache store: Triton kernel and torch references.
+
+`cos_sin`: (max_positions, D) fp32, [cos(p * inv_freq) | sin(p * inv_freq)] per position p, built
+once at load time from the model's rope parameters (see optc.rope). Math is fp32, cast on store.
+
+One kernel serves three launchers: `rope_kv_store` (rotate q and k, write rotated k and v into the
+paged cache through the slot mapping; one program per token), `rope` (rotate one tensor) and
+`kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
+cache dtype, exactly as the reference's two steps do.
+
+Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
+the session that wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from optc.kernels.attention import kv_store_ref
+
+
+@triton.jit
+def _rotate(x_ptr, offs_h, offs_d, mask, cos, sin, stride_h, HALF, ROTATE: tl.constexpr):
+    # x: (BLOCK_H, BLOCK_HALF) first and second halves of each head -> rotated halves, fp32
+    ptr = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return x1, x2
+
+
+@triton.jit
+def _rope_kv_store_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, q_out_ptr, positions_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+    # sizes
+    H_Q, H_KV, HALF, block_size,
+    # strides: q, k, v, q_out (token, head); cos_sin (position); cache (block, k|v, offset, head)
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_cs, stride_cb, stride_ckv, stride_co, stride_ch,
+    # meta
+    HAS_Q: tl.constexpr, HAS_KV: tl.constexpr, ROTATE_K: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=mask_d, other=0.0)[None, :].to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
+    sin = sin.to(tl.float32)
+    if HAS_Q:
+        offs_h = tl.arange(0, BLOCK_HQ)
+        mask = (offs_h < H_Q)[:, None] & mask_d[None, :]
+        y1, y2 = _rotate(q_ptr + tok * stride_qt, offs_h, offs_d, mask, cos, sin, stride_qh, HALF, True)
+        out = q_out_ptr + tok * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, y1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, y2.to(q_out_ptr.dtype.element_ty), mask=mask)
+    if HAS_KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_HKV)
+        # slot -1: a padding token, no head is stored
+        num_stored = tl.where(slot >= 0, H_KV, 0)
+        mask = (offs_h < num_stored)[:, None] & mask_d[None, :]
+        dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+        dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
+        k1, k2 = _rotate(k_ptr + tok * stride_kt, offs_h, offs_d, mask, cos, sin, stride_kh, HALF, ROTATE_K)
+        # round to k's dtype first (the reference rotates, then stores)
+        k1, k2 = k1.to(k_ptr.dtype.element_ty), k2.to(k_ptr.dtype.element_ty)
+        tl.store(dst, k1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, k2.to(cache_ptr.dtype.element_ty), mask=mask)
+        v1, v2 = _rotate(v_ptr + tok * stride_vt, offs_h, offs_d, mask, cos, sin, stride_vh, HALF, False)
+        tl.store(dst + stride_ckv, v1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_ckv + HALF, v2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_kv_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`; returns rotated q."""
+    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache: (num_blocks, 2, block_size, H_kv, D)
+    _check(q, positions, cos_sin)
+    _check_kv(k, v, kv_cache, slot_mapping, q.shape[0], q.shape[2])
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _launch(q, k, v, q_out, positions, cos_sin, kv_cache, slot_mapping, rotate_k=True)
+    return q_out
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """rope_ref: x: (T, H, D) rotated by the angles of `positions`."""
+    _check(x, positions, cos_sin)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, None, None, out, positions, cos_sin, None, None, rotate_k=False)
+    return out
+
+
+def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
+    _check_kv(k, v, kv_cache, slot_mapping, k.shape[0], k.shape[2])
+    _launch(None, k, v, None, slot_mapping, None, kv_cache, slot_mapping, rotate_k=False)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    # x: (T, H, D), positions: (T,), cos_sin: (P, D)
+    half = x.shape[-1] // 2
+    cs = cos_sin[positions].unsqueeze(1)  # (T, 1, D)
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_kv_store_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotates q and k, stores rotated k and v into `kv_cache` through `slot_mapping`; returns q."""
+    # q: (T, H_q, D), k, v: (T, H_kv, D)
+    kv_store_ref(rope_ref(k, positions, cos_sin), v, kv_cache, slot_mapping)
+    return rope_ref(q, positions, cos_sin)
+
+
+def _check(x, positions, cos_sin):
+    assert x.dim() == 3, f"expected (T, H, D), got {list(x.shape)}"
+    assert x.shape[2] % 2 == 0, f"head dim {x.shape[2]} must be even"
+    assert x.stride(2) == 1, "head dim must be contiguous"
+    assert positions.shape == (x.shape[0],), f"positions {list(positions.shape)} != ({x.shape[0]},)"
+    assert cos_sin.dim() == 2 and cos_sin.shape[1] == x.shape[2], (
+        f"cos_sin {list(cos_sin.shape)} must be (P, {x.shape[2]})"
+    )
+    assert cos_sin.stride(1) == 1, "cos_sin rows must be contiguous"
+
+
+def _check_kv(k, v, kv_cache, slot_mapping, num_tokens, head_dim):
+    assert k.shape == v.shape, f"k {list(k.shape)} != v {list(v.shape)}"
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k {list(k.shape)} mismatches q"
+    assert k.stride(2) == 1 and v.stride(2) == 1, "k/v head dim must be contiguous"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, (
+        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, D)"
+    )
+    assert kv_cache.shape[3:] == k.shape[1:], f"kv_cache {list(kv_cache.shape)} mismatches k"
+    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
+    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {list(slot_mapping.shape)}"
+
+
+def _launch(q, k, v, q_out, positions, cos_sin, kv_cache, slot_mapping, rotate_k):
+    x = q if q is not None else k
+    num_tokens, head_dim = x.shape[0], x.shape[2]
+    has_kv = kv_cache is not None
+    dummy = x  # never dereferenced: the kernel's HAS_Q / HAS_KV branches are compiled out
+    qs = q.stride()[:2] if q is not None else (0, 0)
+    os_ = q_out.stride()[:2] if q is not None else (0, 0)
+    ks, vs = (k.stride()[:2], v.stride()[:2]) if has_kv else ((0, 0), (0, 0))
+    cs = kv_cache.stride() if has_kv else (0,) * 5
+    h_q, h_kv = (q.shape[1] if q is not None else 0), (k.shape[1] if has_kv else 0)
+    grid = lambda meta: (num_tokens,)
+    _rope_kv_store_kernel[grid](
+        q if q is not None else dummy, k if has_kv else dummy, v if has_kv else dummy,
+        q_out if q is not None else dummy, positions,
+        cos_sin if cos_sin is not None else dummy, kv_cache if has_kv else dummy,
+        slot_mapping if has_kv else positions,
+        h_q, h_kv, head_dim // 2, kv_cache.shape[2] if has_kv else 1,
+        *qs, *ks, *vs, *os_,
+        cos_sin.stride(0) if cos_sin is not None else 0, cs[0], cs[1], cs[2], cs[3],
+        HAS_Q=q is not None, HAS_KV=has_kv, ROTATE_K=rotate_k,
+        BLOCK_HQ=triton.next_power_of_2(max(h_q, 1)), BLOCK_HKV=triton.next_power_of_2(max(h_kv, 1)),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=4,
+    )

@@ -1,0 +1,199 @@
+"""`optc bench`: offline serving throughput and latency of an artifact. The library function the
+CLI calls; the CLI only parses options into `BenchOptions` and prints the result.
+
+Every request arrives at once (an offline batch), runs greedy for exactly `output_len` tokens (EOS
+ignored) and is served by the engine's scheduler. Reported: output and total tokens/s, TTFT and
+TPOT percentiles, peak memory (RSS on CPU, `torch.cuda.max_memory_allocated` on CUDA) and KV-pool
+usage. With `hf_model_dir` the same token ids also run through transformers `generate` (static
+cache; `torch.compile` on CUDA) in batches of `max_num_seqs`, and the throughput ratio is reported.
+This measures; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from optc.runtime import Engine, SamplingParams
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    artifact: Path
+    num_requests: int = 64
+    input_len: int = 128  # synthetic prompts only
+    output_len: int = 128
+    dataset: Path | None = None  # a text file: one prompt per non-empty line (cycled)
+    max_num_seqs: int | None = None  # None = the artifact's max_batch_size
+    device: str = "cpu"  # cpu | cuda
+    eager: bool = False  # no CUDA graphs
+    hf_model_dir: Path | None = None  # the source checkpoint, to compare with transformers
+    seed: int = 0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        for name in ("num_requests", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def run_bench(options: BenchOptions) -> dict[str, Any]:
+    overrides: dict[str, Any] = {"enforce_eager": options.eager}
+    if options.max_num_seqs is not None:
+        overrides["max_num_seqs"] = options.max_num_seqs
+    engine = Engine.load(options.artifact, device=options.device, **overrides)
+    prompts = _prompts(options, engine)
+    longest = max(len(p) for p in prompts) + options.output_len
+    if longest > engine.max_model_len:
+        raise ValueError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
+    params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
+    engine.generate([[1] * 4], SamplingParams(max_tokens=2))  # warm-up; 4 tokens fill no block to cache
+    is_cuda = engine.device.type == "cuda"
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats(engine.device)
+
+    requests = [engine.add_request(p, params) for p in prompts]
+    start = time.perf_counter()
+    peak_blocks = 0
+    total = sum(r.params.max_tokens for r in requests)
+    with tqdm(total=total, unit="tok", desc="optc bench", disable=not options.show_progress) as bar:
+        while engine.has_unfinished():
+            bar.update(len(engine.step()))
+            peak_blocks = max(peak_blocks, engine.kv_manager.num_used_blocks)
+    elapsed = time.perf_counter() - start
+
+    num_prompt = sum(r.num_prompt_tokens for r in requests)
+    num_output = sum(r.num_output_tokens for r in requests)
+    ttft = [(r.first_token_time - r.arrival_time) * 1e3 for r in requests]
+    tpot = [
+        (r.finish_time - r.first_token_time) * 1e3 / (r.num_output_tokens - 1)
+        for r in requests if r.num_output_tokens > 1
+    ]
+    stats = engine.stats()
+    result: dict[str, Any] = {
+        "artifact": str(options.artifact),
+        "device": str(engine.device),
+        "num_requests": len(requests),
+        "mean_input_len": num_prompt / len(requests),
+        "output_len": options.output_len,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "eager": options.eager,
+        "elapsed_s": elapsed,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
+        "ttft_ms": _percentiles(ttft),
+        "tpot_ms": _percentiles(tpot),
+        "peak_memory_bytes": _peak_memory(engine.device),
+        "kv_cache": {
+            "num_blocks": stats.num_kv_blocks,
+            "block_size": engine.config.block_size,
+            "peak_blocks_used": peak_blocks,
+            "peak_usage": peak_blocks / stats.num_kv_blocks,
+            "num_preemptions": stats.num_preemptions,
+            "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        },
+        "num_steps": stats.num_steps,
+        "hf": None,
+    }
+    if options.hf_model_dir is not None:
+        hf = _run_hf(options, prompts, engine)
+        hf["optc_over_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["hf"] = hf
+    return result
+
+
+def format_bench(result: dict[str, Any]) -> str:
+    """A few human-readable lines of a `run_bench` result."""
+    kv, ttft, tpot = result["kv_cache"], result["ttft_ms"], result["tpot_ms"]
+    lines = [
+        f"{result['num_requests']} requests, {result['mean_input_len']:.0f} in / {result['output_len']} out "
+        f"tokens, max_num_seqs {result['max_num_seqs']}, {result['device']}, {result['elapsed_s']:.2f} s",
+        f"throughput  output {result['output_tokens_per_s']:.1f} tok/s   "
+        f"total {result['total_tokens_per_s']:.1f} tok/s",
+        f"TTFT ms     p50 {ttft['p50']:.1f}   p90 {ttft['p90']:.1f}   p99 {ttft['p99']:.1f}",
+        f"TPOT ms     p50 {tpot['p50']:.2f}   p90 {tpot['p90']:.2f}   p99 {tpot['p99']:.2f}",
+        f"memory      peak {result['peak_memory_bytes'] / 2**20:.0f} MiB   KV peak {kv['peak_usage']:.0%} of "
+        f"{kv['num_blocks']} blocks, {kv['num_preemptions']} preemptions",
+    ]
+    if result["hf"]:
+        hf = result["hf"]
+        lines.append(
+            f"transformers output {hf['output_tokens_per_s']:.1f} tok/s   optc / hf = {hf['optc_over_hf']:.2f}x"
+        )
+    return "\n".join(lines)
+
+
+def _prompts(options: BenchOptions, engine: Engine) -> list[list[int]]:
+    if options.dataset is None:
+        g = torch.Generator().manual_seed(options.seed)
+        ids = torch.randint(0, engine.model.vocab_size, (options.num_requests, options.input_len), generator=g)
+        return ids.tolist()
+    lines = [line for line in Path(options.dataset).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"dataset {options.dataset} has no non-empty lines")
+    return [list(engine.tokenizer(lines[i % len(lines)])["input_ids"]) for i in range(options.num_requests)]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"p{q}": float("nan") for q in PERCENTILES} | {"mean": float("nan")}
+    ordered = sorted(values)
+    out = {}
+    for q in PERCENTILES:  # linear interpolation between closest ranks
+        x = (len(ordered) - 1) * q / 100
+        lo = int(x)
+        hi = min(lo + 1, len(ordered) - 1)
+        out[f"p{q}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
+    out["mean"] = sum(ordered) / len(ordered)
+    return out
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _run_hf(options: BenchOptions, prompts: list[list[int]], engine: Engine) -> dict[str, Any]:
+    """The same token ids through transformers `generate`, batches of max_num_seqs, left-padded."""
+    from transformers import AutoModelForCausalLM
+
+    device = engine.device
+    model = AutoModelForCausalLM.from_pretrained(options.hf_model_dir, dtype=engine.model.dtype).to(device).eval()
+    if device.type == "cuda":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    batch_size = engine.config.max_num_seqs
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+
+    def run(batch: list[list[int]], num_new: int) -> int:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=num_new, min_new_tokens=num_new,
+                do_sample=False, cache_implementation="static", pad_token_id=0,
+            )
+        return (out.shape[1] - width) * len(batch)
+
+    run(batches[0], 2)  # warm-up (and compilation on CUDA)
+    start = time.perf_counter()
+    num_output = 0
+    for batch in tqdm(batches, desc="transformers", disable=not options.show_progress):
+        num_output += run(batch, options.output_len)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "num_output_tokens": num_output, "output_tokens_per_s": num_output / elapsed}

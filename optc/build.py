@@ -1,0 +1,129 @@
+"""`optc build`: recipe -> source -> passes -> artifact. The library function the CLI calls."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import optc
+from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, write
+from optc.frontend import load_source
+from optc.ops import verify
+from optc.passmanager import PassContext, PassManager
+from optc.recipe import Recipe, RecipeError, load_recipe
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    recipe: Path | None = None
+    out: Path | None = None
+    model: str | None = None
+    overrides: tuple[str, ...] = ()
+    force: bool = False
+    verify_each: bool = False
+    dump_ir: Path | None = None
+    quiet: bool = False
+
+
+def build(options: BuildOptions) -> Path:
+    recipe = load_recipe(options.recipe, list(options.overrides), options.model)
+    if recipe.model is None:
+        raise RecipeError("no model to build: set `model:` in the recipe or pass --model")
+    stem = Path(options.recipe).stem if options.recipe else "artifact"
+    out = Path(options.out) if options.out else Path("build") / stem
+    if out.exists() and not options.force:  # refuse before any heavy work
+        raise ArtifactError(f"output folder {out} already exists; pass --force to replace it")
+    say = (lambda m: None) if options.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    say(f"loading {recipe.model}")
+    source = load_source(recipe.model)
+    passes = [(p.name, p.options) for p in recipe.passes]
+    if "cast" not in {n for n, _ in passes}:
+        passes.insert(0, ("cast", {"dtype": None}))  # the recipe's dtype always applies
+    with tempfile.TemporaryDirectory(prefix="optc-tok-") as tok_dir:
+        ctx = PassContext(
+            target=recipe.target.value,
+            dtype=recipe.dtype,
+            generator=torch.Generator().manual_seed(recipe.calibration.seed),
+            progress=say,
+            show_progress_bars=not options.quiet,
+        )
+        ctx.calibration_tokens = _calibration(recipe, source, Path(tok_dir), ctx)
+        manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
+        graph, store, records, sections = manager.run(source.graph, source.store, ctx)
+    verify(graph, store)
+    manifest = {
+        "optc_version": optc.__version__,
+        "source": source.record,
+        "recipe": recipe.to_json(),
+        "recipe_sha256": recipe.sha256(),
+        "passes": [{"name": r.name, "options": r.options, "changed": r.changed, "stats": r.stats} for r in records],
+        "model": graph.config.to_json(),
+        "quantization": sections.get("quantization") or source.quantization,
+        "kv_layout": sections.get("kv_layout") or {"block_size": 16, "dtype": recipe.dtype},
+        "cuda_graphs": sections.get("cuda_graphs"),
+        "target": {
+            "device": recipe.target.value,
+            "min_compute_capability": list(MIN_CUDA_CAPABILITY) if recipe.target.value == "cuda" else None,
+        },
+        "toolchain": _toolchain(),
+        "runtime": recipe.to_json()["runtime"],
+        "quality": None,
+    }
+    if recipe.eval:
+        from optc.eval import evaluate_build
+
+        say("measuring quality (optc eval)")
+        manifest["quality"] = evaluate_build(graph, store, source)
+    report = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "total_seconds": round(time.perf_counter() - t0, 3),
+        "passes": [
+            {"name": r.name, "seconds": round(r.seconds, 4), "peak_rss_bytes": r.peak_rss_bytes} for r in records
+        ],
+    }
+    say(f"writing {out}")
+    return write(out, graph, store, manifest, report, source.save_tokenizer, force=options.force, progress=say)
+
+
+def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
+    """A memoized function producing the calibration token windows (only quantization passes call it)."""
+    cache: list[torch.Tensor] = []
+
+    def tokens() -> torch.Tensor:
+        if not cache:
+            from transformers import AutoTokenizer
+
+            from optc.calibration import calibration_batch
+
+            source.save_tokenizer(tok_dir)
+            tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+            c = recipe.calibration
+            ids, sha = calibration_batch(c.source, tokenizer, c.samples, c.seq_len, c.seed)
+            ctx.calibration_record.update(
+                source=c.source, sha256=sha, samples=c.samples, seq_len=c.seq_len, seed=c.seed
+            )
+            cache.append(ids)
+        return cache[0]
+
+    return tokens
+
+
+def _toolchain() -> dict:
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    return versions

@@ -1,0 +1,150 @@
+"""The `optc` command line: thin typer wrappers; each command parses options and calls one library
+function. User errors (bad recipe, bad source, bad artifact, bad prompt) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _user_errors():
+    from optc.artifact import ArtifactError
+    from optc.frontend import SourceError
+    from optc.passmanager import PassError
+    from optc.schema import RecipeError
+
+    return (RecipeError, SourceError, ArtifactError, PassError, ValueError, FileNotFoundError)
+
+
+def _fail(e: Exception) -> None:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def build(
+    recipe: Path = typer.Argument(..., help="Recipe YAML (see `optc schema`)."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Model source; overrides the recipe's `model:` "
+        "(HF folder, hub id, *.gguf, package:<pkg>/<file>, random:<preset>).",
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Artifact folder to write (default: build/<recipe name>)."),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="Override a recipe key: KEY=VALUE, dotted keys allowed "
+        "(e.g. --set dtype=float32 --set runtime.max_seq_len=2048). Repeatable.",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace an existing output folder (only once the new artifact is complete)."
+    ),
+    verify_each: bool = typer.Option(False, "--verify-each", help="Verify the IR and weights after every pass."),
+    dump_ir: Path | None = typer.Option(
+        None, "--dump-ir", help="Write the IR as text before and after every pass into this folder."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+) -> None:
+    """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
+    from optc.build import BuildOptions
+    from optc.build import build as run_build
+
+    try:
+        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet))
+    except _user_errors() as e:
+        _fail(e)
+    typer.echo(str(path))
+
+
+@app.command()
+def inspect(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
+    from optc.inspect import summarize
+
+    try:
+        summary = summarize(artifact)
+    except _user_errors() as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(summary, indent=1, sort_keys=True))
+    else:
+        from optc.inspect import render
+
+        typer.echo(render(summary))
+
+
+@app.command()
+def run(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    prompt: str = typer.Option(..., "--prompt", help="Prompt text."),
+    chat: bool = typer.Option(False, "--chat", help="Format the prompt with the model's chat template."),
+    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
+    ),
+) -> None:
+    """Generate text from one prompt."""
+    import time
+
+    from optc.runtime import Engine, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
+        )
+        engine = Engine.load(artifact, device=device, verify=not no_verify)
+        t0 = time.perf_counter()
+        (completion,) = engine.generate([prompt], params, chat=chat)
+        seconds = time.perf_counter() - t0
+    except _user_errors() as e:
+        _fail(e)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "prompt_tokens": len(completion.prompt_token_ids),
+                    "completion_tokens": len(completion.token_ids),
+                    "finish_reason": completion.finish_reason,
+                    "seconds": round(seconds, 4),
+                }
+            )
+        )
+    else:
+        typer.echo(completion.text)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of recipes."""
+    from optc.recipe import recipe_json_schema
+
+    typer.echo(json.dumps(recipe_json_schema(), indent=1))
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

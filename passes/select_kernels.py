@@ -1,0 +1,66 @@
+"""Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from optc.ir import Graph, Node
+from optc.kernels.registry import KERNELS, KernelQuery, select
+from optc.passmanager import PassContext, PassResult
+from optc.store import TensorStore
+
+REFERENCE = "torch"
+
+
+class SelectKernels:
+    """Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
+
+    name = "select_kernels"
+
+    @dataclass(frozen=True)
+    class Options:
+        disable: tuple[str, ...] = field(default=(), metadata={
+            "choices": tuple(KERNELS), "help": "Triton kernels not to use (ablations); their nodes get torch"})
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        pass
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]
+        stats = {"target": ctx.target, "kernels": dict(sorted(Counter(chosen).items()))}
+        if all(n.attrs.get("kernel") == k for n, k in zip(graph.nodes, chosen, strict=True)):
+            return PassResult(graph, store, changed=False, stats=stats)
+        graph = graph.copy()
+        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, "kernel": k}, n.params)
+                       for n, k in zip(graph.nodes, chosen, strict=True)]
+        return PassResult(graph, store, changed=True, stats=stats)
+
+    def ensures(self, graph: Graph) -> None:
+        for n in graph.nodes:
+            kernel = n.attrs.get("kernel", "")
+            if kernel != REFERENCE and (kernel not in KERNELS or KERNELS[kernel].op != n.op):
+                raise AssertionError(f"{n.name} ({n.op}) is bound to {kernel!r}")
+
+    def _choose(self, graph: Graph, node: Node, target: str) -> str:
+        if target != "cuda":
+            return REFERENCE
+        spec = select(_query(graph, node))
+        return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE
+
+
+def _query(graph: Graph, node: Node) -> KernelQuery:
+    """What the registry's predicates look at, read off the node, its params and the model config."""
+    c, a = graph.config, node.attrs
+    dtype = graph.tensors[graph.used_tensors()[0]].format.dtype  # activations: the embedding's dtype
+    weight = graph.tensors.get(node.params.get("weight", ""))
+    return KernelQuery(
+        op=node.op, dtype=dtype,
+        weight=weight.format if weight else None, weight_shape=tuple(weight.shape) if weight else (),
+        hidden_size=c.hidden_size,
+        num_heads=a.get("num_heads", 0), num_kv_heads=a.get("num_kv_heads", 0), head_dim=a.get("head_dim", 0),
+        kv_dtype=a.get("kv_dtype"), kv_block_size=a.get("kv_block_size"),
+    )

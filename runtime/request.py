@@ -1,0 +1,78 @@
+"""Request: one prompt being served, from arrival to finish.
+
+A request holds its tokens (prompt, then output) and how many of them have K/V in the cache
+(`num_computed_tokens`). The scheduler moves `num_computed_tokens` towards `num_tokens`; the engine
+appends sampled tokens. Blocks are not here: the KVCacheManager maps request ids to block ids.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from optc.runtime.sampler import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or stop string
+    LENGTH = "length"  # max_tokens, or the context / KV pool is full
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_num_tokens: int  # prompt + output never exceed this (context or KV pool size)
+    generator: torch.Generator | None = None  # None for greedy requests
+    arrival_time: float = 0.0
+    is_streaming: bool = False  # detokenize every step
+    token_ids: list[int] = field(init=False)  # prompt, then output
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    text: str = ""  # detokenized output, cut before a stop string
+    num_emitted_chars: int = 0  # streaming: text already handed out
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,93 @@
+"""Sampling: SamplingParams, the sampler (a pure function of logits, params and generators) and
+the stop conditions.
+
+`sample` turns one row of float32 logits per request into one token id per request. Every step is
+row-wise and each sampled request draws from its own `torch.Generator`, so a seeded request gets the
+same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax and use no
+randomness. This module does not detokenize; `find_stop_string` works on text the caller decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = all tokens
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    seed: int | None = None  # None = drawn from the engine's generator
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()  # stop strings, checked on the detokenized output
+    ignore_eos: bool = False  # keep generating after EOS (benchmarks)
+
+    def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row. logits: (B, V) float32; returns (B,) int64 on the logits' device."""
+    token_ids = logits.argmax(dim=-1)
+    rows = [b for b, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return token_ids
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    temperature = torch.tensor([params[b].temperature for b in rows], device=device)
+    top_k = torch.tensor([params[b].top_k for b in rows], device=device)
+    top_p = torch.tensor([params[b].top_p for b in rows], device=device)
+    scaled = logits.index_select(0, index) / temperature[:, None]
+    probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+    for j, b in enumerate(rows):
+        token_ids[b] = torch.multinomial(probs[j], 1, generator=generators[b])[0]
+    return token_ids
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set the logits outside each row's top-k / top-p set to -inf.
+
+    logits: (B, V); top_k: (B,) int, 0 = off; top_p: (B,) float, 1 = off. Top-k first, then top-p
+    on the renormalized survivors: a token is dropped when the probability mass strictly before it
+    (in descending order) already reaches top_p, so the most likely token always survives.
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab_size, device=logits.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    drop = ranks[None, :] >= k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop = torch.zeros_like(drop).scatter(-1, order, drop)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def find_stop_string(text: str, stop: Sequence[str]) -> int | None:
+    """Index in `text` of the earliest stop string, or None; the output text is cut there."""
+    best = None
+    for s in stop:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

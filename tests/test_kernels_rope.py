@@ -1,0 +1,88 @@
+"""Triton rope / rope_kv_store / kv_store against their references (interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from optc.kernels.attention import kv_store_ref
+from optc.kernels.rope import kv_store, rope, rope_kv_store, rope_kv_store_ref, rope_ref
+
+
+def assert_close(actual, expected, atol, rtol=0.0):
+    diff = (actual.float() - expected.float()).abs()
+    ok = torch.allclose(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    assert ok, f"max diff {diff.max().item():.3g}, mean diff {diff.mean().item():.3g}"
+
+
+def _cos_sin(num_positions, head_dim):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    f = torch.outer(torch.arange(num_positions).float(), inv)
+    return torch.cat((f.cos(), f.sin()), dim=-1)
+
+
+# bf16: the interpreter's fp32 -> bf16 cast truncates (one ulp = 2**-7 relative)
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_kernel_matches_ref(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 3, 32, generator=g).to(dtype)
+    pos = torch.randint(0, 50, (11,), generator=g)
+    assert_close(rope(x, pos, _cos_sin(50, 32)), rope_ref(x, pos, _cos_sin(50, 32)), *TOL[dtype])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float16, torch.float32)])
+def test_rope_kv_store_kernel_matches_ref(num_heads, num_kv_heads, block_size, dtype, cache_dtype):
+    g = torch.Generator().manual_seed(1)
+    num_tokens, head_dim = 13, 16
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    pos = torch.randint(0, 40, (num_tokens,), generator=g)
+    slots = torch.randperm(4 * block_size, generator=g)[:num_tokens] + block_size  # block 0 untouched
+    slots[3] = -1  # a padding token: nothing stored
+    cos_sin = _cos_sin(40, head_dim)
+    cache = torch.zeros(5, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype)
+    cache_ref = cache.clone()
+    q_out = rope_kv_store(q, k, v, pos, cos_sin, cache, slots)
+    q_ref = rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots)
+    assert_close(q_out, q_ref, *TOL[dtype])
+    assert_close(cache, cache_ref, *TOL[dtype])
+    assert torch.equal(cache == 0, cache_ref == 0)  # exactly the same slots written
+
+
+def test_rope_kv_store_kernel_reads_strided_qkv_views():
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(7, (4 + 2 + 2) * 16, generator=g)  # a fused QKV output, split into views
+    q, k, v = (t.view(7, -1, 16) for t in qkv.split([64, 32, 32], dim=-1))
+    pos, slots, cos_sin = torch.arange(7), torch.arange(16, 23), _cos_sin(8, 16)
+    cache, cache_ref = torch.zeros(3, 2, 16, 2, 16), torch.zeros(3, 2, 16, 2, 16)
+    out = rope_kv_store(q, k, v, pos, cos_sin, cache, slots)
+    ref = rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots)
+    assert_close(out, ref, 1e-5)
+    assert_close(cache, cache_ref, 1e-5)
+
+
+def test_kv_store_kernel_matches_ref():
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(9, 3, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([32, 33, 34, -1, 64, 65, 40, 41, -1])
+    cache, cache_ref = torch.zeros(4, 2, 32, 3, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, 3, 32,
+                                                                                      dtype=torch.bfloat16)
+    kv_store(k, v, cache, slots)
+    kv_store_ref(k, v, cache_ref, slots)
+    assert torch.equal(cache, cache_ref)  # a copy: bit-exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_kv_store_kernel_on_cuda_llama_heads():
+    q = torch.randn(20, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 20, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pos, slots, cos_sin = torch.arange(20, device="cuda"), torch.arange(16, 36, device="cuda"), _cos_sin(20, 128).cuda()
+    cache, cache_ref = (torch.zeros(4, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots), 2e-2, 2e-2)
+    assert_close(cache, cache_ref, 2e-2, 2e-2)

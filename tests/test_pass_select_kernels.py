@@ -1,0 +1,84 @@
+"""select_kernels: bindings on a hand-built graph for cuda and cpu, fallbacks, idempotence, and
+logits of random:tiny with Triton kernels bound (interpreter on the CPU) against the references."""
+
+import torch
+
+from optc.execute import Executor, bind_params, run_dense
+from optc.formats import Format, FormatKind
+from optc.frontend import load_source
+from optc.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.kernels.registry import impls
+from optc.passmanager import PassContext, make_pass
+
+
+def _graph(head_dim: int = 16) -> Graph:
+    config = ModelConfig("LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=head_dim, vocab_size=256, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+    heads = {"num_heads": 4, "num_kv_heads": 2, "head_dim": head_dim}
+    int4 = Format(FormatKind.INT4_G, dtype="bfloat16", bits=4, group_size=32, packing="k8_lsb")
+    nodes = [
+        Node("embed", "embedding", ["input_ids"], ["h0"], {}, {"weight": "embed.weight"}),
+        Node("norm", "rms_norm", ["h0"], ["x"], {"eps": 1e-5}, {"weight": "norm.weight"}),
+        Node("qkv", "linear", ["x"], ["q", "k", "v"], {"in_features": 64, "out_features": 128, "split": [64, 32, 32]},
+             {"weight": "qkv.weight"}),
+        Node("rope", "rope", ["q", "k", "positions"], ["q_rot", "k_rot"], dict(heads)),
+        Node("attention", "attention", ["q_rot", "k_rot", "v"], ["attn"],
+             {"layer": 0, **heads, "scale": 0.25, "kv_block_size": 16, "kv_dtype": "bfloat16"}),
+        Node("o", "linear", ["attn"], ["o"], {"in_features": 64, "out_features": 64}, {"weight": "o.weight"}),
+        Node("lm_head", "lm_head", ["o"], ["logits"], {}, {"weight": "head.weight"}),
+    ]
+    dense = Format(dtype="bfloat16")
+    tensors = {"embed.weight": TensorInfo((256, 64), dense), "norm.weight": TensorInfo((64,), dense),
+               "qkv.weight": TensorInfo((128, 64), int4), "o.weight": TensorInfo((64, 64), dense),
+               "head.weight": TensorInfo((256, 64), dense)}
+    return Graph(config, nodes, tensors)
+
+
+def _kernels(graph: Graph) -> dict[str, str]:
+    return {n.name: n.attrs["kernel"] for n in graph.nodes}
+
+
+def test_select_kernels_binds_triton_on_cuda_and_torch_elsewhere():
+    graph = _graph()
+    cuda = make_pass("select_kernels").run(graph, None, PassContext(target="cuda"))
+    assert cuda.changed
+    assert _kernels(cuda.graph) == {"embed": "torch", "norm": "triton.rms_norm", "qkv": "triton.w4a16",
+                                    "rope": "triton.rope", "attention": "triton.paged_attention",
+                                    "o": "torch", "lm_head": "torch"}  # dense linears stay on cuBLAS
+    assert cuda.stats["kernels"]["torch"] == 3
+    cpu = make_pass("select_kernels").run(graph, None, PassContext(target="cpu"))
+    assert set(_kernels(cpu.graph).values()) == {"torch"}
+    assert "kernel" not in graph.nodes[0].attrs  # the input graph is untouched
+
+
+def test_select_kernels_falls_back_on_unsupported_shapes_and_disabled_kernels():
+    odd = make_pass("select_kernels").run(_graph(head_dim=24), None, PassContext(target="cuda"))
+    assert _kernels(odd.graph)["attention"] == "torch" and _kernels(odd.graph)["rope"] == "triton.rope"
+    off = make_pass("select_kernels", {"disable": ("triton.w4a16",)}).run(_graph(), None, PassContext(target="cuda"))
+    assert _kernels(off.graph)["qkv"] == "torch" and _kernels(off.graph)["norm"] == "triton.rms_norm"
+
+
+def test_select_kernels_is_idempotent():
+    p = make_pass("select_kernels")
+    once = p.run(_graph(), None, PassContext(target="cuda"))
+    twice = p.run(once.graph, None, PassContext(target="cuda"))
+    assert not twice.changed and twice.graph.to_json() == once.graph.to_json()
+
+
+def test_select_kernels_triton_logits_match_reference_on_random_tiny():
+    # fp32 model: kernels and references differ only by summation order
+    src = load_source("random:tiny")
+    graph, store = src.graph, src.store
+    for name, options in [("fuse_qkv", {}), ("fuse_gate_up", {}), ("fuse_add_rmsnorm", {}), ("fuse_rope_kv", {})]:
+        r = make_pass(name, options).run(graph, store, PassContext())
+        graph, store = r.graph, r.store
+    bound = make_pass("select_kernels").run(graph, store, PassContext(target="cuda")).graph
+    names = {n.attrs["kernel"] for n in bound.nodes} - {"torch"}
+    assert names == {"triton.rms_norm", "triton.add_rms_norm", "triton.rope_kv_store", "triton.paged_attention",
+                     "triton.silu_mul"}
+    ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(3))
+    ref = run_dense(Executor(graph, bind_params(graph, store)), ids)
+    out = run_dense(Executor(bound, bind_params(bound, store), impls(names)), ids)
+    diff = (out - ref).abs()
+    assert diff.max() < 1e-4, f"max diff {diff.max():.3g}, mean diff {diff.mean():.3g}"
