@@ -1,0 +1,155 @@
+"""The CLI end to end on random:tiny, and every bad input of the core issue: a one-line actionable
+error, exit code 2, and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from optc.cli import app
+
+runner = CliRunner()
+
+
+def optc(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    text = result.output.lower()
+    for n in needles:
+        assert n.lower() in text, f"{n!r} not in {result.output!r}"
+    assert not any("Traceback" in line for line in lines), result.output
+
+
+def test_build_inspect_run_schema(tmp_path, recipes):
+    out = tmp_path / "tiny"
+    r = optc("build", recipes / "tiny.yaml", "--out", out, "--quiet", "--verify-each", "--dump-ir", tmp_path / "ir")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == [
+        "00-input.txt", "01-cast.txt", "02-fuse_qkv.txt", "03-fuse_gate_up.txt"]
+    r = optc("inspect", out, "--json")
+    summary = json.loads(r.output)
+    assert [p["name"] for p in summary["passes"]] == ["cast", "fuse_qkv", "fuse_gate_up"]
+    assert summary["ops"]["linear"] == 8 and set(summary["kernels"].values()) == {"torch"}
+    assert "fuse_qkv" in optc("inspect", out).output
+    r = optc("run", out, "--prompt", "hello", "--max-tokens", "5", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert set(res) >= {"text", "token_ids", "prompt_tokens", "completion_tokens", "seconds"}
+    assert res["completion_tokens"] == len(res["token_ids"]) == 5 and res["prompt_tokens"] == 5
+    schema = json.loads(optc("schema").output)
+    assert "passes" in schema["properties"]
+    assert schema["properties"]["dtype"]["enum"] == ["float32", "float16", "bfloat16"]
+
+
+def test_help_explains_every_option():
+    for cmd in ("build", "inspect", "run", "schema"):
+        r = optc(cmd, "--help")
+        assert r.exit_code == 0
+    text = optc("build", "--help").output
+    for opt in ("--model", "--out", "--set", "--force", "--verify-each", "--dump-ir"):
+        assert opt in text
+
+
+def _no_leftovers(parent: Path) -> None:
+    assert not [p.name for p in parent.iterdir() if p.name.startswith(".")], "a temporary folder was left behind"
+
+
+def test_missing_model_path(tmp_path, recipes):
+    r = optc("build", recipes / "tiny.yaml", "--model", tmp_path / "nope", "--out", tmp_path / "o")
+    assert_user_error(r, "not found", "nope")
+    assert not (tmp_path / "o").exists()
+    _no_leftovers(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path, recipes):
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    save_file({"x": torch.zeros(1)}, str(src / "model.safetensors"))
+    r = optc("build", recipes / "tiny.yaml", "--model", src, "--out", tmp_path / "o")
+    assert_user_error(r, "GPT2LMHeadModel", "LlamaForCausalLM", "supported")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("model: random:tiny\npasses: [fuse_qkv\n", ("malformed yaml", "bad.yaml:")),
+        ("model: random:tiny\npasses:\n  - fuse_everything\n", ("bad.yaml:3", "unknown pass", "fuse_qkv")),
+        ("model: random:tiny\ndtype: float32\nbogus: 1\n", ("bad.yaml:3", "unknown key 'bogus'", "allowed keys")),
+        ("model: random:tiny\nruntime:\n  max_batch_size: many\n", ("bad.yaml:3", "runtime.max_batch_size", "integer")),
+        ("model: random:tiny\ndtype: float64\n", ("bad.yaml:2", "float64", "bfloat16")),
+        ("model: random:tiny\nruntime: {gpu_memory_utilization: 1.5}\n", ("gpu_memory_utilization", "maximum 1.0")),
+        ("model: random:tiny\npasses:\n  - cast: {dtype: int3}\n", ("bad.yaml:3", "passes[0].cast.dtype", "int3")),
+    ],
+    ids=["malformed", "unknown-pass", "unknown-key", "wrong-type", "bad-choice", "out-of-range", "bad-pass-option"],
+)
+def test_bad_recipe(tmp_path, text, needles):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+    r = optc("build", recipe, "--out", tmp_path / "o")
+    assert_user_error(r, *needles)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_set_override_and_unknown_option(tmp_path, recipes):
+    r = optc("build", recipes / "tiny.yaml", "--out", tmp_path / "o", "--set", "runtime.max_seq_len=long")
+    assert_user_error(r, "--set runtime.max_seq_len=long", "integer")
+    r = optc("build", recipes / "tiny.yaml", "--out", tmp_path / "o", "--frobnicate")
+    assert r.exit_code == 2 and "frobnicate" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_refused_unless_force(tmp_path, tiny_artifact, recipes):
+    out = tmp_path / "a"
+    shutil.copytree(tiny_artifact, out)
+    before = (out / "manifest.json").read_bytes()
+    r = optc("build", recipes / "tiny.yaml", "--out", out, "--quiet")
+    assert_user_error(r, "already exists", "--force")
+    assert (out / "manifest.json").read_bytes() == before
+    r = optc("build", recipes / "tiny.yaml", "--out", out, "--quiet", "--force", "--set", "passes=[]")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["passes"][0]["name"] == "cast"
+    assert len(json.loads((out / "manifest.json").read_text())["passes"]) == 1
+    _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter"])
+def test_damaged_weights_are_named(tmp_path, tiny_artifact, damage):
+    out = tmp_path / "a"
+    shutil.copytree(tiny_artifact, out)
+    (weights,) = out.glob("weights-*.safetensors")
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        data = data[:-100]
+    else:
+        data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    r = optc("run", out, "--prompt", "hi", "--max-tokens", "2")
+    assert_user_error(r, weights.name, "rebuild")
+
+
+def test_prompt_longer_than_context(tiny_artifact):
+    r = optc("run", tiny_artifact, "--prompt", "x" * 600, "--max-tokens", "2")
+    assert_user_error(r, "600")
+
+
+def test_cuda_artifact_on_cpu_names_the_fix(tmp_path, recipes, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "cuda"
+    r = optc("build", recipes / "tiny.yaml", "--out", out, "--quiet", "--set", "target=cuda")
+    assert r.exit_code == 0, r.output  # building for cuda needs no GPU
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = optc("run", out, "--prompt", "hi", "--max-tokens", "2")
+    assert_user_error(r, "built for cuda", "no GPU", "target=cpu")
