@@ -82,8 +82,9 @@ def _rope_kv_store_ok(q: KernelQuery) -> bool:
 
 def _w4a16_ok(q: KernelQuery) -> bool:
     w = q.weight
-    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and len(q.weight_shape) == 2
-            and q.weight_shape[1] % w.group_size == 0 and q.weight_shape[1] % 8 == 0)
+    # act_order weights (imported GPTQ desc_act) carry a `perm` part the kernel does not apply
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+            and len(q.weight_shape) == 2 and q.weight_shape[1] % w.group_size == 0 and q.weight_shape[1] % 8 == 0)
 
 
 def _w8a16_ok(q: KernelQuery) -> bool:

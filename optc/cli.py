@@ -142,20 +142,33 @@ def run(
 def eval_(
     artifact: Path = typer.Argument(..., help="Artifact folder to evaluate."),
     reference: str | None = typer.Option(
-        None, "--reference", help="Reference model: an artifact folder or a model source (HF folder, *.gguf, "
-        "package:<pkg>/<file>, random:<preset>). Adds reference_ppl, kld and top1_agreement."),
-    data: str = typer.Option("builtin:pydoc-heldout", "--data", help="Held-out text: builtin:pydoc-heldout, a .txt "
-                             "file or a .jsonl file with a `text` field."),
-    max_tokens: int = typer.Option(8192, "--max-tokens", min=2, help="Tokens of the text to score (cut into "
-                                   "windows of 512 from token 0; a final partial window is dropped)."),
-    as_json: bool = typer.Option(False, "--json", help="Print ppl, reference_ppl, kld, top1_agreement, tokens as JSON."),
+        None,
+        "--reference",
+        help="Reference model: an artifact folder or a model source (HF folder, *.gguf, "
+        "package:<pkg>/<file>, random:<preset>). Adds reference_ppl, kld and top1_agreement.",
+    ),
+    data: str = typer.Option(
+        "builtin:pydoc-heldout",
+        "--data",
+        help="Held-out text: builtin:pydoc-heldout, a .txt file or a .jsonl file with a `text` field.",
+    ),
+    max_tokens: int = typer.Option(
+        8192,
+        "--max-tokens",
+        min=2,
+        help="Tokens of the text to score (cut into windows of 512 from token 0; a final partial window is dropped).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print ppl, reference_ppl, kld, top1_agreement, tokens as JSON."
+    ),
 ) -> None:
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.eval import evaluate
 
     try:
-        result = evaluate(artifact, reference, data, max_tokens,
-                          progress=lambda m: typer.echo(m, err=True) if not as_json else None)
+        result = evaluate(
+            artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None
+        )
     except _user_errors() as e:
         _fail(e)
     if as_json:

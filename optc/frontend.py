@@ -246,7 +246,7 @@ def _hf_source(path: Path, record: dict) -> Source:
         if gen_eos is not None:
             cfg = {**cfg, "eos_token_id": gen_eos}
     config = config_from_hf(cfg, str(cfg_path))
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         raise SourceError(f"{path} has no *.safetensors weights (pickled .bin checkpoints are not read)")
     if "quantization_config" in cfg:
@@ -264,6 +264,14 @@ def _hf_source(path: Path, record: dict) -> Source:
                 (out / f).write_bytes((path / f).read_bytes())
 
     return _finish(config, store, record, save_tokenizer, str(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names, else model*.safetensors, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
 
 
 def _hub_source(repo_id: str) -> Source:

@@ -153,3 +153,26 @@ def test_cuda_artifact_on_cpu_names_the_fix(tmp_path, recipes, monkeypatch):
         pytest.skip("this machine has a GPU")
     r = optc("run", out, "--prompt", "hi", "--max-tokens", "2")
     assert_user_error(r, "built for cuda", "no GPU", "target=cpu")
+
+
+@pytest.mark.parametrize(
+    ("calibration", "passes", "needles"),
+    [
+        ("{samples: 4, seq_len: 16}", "[{quantize_rtn: {bits: 4, group_size: 128}}]",
+         ("q_proj.weight", "input dimension 64", "group size 128", "[32, 64]")),
+        ("{samples: 4, seq_len: 16}", "[{quantize_rtn: {bits: 3}}]", ("bits", "int 3", "allowed: 4, 8")),
+        ("{source: /no/such/text.txt, samples: 4, seq_len: 16}", "[{quantize_gptq: {group_size: 32}}]",
+         ("/no/such/text.txt", "does not exist", "builtin:pydoc")),
+        ("{samples: 100000, seq_len: 512}", "[{quantize_awq: {group_size: 32}}]", ("tokens", "fewer than", "100000")),
+        ("{samples: 4, seq_len: 16}", "[{quantize_rtn: {group_size: 32}}, {quantize_gptq: {bits: 8}}]",
+         ("already quantized", "keep one quantization pass")),
+    ],
+    ids=["group-size", "bits", "missing-calibration", "too-little-text", "requantize"],
+)
+def test_bad_quantization_input(tmp_path, calibration, passes, needles):
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text(f"model: random:tiny\ndtype: float32\ncalibration: {calibration}\npasses: {passes}\n")
+    r = optc("build", recipe, "--out", tmp_path / "o", "--quiet")
+    assert_user_error(r, *needles)
+    assert not (tmp_path / "o").exists()
+    _no_leftovers(tmp_path)

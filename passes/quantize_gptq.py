@@ -1,0 +1,83 @@
+"""Quantize every dense linear weight with GPTQ, block by block on the calibration tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optc.ir import Graph
+from optc.ops import Param
+from optc.passes.quantize_rtn import BITS, GROUP, dense_linear_weights, refuse_requantizing
+from optc.passmanager import PassContext, PassResult
+from optc.quant.blocks import BlockRunner, apply, calibration_tokens, linear_groups, progress, split_blocks
+from optc.quant.gptq import Gptq
+from optc.quant.rtn import make_format
+from optc.store import TensorStore
+
+
+class QuantizeGptq:
+    """Quantize every dense linear weight with GPTQ, block by block on the calibration tokens."""
+
+    name = "quantize_gptq"
+
+    @dataclass(frozen=True)
+    class Options:
+        bits: int = field(default=4, metadata=BITS)
+        group_size: int = field(default=128, metadata=GROUP)
+        zero_point: bool = field(default=True, metadata={"help": "int4: asymmetric with a zero point per group"})
+        damp: float = field(default=0.01, metadata={"gt": 0.0, "max": 1.0, "help": "dampening, share of mean diag H"})
+        block_size: int = field(default=128, metadata={"choices": (128, 256, 512), "help": "lazy update width"})
+        act_order: bool = field(default=False, metadata={"help": "columns by decreasing diag H (static groups)"})
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+        o = self.options
+        make_format(o.bits, o.group_size, o.zero_point and o.bits == 4)
+
+    def requires(self, graph: Graph) -> None:
+        refuse_requantizing(graph, self.name, self.options)
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        o = self.options
+        targets = set(dense_linear_weights(graph))
+        if not targets:
+            return PassResult(graph, store, changed=False, stats={"quantized": 0})
+        tokens = calibration_tokens(ctx, self.name)
+        prefix, blocks = split_blocks(graph)
+        runner = BlockRunner(graph, store, tokens)
+        runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
+        quantized = {}
+        for block in progress(ctx, blocks, self.name):
+            params = runner.load(block.nodes)
+            # true sequential: each group's inputs come through the already-quantized groups before it
+            for group in linear_groups(block.nodes):
+                names = [n.params["weight"] for n in group if n.params["weight"] in targets]
+                if not names:
+                    continue
+                x = runner.run(block.nodes, params, until=group[0].inputs[0])[group[0].inputs[0]]
+                hessian = None
+                for name in names:
+                    gptq = Gptq(params[name].parts["weight"], name)
+                    if hessian is None:
+                        gptq.add_batch(x)
+                        hessian = (gptq.hessian, gptq.num_samples)
+                    gptq.hessian, gptq.num_samples = hessian  # same input, same H (run() copies it)
+                    fmt = make_format(o.bits, o.group_size, o.zero_point and o.bits == 4,
+                                      graph.tensors[name].format.dtype)
+                    parts = gptq.quantize(fmt, o.damp, o.block_size, o.act_order)
+                    quantized[name] = (fmt, parts)
+                    params[name] = Param(parts, fmt)
+            runner.advance(block.nodes, params, block.outputs)
+        missing = sorted(targets - set(quantized))
+        if missing:
+            raise ValueError(f"{self.name}: linears outside any decoder block: {missing[:3]}")
+        graph, store = apply(graph, store, quantized, {})
+        section = {"method": "gptq", "bits": o.bits, "group_size": o.group_size if o.bits == 4 else None,
+                   "zero_point": o.zero_point and o.bits == 4, "damp": o.damp, "act_order": o.act_order,
+                   "calibration": dict(ctx.calibration_record)}
+        return PassResult(graph, store, changed=True, stats={"quantized": len(quantized)},
+                          manifest={"quantization": section})
+
+    def ensures(self, graph: Graph) -> None:
+        left = dense_linear_weights(graph)
+        if left:
+            raise ValueError(f"{self.name}: linears left dense: {left[:3]}")

@@ -1,0 +1,103 @@
+"""AWQ on one group of linears: scale search, clip search, folding, and error below RTN."""
+
+import pytest
+import torch
+
+from optc.formats import dequantize, linear_ref
+from optc.quant.awq import (
+    awq_quantize,
+    fold_into_linear,
+    fold_into_norm,
+    input_mean,
+    scales_for,
+    search_clip,
+    search_scale,
+)
+from optc.quant.rtn import fake_quantize, make_format, quantize_weight
+
+FMT = make_format(4, 64, True, "float16")
+
+
+def _rms_norm(h, weight):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+def _block(seed=0, k=128, n=96, tokens=512):
+    """Residual input with outlier channels (one of them ~25,000, like SmolLM2), a norm, gate/up."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, k, generator=g)
+    h[:, 3] *= 25_000
+    h[:, [10, 77]] *= 40
+    gamma = 1 + 0.1 * torch.randn(k, generator=g)
+    gamma[3] = 1e-3  # the model learnt to tame the massive channel in the norm, as real models do
+    wg, wu = torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, k, generator=g) / k**0.5
+    return h, gamma, wg, wu
+
+
+def _mlp(x, wg, wu):
+    return torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)
+
+
+def test_awq_beats_rtn_with_outlier_channels_after_folding():
+    h, gamma, wg, wu = _block()
+    x = _rms_norm(h, gamma)
+    result = awq_quantize(x, [wg, wu], lambda ws: _mlp(x, *ws), FMT)
+    assert result.alpha > 0 and result.error < result.rtn_error
+    # the deployed computation: 1/s folded into the norm, the parts used by the reference linear
+    x_folded = _rms_norm(h, fold_into_norm(gamma.half(), result.scales).float())
+    y_awq = torch.nn.functional.silu(linear_ref(x_folded, result.parts[0], FMT)) * linear_ref(
+        x_folded, result.parts[1], FMT)
+    y_rtn = _mlp(x, fake_quantize(wg, FMT), fake_quantize(wu, FMT))
+    reference = _mlp(x, wg, wu)
+    err_awq = (y_awq - reference).pow(2).mean()
+    err_rtn = (y_rtn - reference).pow(2).mean()
+    assert err_awq < 0.7 * err_rtn
+
+
+def test_scale_search_at_alpha_zero_is_rtn():
+    h, gamma, wg, wu = _block()
+    x = _rms_norm(h, gamma)
+    found = search_scale(input_mean(x), [wg], lambda ws: x @ ws[0].T, FMT, n_grid=1)
+    assert found.alpha == 0 and torch.equal(found.scales, torch.ones(128))
+    rtn = (x @ fake_quantize(wg, FMT).T - x @ wg.T).pow(2).mean()
+    assert found.error == pytest.approx(float(rtn), rel=1e-6)
+
+
+def test_scales_are_normalized_and_finite():
+    x_mean = torch.tensor([0.0, 1.0, 4.0, 25_000.0, float("inf")])
+    s = scales_for(x_mean, 0.5)
+    assert torch.isfinite(s).all()
+    finite = scales_for(x_mean[:4], 0.5)
+    torch.testing.assert_close(finite.max() * finite.min(), torch.tensor(1.0))
+    torch.testing.assert_close(finite[2] / finite[1], torch.tensor(2.0))
+
+
+def test_clip_search_never_worse_than_no_clip():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1024, 128, generator=g)
+    w = torch.randn(40, 128, generator=g)
+    w[:, 5] *= 8  # a weight outlier per row: clipping it helps the rest of its group
+    clip = search_clip(x, w, FMT)
+    max_abs = w.reshape(40, 2, 64).abs().amax(-1)
+    assert clip.shape == (40, 2) and (clip <= max_abs).all() and (clip >= 0.5 * max_abs).all()
+    assert (clip < max_abs).any()
+    w_clip = dequantize(quantize_weight(w, FMT, clip=clip), FMT, torch.float32)
+    err_clip = (x @ w_clip.T - x @ w.T).pow(2).mean()
+    err_rtn = (x @ fake_quantize(w, FMT).T - x @ w.T).pow(2).mean()
+    assert err_clip < err_rtn
+    assert torch.equal(search_clip(x, w, FMT, rows_per_chunk=7), clip)  # chunking changes nothing
+
+
+def test_folding_keeps_the_float_function():
+    g = torch.Generator().manual_seed(2)
+    s = torch.rand(16, generator=g) + 0.5
+    prev = torch.randn(16, 8, generator=g)
+    w = torch.randn(4, 16, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    torch.testing.assert_close((x @ fold_into_linear(prev, s).T) @ (w * s).T, (x @ prev.T) @ w.T)
+    torch.testing.assert_close(fold_into_norm(torch.ones(16), s), 1 / s)
+
+
+def test_clip_search_needs_int4():
+    with pytest.raises(ValueError, match="clip search is for grouped int4"):
+        search_clip(torch.zeros(4, 64), torch.zeros(4, 64), make_format(8))
