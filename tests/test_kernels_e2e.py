@@ -18,16 +18,22 @@ FUSIONS = "fuse_qkv, fuse_gate_up, {quant}{{kv_layout: {{block_size: {block_size
 def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
     passes = FUSIONS.format(quant=quant, block_size=block_size) + ", select_kernels"
     recipe = tmp / f"{target}.yaml"
-    recipe.write_text(f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
-                      "runtime: {max_batch_size: 16, max_seq_len: 512}\n")
+    recipe.write_text(
+        f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
+        "runtime: {max_batch_size: 16, max_seq_len: 512}\n"
+    )
     return build.build(build.BuildOptions(recipe=recipe, out=tmp / target, quiet=True))
 
 
-@pytest.mark.parametrize("quant,block_size,linear_kernel", [
-    ("", 16, None),
-    ("{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ", 32, "triton.w4a16"),
-    ("{quantize_rtn: {bits: 8}}, ", 16, "triton.w8a16"),
-], ids=["dense-bs16", "int4-bs32", "int8-bs16"])
+@pytest.mark.parametrize(
+    "quant,block_size,linear_kernel",
+    [
+        ("", 16, None),
+        ("{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ", 32, "triton.w4a16"),
+        ("{quantize_rtn: {bits: 8}}, ", 16, "triton.w8a16"),
+    ],
+    ids=["dense-bs16", "int4-bs32", "int8-bs16"],
+)
 def test_triton_bound_artifact_matches_reference_greedy_tokens(tmp_path, quant, block_size, linear_kernel):
     cuda = Engine.load(_build(tmp_path, "cuda", quant, block_size), max_num_batched_tokens=32)
     cpu = Engine.load(_build(tmp_path, "cpu", quant, block_size), max_num_batched_tokens=32)
@@ -38,3 +44,20 @@ def test_triton_bound_artifact_matches_reference_greedy_tokens(tmp_path, quant, 
     out = [c.token_ids for c in cuda.generate(PROMPTS, GREEDY)]
     assert out == [c.token_ids for c in cpu.generate(PROMPTS, GREEDY)]
     assert all(len(t) == 6 for t in out)
+
+
+@pytest.mark.slow
+def test_smollm2_triton_bound_matches_reference_greedy_tokens(tmp_path, recipes, smollm2_f32_artifact):
+    """SmolLM2 (recipes/smollm2-bf16.yaml in float32) bound to its Triton kernels vs the torch references."""
+    from optc.testing import build_artifact
+
+    out = build_artifact(tmp_path / "cuda", recipes / "smollm2-bf16.yaml", "dtype=float32", "target=cuda")
+    cuda = Engine.load(out, max_num_batched_tokens=32)
+    kernels = {n.attrs["kernel"] for n in cuda.model.graph.nodes}
+    assert {"triton.paged_attention", "triton.rope_kv_store", "triton.add_rms_norm", "triton.silu_mul"} <= kernels
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(max_tokens=8)
+    reference = Engine.load(smollm2_f32_artifact, max_num_batched_tokens=32)
+    assert [c.token_ids for c in cuda.generate(prompts, params)] == [
+        c.token_ids for c in reference.generate(prompts, params)
+    ]
