@@ -22,7 +22,7 @@ dequantization; it does not choose quantization parameters (that is the quantiza
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -31,7 +31,7 @@ INT4_PACKING = "k8_lsb"
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-class FormatKind(str, Enum):
+class FormatKind(StrEnum):
     DENSE = "dense"
     INT8_WO = "int8_wo"
     INT4_G = "int4_g"

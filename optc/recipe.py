@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from optc.schema import RecipeError, check_value, json_schema, validate
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
 
-class Target(str, Enum):
+class Target(StrEnum):
     CPU = "cpu"
     CUDA = "cuda"
 

@@ -21,7 +21,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token or stop string
     LENGTH = "length"  # max_tokens, or the context / KV pool is full
     ABORT = "abort"
