@@ -98,9 +98,10 @@ def load_model(model) -> Loaded:
         return Loaded(*model)
     path = Path(str(model))
     if (path / "manifest.json").is_file():
-        from optc.artifact import read_manifest
+        from optc.artifact import read_manifest, verify_files
 
         manifest = read_manifest(path)
+        verify_files(path, manifest)  # sizes and sha256, as the runtime loader checks them
         graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
         store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"]
                                                     if f.endswith(".safetensors")))
