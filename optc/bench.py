@@ -4,13 +4,18 @@ CLI calls; the CLI only parses options into `BenchOptions` and prints the result
 Every request arrives at once (an offline batch), runs greedy for exactly `output_len` tokens (EOS
 ignored) and is served by the engine's scheduler. Reported: output and total tokens/s, TTFT and
 TPOT percentiles, peak memory (RSS on CPU, `torch.cuda.max_memory_allocated` on CUDA) and KV-pool
-usage. With `hf_model_dir` the same token ids also run through transformers `generate` (static
-cache; `torch.compile` on CUDA) in batches of `max_num_seqs`, and the throughput ratio is reported.
-This measures; it asserts nothing.
+usage. With `compare_hf` the same token ids also run through transformers `generate` (static cache;
+`torch.compile` on CUDA) in batches of `max_num_seqs`, after the engine is freed, and the throughput
+ratio is reported. The transformers model is the artifact's source (manifest `source`): the HF
+folder or hub id, the GGUF file (dequantized by transformers), or for `random:` sources a
+LlamaForCausalLM rebuilt from the artifact's own weights (fused linears split back; dense artifacts
+only). `hf_model_dir` names another checkpoint instead. This measures; it asserts nothing.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import resource
 import time
 from dataclasses import dataclass
@@ -35,7 +40,8 @@ class BenchOptions:
     max_num_seqs: int | None = None  # None = the artifact's max_batch_size
     device: str = "cpu"  # cpu | cuda
     eager: bool = False  # no CUDA graphs
-    hf_model_dir: Path | None = None  # the source checkpoint, to compare with transformers
+    compare_hf: bool = False  # also run transformers on the artifact's source (see the module doc)
+    hf_model_dir: Path | None = None  # compare with this HF checkpoint instead of the source (implies compare_hf)
     seed: int = 0
     show_progress: bool = True
 
@@ -48,6 +54,18 @@ class BenchOptions:
 
 
 def run_bench(options: BenchOptions) -> dict[str, Any]:
+    result, prompts, dtype = _run_optc(options)  # the engine and its KV pool are freed on return
+    if options.compare_hf or options.hf_model_dir is not None:
+        gc.collect()
+        if result["device"].startswith("cuda"):
+            torch.cuda.empty_cache()
+        hf = _run_hf(options, prompts, torch.device(result["device"]), dtype, result["max_num_seqs"])
+        hf["optc_over_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["hf"] = hf
+    return result
+
+
+def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], torch.dtype]:
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
     if options.max_num_seqs is not None:
         overrides["max_num_seqs"] = options.max_num_seqs
@@ -88,6 +106,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "output_len": options.output_len,
         "max_num_seqs": engine.config.max_num_seqs,
         "eager": options.eager,
+        "cuda_graphs": list(engine.graph_runner.config.batch_sizes) if engine.graph_runner else None,
         "elapsed_s": elapsed,
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
@@ -107,11 +126,7 @@ def run_bench(options: BenchOptions) -> dict[str, Any]:
         "num_steps": stats.num_steps,
         "hf": None,
     }
-    if options.hf_model_dir is not None:
-        hf = _run_hf(options, prompts, engine)
-        hf["optc_over_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        result["hf"] = hf
-    return result
+    return result, prompts, engine.model.dtype
 
 
 def format_bench(result: dict[str, Any]) -> str:
@@ -131,6 +146,7 @@ def format_bench(result: dict[str, Any]) -> str:
         hf = result["hf"]
         lines.append(
             f"transformers output {hf['output_tokens_per_s']:.1f} tok/s   optc / hf = {hf['optc_over_hf']:.2f}x"
+            f"   ({hf['model']})"
         )
     return "\n".join(lines)
 
@@ -166,15 +182,12 @@ def _peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _run_hf(options: BenchOptions, prompts: list[list[int]], engine: Engine) -> dict[str, Any]:
+def _run_hf(options: BenchOptions, prompts: list[list[int]], device: torch.device, dtype: torch.dtype,
+            batch_size: int) -> dict[str, Any]:
     """The same token ids through transformers `generate`, batches of max_num_seqs, left-padded."""
-    from transformers import AutoModelForCausalLM
-
-    device = engine.device
-    model = AutoModelForCausalLM.from_pretrained(options.hf_model_dir, dtype=engine.model.dtype).to(device).eval()
+    model, what = _hf_model(options, device, dtype)
     if device.type == "cuda":
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    batch_size = engine.config.max_num_seqs
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run(batch: list[list[int]], num_new: int) -> int:
@@ -189,6 +202,9 @@ def _run_hf(options: BenchOptions, prompts: list[list[int]], engine: Engine) -> 
         return (out.shape[1] - width) * len(batch)
 
     run(batches[0], 2)  # warm-up (and compilation on CUDA)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     num_output = 0
     for batch in tqdm(batches, desc="transformers", disable=not options.show_progress):
@@ -196,4 +212,73 @@ def _run_hf(options: BenchOptions, prompts: list[list[int]], engine: Engine) -> 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "num_output_tokens": num_output, "output_tokens_per_s": num_output / elapsed}
+    return {"model": what, "elapsed_s": elapsed, "num_output_tokens": num_output,
+            "output_tokens_per_s": num_output / elapsed, "peak_memory_bytes": _peak_memory(device)}
+
+
+def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+    """The transformers model to compare with, and a few words saying what it is."""
+    from transformers import AutoModelForCausalLM
+
+    if options.hf_model_dir is not None:
+        path, kwargs = str(options.hf_model_dir), {}
+    else:
+        source = json.loads((Path(options.artifact) / "manifest.json").read_text())["source"]
+        kind = source.get("kind")
+        if kind == "random":
+            return _hf_from_artifact(Path(options.artifact), device, dtype), f"rebuilt from {source['id']}"
+        if kind == "hf_dir":
+            path, kwargs = source["path"], {}
+        elif kind == "hub":
+            path, kwargs = source["id"], {"revision": source.get("revision")}
+        elif kind == "gguf":
+            path, kwargs = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
+        else:
+            raise ValueError(f"--compare-hf: the artifact's source kind {kind!r} has no transformers "
+                             "model; pass --hf-model-dir DIR")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    return model.to(device).eval(), f"{path}{' / ' + kwargs['gguf_file'] if 'gguf_file' in kwargs else ''}"
+
+
+def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optc.formats import FormatKind
+    from optc.ir import Graph
+    from optc.store import TensorStore
+
+    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
+    if quantized:
+        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source is random; "
+                         "transformers can only be rebuilt from a dense artifact (compare with the dense build)")
+    store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
+    state: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:  # HF names: fused linears keep the original names as their outputs
+        for role, name in node.params.items():
+            weight = store.get(name).to(device, dtype)
+            if node.op == "linear" and node.attrs.get("split"):
+                state.update({f"{out}.{role}": w for out, w in
+                              zip(node.outputs, weight.split(node.attrs["split"], 0), strict=True)})
+            else:
+                state[name] = weight
+    c = graph.config
+    config = LlamaConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias, dtype=dtype,
+    )
+    with torch.device("meta"):  # no random init: the weights are assigned below
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if c.tie_word_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer
+    return model.eval()

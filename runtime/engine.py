@@ -5,8 +5,8 @@ completion through the scheduler (continuous batching) and returns them in input
 yields text deltas of one prompt; `add_request`/`step`/`abort` are the pieces a server drives. One
 step = schedule -> one `model.forward` over all scheduled tokens -> advance computed counts ->
 sample for the requests that reached their last token -> check stops. The engine owns the KV tensors;
-the scheduler and KV manager below it see only block ids. No HTTP here, no CUDA graphs (the model's
-business), no speculative decoding yet.
+the scheduler and KV manager below it see only block ids. Pure-decode steps replay CUDA graphs on a
+cuda device (runtime/cuda_graphs.py). No HTTP here, no speculative decoding yet.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from optc.runtime.batch import ForwardBatch
+from optc.runtime.cuda_graphs import make_runner
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.request import FinishReason, Request
 from optc.runtime.sampler import SamplingParams, find_stop_string, sample
@@ -50,7 +51,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV pool bytes; None = CPU default or gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs (read by whoever captures them)
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None = the runtime's default
     seed: int | None = None  # seeds the generators of requests without a seed
 
     def __post_init__(self) -> None:
@@ -74,6 +76,7 @@ class EngineConfig:
             "max_seq_len": runtime.get("max_seq_len"),
             "kv_cache_memory": runtime.get("kv_cache_memory"),
             "gpu_memory_utilization": runtime.get("gpu_memory_utilization"),
+            "cuda_graph_batch_sizes": tuple((manifest.get("cuda_graphs") or {}).get("batch_sizes") or ()) or None,
         }
         values = {k: v for k, v in values.items() if v is not None}
         return cls(**{**values, **overrides})
@@ -107,6 +110,9 @@ class Engine:
         num_blocks = config.num_blocks or self._num_blocks_from_memory()
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.graph_runner = make_runner(  # None on the CPU or with enforce_eager: eager steps
+            model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
+            max_num_seqs=config.max_num_seqs, max_seq_len=self.max_model_len, block_size=config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
@@ -201,7 +207,7 @@ class Engine:
             out.block_ids,
             self.config.block_size,
         ).to(self.device)
-        logits = self.model.forward(batch, self.kv_caches)  # (B, V) float32
+        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (B, V) float32
         self.scheduler.update(out)
         self._num_steps += 1
         rows = [b for b, r in enumerate(out.requests) if r.num_computed_tokens == r.num_tokens]

@@ -1,0 +1,68 @@
+"""Plan the CUDA-graph batch-size buckets of decode steps and record them in the manifest.
+
+The pass changes no node: the runtime captures one graph per bucket when it loads the artifact on
+a CUDA device, and this pass only writes the plan (`manifest.json` -> `cuda_graphs: {batch_sizes}`)
+and says in its stats how many KV nodes stay on a torch reference that syncs with the host (the
+runtime refuses to capture such a graph and runs eager; `select_kernels` before this pass fixes
+it). On `target: cpu` it is a no-op: CUDA graphs do not exist there, so no section is recorded
+(the manifest keeps `cuda_graphs: null`) and the stats say why. `changed` is always False, since
+the graph is never rewritten; a second run records the same section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optc.ir import Graph
+from optc.passmanager import PassContext, PassResult
+from optc.store import TensorStore
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# ops whose torch references read device values on the host (int(seq_lens.max()), boolean masks)
+SYNCING_REFERENCE_OPS = ("attention", "rope_kv_store")
+
+
+class CudaGraphs:
+    """Plan the CUDA-graph batch-size buckets of decode steps and record them in the manifest."""
+
+    name = "cuda_graphs"
+
+    @dataclass(frozen=True)
+    class Options:
+        batch_sizes: tuple[int, ...] = field(default=DEFAULT_BATCH_SIZES, metadata={
+            "min": 1, "help": "decode batch sizes to capture a graph for (sorted and deduplicated)"})
+
+        def __post_init__(self) -> None:
+            sizes = tuple(self.batch_sizes)
+            if not sizes:
+                raise ValueError("cuda_graphs: batch_sizes is empty; give at least one size >= 1")
+            bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+            if bad:
+                raise ValueError(f"cuda_graphs: batch_sizes must be ints >= 1, got {bad}")
+            object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        pass
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        if ctx.target != "cuda":
+            stats = {"target": ctx.target, "batch_sizes": [], "note": "no-op: CUDA graphs need target cuda"}
+            return PassResult(graph, store, changed=False, stats=stats)
+        sizes = list(self.options.batch_sizes)
+        # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
+        eager_only = [n.name for n in graph.nodes
+                      if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+        if eager_only:
+            ctx.progress(f"cuda_graphs: {len(eager_only)} KV node(s) run on torch references that sync "
+                         f"(first: {eager_only[0]}); the runtime will not capture graphs "
+                         "(add select_kernels before cuda_graphs)")
+        stats = {"target": ctx.target, "batch_sizes": sizes, "num_buckets": len(sizes),
+                 "num_eager_only_nodes": len(eager_only)}
+        return PassResult(graph, store, changed=False, stats=stats,
+                          manifest={"cuda_graphs": {"batch_sizes": sizes}})
+
+    def ensures(self, graph: Graph) -> None:
+        pass

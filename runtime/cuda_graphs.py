@@ -1,0 +1,209 @@
+"""CUDA graphs for decode steps: `Model.forward` captured once per batch-size bucket, replayed with
+the batch padded to the bucket.
+
+Used only for pure-decode steps (one query token per request, one logit row per request) whose
+request count fits a bucket; every other step (prefill, mixed, speculative verification, a batch
+larger than the largest bucket) runs eager. Not used on the CPU (`make_runner` returns None there:
+the engine runs eager) nor with `enforce_eager` (`optc bench --eager`).
+
+How a capture stays valid for every replay:
+- Static buffers sized for the largest bucket; bucket b reads their first b rows, so every graph
+  reads the same memory and a replay only copies the step's batch into it. Padding rows hold input
+  id 0 at position 0, slot -1 (the KV store skips it), seq_len 1 and a block-table row of zeros:
+  they read one token of the null block, write nothing, and their logits are dropped.
+- The static batch's `max_seq_len` is the engine's context capacity, not the step's: the decode
+  kernel turns it into a split count (a Python int) that the graph bakes in, so it must cover the
+  longest context a replay can see. Block tables are as wide as that capacity.
+- Only graphs whose KV nodes are bound to Triton kernels are captured: the torch references sync
+  with the host (`int(seq_lens.max())` in paged_attention_ref, boolean-mask indexing in
+  kv_store_ref), which a capture cannot contain; `capture_blockers` names such nodes and the
+  runner refuses them (the engine then warns and runs eager). Rebuild with `select_kernels`.
+- Each bucket is run eagerly (warm-up) before its capture: Triton compiles per specialization and
+  autotunes per key (the token count is part of both).
+- One private memory pool serves every graph, captured largest bucket first so smaller graphs
+  reuse its blocks. The logits a replay returns are a view of the graph's output: valid until the
+  next replay of any bucket (the engine samples from them before the next step).
+"""
+
+from __future__ import annotations
+
+import bisect
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from optc.ir import Graph
+from optc.runtime.batch import ForwardBatch
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the cuda_graphs pass's default too
+SYNCING_REFERENCE_OPS = frozenset({"attention", "rope_kv_store"})
+NUM_WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch_sizes: tuple[int, ...]  # sorted, unique, >= 1
+    max_seq_len: int  # context capacity the decode kernel's split count is fixed for
+    block_size: int
+    max_blocks_per_request: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch_sizes must be non-empty ints >= 1, got {list(self.batch_sizes)}")
+        if self.max_seq_len < 1 or self.block_size < 1:
+            raise ValueError(f"max_seq_len and block_size must be >= 1, got {self.max_seq_len}, {self.block_size}")
+        object.__setattr__(self, "batch_sizes", tuple(sorted(set(self.batch_sizes))))
+        object.__setattr__(self, "max_blocks_per_request", -(-self.max_seq_len // self.block_size))
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+
+def plan_batch_sizes(batch_sizes: Sequence[int] | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The manifest's buckets (None: the default ones) that a step of `max_num_seqs` can use."""
+    sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else batch_sizes
+    return tuple(sorted({int(b) for b in sizes if 1 <= b <= max_num_seqs}))
+
+
+def bucket_for(batch_sizes: Sequence[int], num_requests: int) -> int | None:
+    """The smallest bucket holding `num_requests` (sorted `batch_sizes`), None if none does."""
+    i = bisect.bisect_left(batch_sizes, num_requests)
+    return batch_sizes[i] if i < len(batch_sizes) and num_requests >= 1 else None
+
+
+def is_pure_decode(batch: ForwardBatch) -> bool:
+    """One new token and one logit row per request (read off shapes and ints: no device sync)."""
+    n = batch.num_requests
+    return n >= 1 and batch.max_query_len == 1 and batch.num_tokens == n and batch.logits_indices.shape[0] == n
+
+
+def capture_blockers(graph: Graph) -> list[str]:
+    """KV nodes bound to torch references that sync with the host, which no graph can capture."""
+    return [f"{n.name} ({n.op})" for n in graph.nodes
+            if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+
+
+class StaticBatch:
+    """The input buffers every graph reads, sized for the largest bucket; padding rows by default."""
+
+    def __init__(self, config: GraphConfig, device: torch.device | str = "cpu") -> None:
+        rows, width = config.max_batch_size, config.max_blocks_per_request
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(rows, dtype=i64, device=device)
+        self.positions = torch.zeros(rows, dtype=i64, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=i32, device=device)  # one token per row
+        self.seq_lens = torch.ones(rows, dtype=i32, device=device)
+        self.block_tables = torch.zeros((rows, width), dtype=i32, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=i64, device=device)
+        self.logits_indices = torch.arange(rows, dtype=i64, device=device)
+        self.max_seq_len = config.max_seq_len
+        self._views: dict[int, ForwardBatch] = {}
+        self._num_dirty = 0  # rows [num_dirty, rows) hold padding
+
+    def view(self, bucket: int) -> ForwardBatch:
+        """The first `bucket` rows as a ForwardBatch (built once per bucket)."""
+        if bucket not in self._views:
+            self._views[bucket] = ForwardBatch(
+                self.input_ids[:bucket], self.positions[:bucket], self.query_start_loc[: bucket + 1],
+                self.seq_lens[:bucket], self.block_tables[:bucket], self.slot_mapping[:bucket],
+                self.logits_indices[:bucket], max_query_len=1, max_seq_len=self.max_seq_len,
+            )
+        return self._views[bucket]
+
+    def fill(self, batch: ForwardBatch, bucket: int) -> None:
+        """Copy a pure-decode batch into rows [0, n) and make rows [n, bucket) padding again."""
+        n, width = batch.num_requests, batch.block_tables.shape[1]
+        if not n <= bucket <= self.input_ids.shape[0] or width > self.block_tables.shape[1]:
+            raise ValueError(f"a batch of {n} requests x {width} blocks does not fit bucket {bucket} "
+                             f"({list(self.block_tables.shape)} static block table)")
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        self.block_tables[:n, width:].zero_()  # entries of earlier, longer requests
+        stale = min(self._num_dirty, bucket)
+        if stale > n:  # rows a larger earlier batch filled: back to padding
+            self.input_ids[n:stale].zero_()
+            self.positions[n:stale].zero_()
+            self.seq_lens[n:stale].fill_(1)
+            self.slot_mapping[n:stale].fill_(-1)
+            self.block_tables[n:stale].zero_()
+        self._num_dirty = self._num_dirty if self._num_dirty > bucket else n
+
+
+class CudaGraphRunner:
+    """`forward(batch, kv_caches)` like Model's: a graph replay for pure-decode batches that fit a
+    bucket (on the KV caches it was captured with), eager otherwise."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], config: GraphConfig) -> None:
+        blockers = capture_blockers(model.graph)
+        if blockers:
+            raise ValueError(
+                f"cannot capture CUDA graphs: {len(blockers)} node(s) run on torch references that sync "
+                f"with the host ({', '.join(blockers[:3])}{', ...' if len(blockers) > 3 else ''}); "
+                "rebuild the artifact with select_kernels (target cuda) or run with enforce_eager"
+            )
+        self.model, self.kv_caches, self.config = model, kv_caches, config
+        device = torch.device(model.device)
+        self.static = StaticBatch(config, device)
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
+        self._capture(device)
+
+    def bucket(self, batch: ForwardBatch) -> int | None:
+        """The bucket a batch replays in, None if it runs eager."""
+        if not is_pure_decode(batch) or batch.max_seq_len > self.config.max_seq_len:
+            return None
+        if batch.block_tables.shape[1] > self.config.max_blocks_per_request:
+            return None
+        return bucket_for(self.config.batch_sizes, batch.num_requests)
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """float32 logits (num_requests, vocab) for a pure-decode batch; Model.forward's otherwise."""
+        bucket = self.bucket(batch)
+        if bucket is None or kv_caches is not self.kv_caches:
+            return self.model.forward(batch, kv_caches)
+        self.static.fill(batch, bucket)
+        graph, logits = self._graphs[bucket]
+        graph.replay()
+        return logits[: batch.num_requests]
+
+    def _capture(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a cuda device; the model is on {device} (run eager)")
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.config.batch_sizes):  # largest first: the pool grows once
+            batch = self.static.view(bucket)  # all padding rows: warm-up writes no KV
+            for _ in range(NUM_WARMUP_RUNS):  # compile and autotune the Triton kernels outside capture
+                self.model.forward(batch, self.kv_caches)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.forward(batch, self.kv_caches)
+            except RuntimeError as e:
+                raise RuntimeError(f"CUDA graph capture of the decode bucket {bucket} failed ({e}); "
+                                   "run with enforce_eager (--eager)") from e
+            self._graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(device)
+
+
+def make_runner(model: Any, kv_caches: list[torch.Tensor], *, enforce_eager: bool,
+                batch_sizes: Sequence[int] | None, max_num_seqs: int, max_seq_len: int,
+                block_size: int) -> CudaGraphRunner | None:
+    """The engine's graph runner, or None (eager): on the CPU, with enforce_eager, with no usable
+    bucket, or (with a warning) when the graph has nodes no capture can hold."""
+    if enforce_eager or torch.device(model.device).type != "cuda":
+        return None
+    sizes = plan_batch_sizes(batch_sizes, max_num_seqs)
+    blockers = capture_blockers(model.graph)
+    if blockers:
+        warnings.warn(f"CUDA graphs off: {len(blockers)} KV node(s) run on torch references that sync with "
+                      f"the host (e.g. {blockers[0]}); rebuild with select_kernels to enable them", stacklevel=2)
+    if blockers or not sizes:
+        return None
+    return CudaGraphRunner(model, kv_caches, GraphConfig(sizes, max_seq_len, block_size))
