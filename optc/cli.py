@@ -180,6 +180,37 @@ def eval_(
 
 
 @app.command()
+def bench(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    num_requests: int = typer.Option(64, "--num-requests", min=1, help="Requests, all submitted at once."),
+    input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens per request (random token ids, "
+                                  "seeded; ignored with --dataset)."),
+    output_len: int = typer.Option(128, "--output-len", min=1, help="Generated tokens per request (EOS ignored)."),
+    dataset: Path | None = typer.Option(None, "--dataset", help="Text file: one prompt per non-empty line, cycled."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests in flight at once "
+                                            "(default: the artifact's runtime.max_batch_size)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    eager: bool = typer.Option(False, "--eager", help="No CUDA graphs (decode runs eagerly)."),
+    compare_hf: bool = typer.Option(False, "--compare-hf", help="Also run the same workload through transformers "
+                                    "generate on the artifact's source (static cache; torch.compile on CUDA) and "
+                                    "print the ratio."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (output_tokens_per_s, "
+                                 "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, ...)."),
+) -> None:
+    """Offline serving benchmark: throughput, TTFT/TPOT percentiles, peak memory and KV usage."""
+    from optc.bench import BenchOptions, format_bench, run_bench
+
+    try:
+        options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
+                               compare_hf, None, seed, show_progress=not as_json)
+        result = run_bench(options)
+    except _user_errors() as e:
+        _fail(e)
+    typer.echo(json.dumps(result, indent=1, sort_keys=True) if as_json else format_bench(result))
+
+
+@app.command()
 def schema() -> None:
     """Print the JSON Schema of recipes."""
     from optc.recipe import recipe_json_schema

@@ -176,3 +176,17 @@ def test_bad_quantization_input(tmp_path, calibration, passes, needles):
     assert_user_error(r, *needles)
     assert not (tmp_path / "o").exists()
     _no_leftovers(tmp_path)
+
+
+def test_eval_and_bench_commands(tiny_artifact):
+    r = optc("eval", tiny_artifact, "--reference", "random:tiny", "--max-tokens", "600", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["tokens"] == 511 and res["kld"] < 1e-9 and res["top1_agreement"] == 1.0  # fusion is exact
+    assert res["ppl"] == pytest.approx(res["reference_ppl"], rel=1e-6)
+    r = optc("bench", tiny_artifact, "--num-requests", "4", "--input-len", "8", "--output-len", "3", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["num_output_tokens"] == 12 and res["output_tokens_per_s"] > 0
+    assert set(res["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and res["peak_memory_bytes"] > 0
+    assert_user_error(optc("bench", tiny_artifact, "--device", "tpu"), "tpu")
