@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from optc.artifact import sha256_file
-from optc.formats import DTYPES, Format
+from optc.formats import DTYPES, Format, part_name
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.rope import SUPPORTED_ROPE_TYPES
 from optc.store import Entry, TensorStore
@@ -224,15 +224,18 @@ def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
     return table
 
 
-def _finish(config: ModelConfig, store: TensorStore, record: dict, save_tokenizer, where: str) -> Source:
-    table = tensor_table(store)
+def _finish(config: ModelConfig, table: dict[str, TensorInfo], store: TensorStore, record: dict,
+            save_tokenizer, where: str, quantization: dict | None = None) -> Source:
+    """Build the graph over `table`, check every weight it uses is there, and keep only those."""
     graph = graph_for(config, table)
     used = set(graph.used_tensors())
     missing = sorted(used - set(table))
     if missing:
         raise SourceError(f"{where}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     graph.tensors = {n: table[n] for n in table if n in used}
-    return Source(graph, store.keep(sorted(used)), record, save_tokenizer)
+    keys = [part_name(t, r, graph.tensors[t].format) for t in sorted(used)
+            for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
+    return Source(graph, store.keep(keys), record, save_tokenizer, quantization)
 
 
 def _hf_source(path: Path, record: dict) -> Source:
@@ -249,11 +252,6 @@ def _hf_source(path: Path, record: dict) -> Source:
     files = _weight_files(path)
     if not files:
         raise SourceError(f"{path} has no *.safetensors weights (pickled .bin checkpoints are not read)")
-    if "quantization_config" in cfg:
-        from optc.quant.checkpoints import import_quantized  # the quantization issue's importer
-
-        return import_quantized(path, cfg, config, files, record)
-    store = TensorStore.from_safetensors(files)
     read = [cfg_path, *files, *(path / f for f in TOKENIZER_FILES if (path / f).is_file())]
     record = {**record, "files": {f.name: sha256_file(f) for f in read}}
 
@@ -263,7 +261,13 @@ def _hf_source(path: Path, record: dict) -> Source:
             if (path / f).is_file():
                 (out / f).write_bytes((path / f).read_bytes())
 
-    return _finish(config, store, record, save_tokenizer, str(path))
+    if "quantization_config" in cfg:
+        from optc.quant.checkpoints import import_quantized  # AutoAWQ / GPTQ layouts -> our formats
+
+        table, store, quantization = import_quantized(path, cfg, files)
+        return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
+    store = TensorStore.from_safetensors(files)
+    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -317,7 +321,8 @@ def _gguf_source(path: Path) -> Source:
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=1, sort_keys=True) + "\n")
 
-    return _finish(config, TensorStore.of(state), record, save_tokenizer, str(path))
+    store = TensorStore.of(state)
+    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
 
 
 def _random_source(preset: str) -> Source:
@@ -348,7 +353,8 @@ def _random_source(preset: str) -> Source:
         {n: Entry(s, torch.float32, (lambda n=n, s=s: _random_tensor(n, s))) for n, s in shapes.items()}
     )
     record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
-    return _finish(config, store, record, lambda out: _byte_tokenizer(config, out), f"random:{preset}")
+    return _finish(config, tensor_table(store), store, record, lambda out: _byte_tokenizer(config, out),
+                   f"random:{preset}")
 
 
 def _random_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:

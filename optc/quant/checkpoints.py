@@ -77,14 +77,16 @@ def import_tensors(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> Impo
     return ImportedCheckpoint(method, {k: v for k, v in tensors.items() if k not in used}, quantized)
 
 
-def import_quantized(path: Path, cfg: dict, config, files: list[Path], record: dict):
-    """The frontend's hook for a HF folder whose config has `quantization_config` -> frontend.Source.
+def import_quantized(
+    path: Path, cfg: dict, files: list[Path]
+) -> tuple[dict[str, TensorInfo], TensorStore, dict | None]:
+    """The frontend's hook for a HF folder whose config has `quantization_config`: the tensor table
+    (quantized linears in our formats), the store and the manifest's quantization record.
 
     Small parts (scales, zeros, g_idx) are read when the source is opened, to decide each linear's
     format; the qweights are converted lazily, when the store entry is loaded.
     """
-    from optc.artifact import sha256_file
-    from optc.frontend import TOKENIZER_FILES, Source, SourceError, graph_for, tensor_table
+    from optc.frontend import SourceError, tensor_table
 
     raw = TensorStore.from_safetensors(files)
     bases = _quantized_bases(raw.names())
@@ -116,30 +118,13 @@ def import_quantized(path: Path, cfg: dict, config, files: list[Path], record: d
         entries[part_name(name, "qweight", fmt)] = Entry((n, k // 8), torch.int32,
                                                          lambda src=src, c=convert, p=perm: c(src.load(), p))
         entries.update({part_name(name, r, fmt): _memory_entry(t) for r, t in small.items()})
-    graph = graph_for(config, table)
-    used = set(graph.used_tensors())
-    missing = sorted(used - set(table))
-    if missing:
-        raise SourceError(f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    graph.tensors = {t: table[t] for t in table if t in used}
-    keys = [part_name(t, r, graph.tensors[t].format) for t in sorted(used)
-            for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
-    store = dense.with_entries(entries).keep(keys)
-    read = [path / "config.json", *files, *(path / f for f in TOKENIZER_FILES if (path / f).is_file())]
-    record = {**record, "files": {f.name: sha256_file(f) for f in read}}
-
-    def save_tokenizer(out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        for f in TOKENIZER_FILES:
-            if (path / f).is_file():
-                (out / f).write_bytes((path / f).read_bytes())
-
+    store = dense.with_entries(entries)
     quantization = None
     if method is not None:
         detail = {"checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else {"version": "gemm"}
         quantization = {"method": method, "imported": True, "bits": 4, "group_size": group_size,
                         "linears": len(bases), **detail}
-    return Source(graph, store, record, save_tokenizer, quantization=quantization)
+    return table, store, quantization
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
