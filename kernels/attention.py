@@ -61,3 +61,41 @@ def paged_attention_ref(
     out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
     return out[request, row].to(q.dtype)
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The torch-bound runtime path: `paged_attention_ref`'s math through SDPA on the gathered cache.
+
+    SDPA reads K/V in the cache dtype and accumulates in fp32 inside, so no fp32 copy of the gathered
+    cache is made (on the CPU that copy was half of a decode step). Agrees with the reference to the
+    rounding of the output dtype; the tests hold it to that.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_requests = seq_lens.shape[0]
+    dev = q.device
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    max_query = int(query_lens.max()) if num_requests else 0
+    if num_tokens == 0 or max_query == 0:
+        return torch.empty_like(q)
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_tables[:, :num_blocks].long()
+    length = num_blocks * block_size
+    k = kv_cache[table, 0].view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
+    v = kv_cache[table, 1].view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)
+    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
+    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()
+    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=kv_cache.dtype)
+    qp[request, row] = q.to(kv_cache.dtype)
+    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
+    allowed = torch.arange(length, device=dev)[None, None, :] <= query_pos[:, :, None]  # (B, Lq, L)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, H_q, Lq, D)
+    return out.transpose(1, 2)[request, row].to(q.dtype)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from optc.formats import Format, dequantize, linear_ref, part_name
 from optc.ir import Graph, ModelConfig, Node
-from optc.kernels.attention import kv_store_ref, paged_attention_ref
+from optc.kernels.attention import kv_store_ref, paged_attention_sdpa
 from optc.kernels.norm import add_rms_norm_ref, rms_norm_ref
 from optc.kernels.rope import rope_kv_store_ref, rope_ref
 from optc.store import TensorStore
@@ -93,7 +93,7 @@ def _attention(node, inputs, params, step):
         kv_store_ref(k, v, cache, step.batch.slot_mapping)
     b = step.batch
     q = _heads(inputs[0], a["num_heads"], a["head_dim"])
-    return [paged_attention_ref(q, cache, b.block_tables, b.seq_lens, b.query_start_loc, a["scale"]).flatten(1)]
+    return [paged_attention_sdpa(q, cache, b.block_tables, b.seq_lens, b.query_start_loc, a["scale"]).flatten(1)]
 
 
 def _silu_mul(node, inputs, params, step):

@@ -7,7 +7,7 @@ request may read. Sequence and query lengths are ragged and not multiples of the
 import pytest
 import torch
 
-from optc.kernels.attention import paged_attention_ref
+from optc.kernels.attention import paged_attention_ref, paged_attention_sdpa
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
 
@@ -76,6 +76,16 @@ def test_paged_prefill_kernel_matches_ref(num_heads, num_kv_heads, block_size):
     seq_lens, query_lens = [23, 57, 70, 9], [23, 17, 1, 0]
     args = _case(seq_lens, query_lens, num_heads, num_kv_heads, 32, block_size, torch.float32, seed=3)
     assert_close(paged_prefill(*args, 0.2), paged_attention_ref(*args, 0.2), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sdpa_matches_ref(num_heads, num_kv_heads, block_size, dtype):
+    # the torch-bound runtime path: prompt, chunk after context, decode, nothing scheduled
+    seq_lens, query_lens = [23, 57, 70, 9], [23, 17, 1, 0]
+    args = _case(seq_lens, query_lens, num_heads, num_kv_heads, 32, block_size, dtype, seed=5)
+    assert_close(paged_attention_sdpa(*args, 0.2), paged_attention_ref(*args, 0.2), TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
