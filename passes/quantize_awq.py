@@ -15,12 +15,11 @@ from optc.quant.blocks import (
     BlockRunner,
     apply,
     branch,
-    calibration_tokens,
     dense_param,
     fold_target,
     linear_groups,
     progress,
-    split_blocks,
+    start_calibration,
 )
 from optc.quant.rtn import make_format, quantize_weight
 from optc.store import TensorStore
@@ -55,10 +54,7 @@ class QuantizeAwq:
         targets = set(dense_linear_weights(graph))
         if not targets:
             return PassResult(graph, store, changed=False, stats={"quantized": 0})
-        tokens = calibration_tokens(ctx, self.name)
-        prefix, blocks = split_blocks(graph)
-        runner = BlockRunner(graph, store, tokens)
-        runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
+        runner, blocks = start_calibration(graph, store, ctx, self.name)
         consumers = graph.consumers()
         quantized, folded, alphas = {}, {}, []
         for block in progress(ctx, blocks, self.name):

@@ -8,7 +8,7 @@ from optc.ir import Graph
 from optc.ops import Param
 from optc.passes.quantize_rtn import BITS, GROUP, dense_linear_weights, refuse_requantizing
 from optc.passmanager import PassContext, PassResult
-from optc.quant.blocks import BlockRunner, apply, calibration_tokens, linear_groups, progress, split_blocks
+from optc.quant.blocks import apply, linear_groups, progress, start_calibration
 from optc.quant.gptq import Gptq
 from optc.quant.rtn import make_format
 from optc.store import TensorStore
@@ -41,10 +41,7 @@ class QuantizeGptq:
         targets = set(dense_linear_weights(graph))
         if not targets:
             return PassResult(graph, store, changed=False, stats={"quantized": 0})
-        tokens = calibration_tokens(ctx, self.name)
-        prefix, blocks = split_blocks(graph)
-        runner = BlockRunner(graph, store, tokens)
-        runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
+        runner, blocks = start_calibration(graph, store, ctx, self.name)
         quantized = {}
         for block in progress(ctx, blocks, self.name):
             params = runner.load(block.nodes)

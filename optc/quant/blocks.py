@@ -182,6 +182,14 @@ def _entry(t: torch.Tensor) -> Entry:
     return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
 
 
+def start_calibration(graph: Graph, store: TensorStore, ctx, pass_name: str) -> tuple[BlockRunner, list[Block]]:
+    """The calibration tokens run through the nodes before the first block; the blocks to process in order."""
+    prefix, blocks = split_blocks(graph)
+    runner = BlockRunner(graph, store, calibration_tokens(ctx, pass_name))
+    runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
+    return runner, blocks
+
+
 def calibration_tokens(ctx, pass_name: str) -> torch.Tensor:
     """The PassContext's calibration windows (samples, seq_len), or an error that says how to get them."""
     if ctx.calibration_tokens is None:
