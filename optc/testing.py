@@ -38,6 +38,16 @@ def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model:
     )
 
 
+def assert_no_leaks(engine) -> None:
+    """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
+    kv = engine.kv_manager
+    assert not engine.has_unfinished()
+    assert kv.num_free_blocks == kv.num_blocks - 1
+    assert all(kv.pool.ref_count(i) == 0 for i in range(kv.num_blocks))
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc"))
     d.mkdir(parents=True, exist_ok=True)

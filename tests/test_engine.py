@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from optc.runtime import Completion, Engine, EngineConfig, SamplingParams
+from optc.testing import assert_no_leaks
 
 VOCAB = 64
 EOS = 63
@@ -78,13 +79,6 @@ PROMPTS = [[(i * 13 + j * 7) % 60 + 1 for j in range(1 + 5 * i)] for i in range(
 GREEDY = SamplingParams(max_tokens=8)
 
 
-def assert_no_leaks(engine: Engine) -> None:
-    kv = engine.kv_manager
-    assert not engine.has_unfinished()
-    assert kv.num_free_blocks == kv.num_blocks - 1
-    assert all(kv.pool.ref_count(i) == 0 for i in range(kv.num_blocks))
-    stats = engine.stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
 
 
 @pytest.fixture
