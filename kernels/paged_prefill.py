@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels.attention import paged_attention_ref
+from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # (query token, head) rows per program
@@ -108,19 +108,8 @@ def paged_prefill(
     `max_query_len` sizes the grid; without it the launcher reads query_start_loc (a device sync).
     """
     # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
-    num_requests = seq_lens.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert q.dim() == 3 and q.stride(2) == 1, f"q must be (T, H_q, D) with contiguous D, got {list(q.shape)}"
-    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, (
-        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, {head_dim})"
-    )
-    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
-    assert num_heads % num_kv_heads == 0, f"H_q {num_heads} is not a multiple of H_kv {num_kv_heads}"
-    assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
-    assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
-    group = num_heads // num_kv_heads
+    num_requests, _, num_kv_heads, head_dim, block_size, group = check_paged_args(
+        q, kv_cache, block_tables, seq_lens, query_start_loc)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_requests == 0 or q.shape[0] == 0:
         return out

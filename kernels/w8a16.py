@@ -1,16 +1,16 @@
 """W8A16 matmul: y = x @ W^T (+ bias) with W stored int8_wo (int8 (N, K), one scale per output
 channel; see optc.formats), dequantized in registers.
 
-One kernel, two launch shapes chosen by M: a split-K GEMV for M <= 16 (decode; fp32 partials summed
-by the launcher) and a tiled GEMM for larger M (prefill). Per K tile, W is loaded as (BLOCK_K,
-BLOCK_N) int8, dequantized as q * s in fp32, rounded to x's dtype (the reference dequantizes to x's
-dtype before its matmul) and fed to tl.dot with an fp32 accumulator; bias is added in fp32; one
-cast on store.
+One kernel, two launch shapes chosen by M (see _splitk): a split-K GEMV for M <= 16 (decode; fp32
+partials summed by the launcher) and a tiled GEMM for larger M (prefill). Per K tile, W is loaded
+as (BLOCK_K, BLOCK_N) int8, dequantized as q * s in fp32, rounded to x's dtype (the reference
+dequantizes to x's dtype before its matmul) and fed to tl.dot with an fp32 accumulator; bias is
+added in fp32; one cast on store.
 
-Autotune configs are data (GEMV_CONFIGS, GEMM_CONFIGS), pruned by `_prune`; on the CPU (the Triton
-interpreter, which cannot time kernels) the first config runs. Correctness is checked under
-TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in the session that wrote it,
-and the configs and split heuristic are untuned.
+Autotune configs are data (GEMV_CONFIGS, GEMM_CONFIGS); every BLOCK_K divides SPLIT_ALIGN, so the
+pruning keeps them all, and on the CPU (the Triton interpreter, which cannot time kernels) the
+first config runs. Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run
+on a CUDA device in the session that wrote it, and the configs and split heuristic are untuned.
 """
 
 from __future__ import annotations
@@ -20,27 +20,13 @@ import triton
 import triton.language as tl
 
 from optc.formats import Format, FormatKind, linear_ref
+from optc.kernels import _splitk
+from optc.kernels._splitk import config
 
-GEMV_MAX_M = 16
-TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
 SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many K
-_cfg = lambda m, n, k, warps, stages: triton.Config(
-    {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-GEMV_CONFIGS = [_cfg(16, n, k, 4, s) for n in (64, 32, 128) for k in (128, 64) for s in (2, 4)]
-GEMM_CONFIGS = [_cfg(m, n, k, w, s) for m, n, w in ((64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4))
+GEMV_CONFIGS = [config(16, n, k, 4, s) for n in (64, 32, 128) for k in (128, 64) for s in (2, 4)]
+GEMM_CONFIGS = [config(m, n, k, w, s) for m, n, w in ((64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4))
                 for k in (64, 128) for s in (3, 4)]
-
-
-def _prune(configs, named_args, **kwargs):
-    # every BLOCK_K divides SPLIT_ALIGN, so all configs fit every split; the interpreter runs one
-    return configs if named_args["x_ptr"].is_cuda else configs[:1]
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:  # exact fp32 products (no tf32); see _fp32_dot
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -55,40 +41,21 @@ def _w8a16_kernel(
     HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, split, k_start, k_end = _splitk.tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
     rows_n = offs_n.to(tl.int64)
     s = tl.load(scales_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x, offs_k, mask_k = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K)
         q = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0)  # (BLOCK_K, BLOCK_N)
         w = (q.to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
-        acc += _dot(x, w, FP32_DOT)
-
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    if IS_SPLIT:  # fp32 partial sums; the launcher reduces them
-        out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, acc, mask=mask_mn)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+        acc += _splitk.dot(x, w, FP32_DOT)
+    _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
 
 
-_gemv = triton.autotune(GEMV_CONFIGS, key=["N", "K", "k_per_split"], prune_configs_by={"early_config_prune": _prune})(
-    _w8a16_kernel)
-_gemm = triton.autotune(GEMM_CONFIGS, key=["N", "K"], prune_configs_by={"early_config_prune": _prune})(
-    _w8a16_kernel)
+_KERNELS = _splitk.autotune(_w8a16_kernel, GEMV_CONFIGS, GEMM_CONFIGS, k_multiples=("k_per_split",))
 
 
 def w8a16_linear(
@@ -105,30 +72,10 @@ def w8a16_linear(
     assert qweight.dtype == torch.int8 and qweight.stride(1) == 1, "qweight must be int8 with contiguous K"
     assert scales.shape == (n,) and scales.is_contiguous(), f"scales {list(scales.shape)} != ({n},)"
     assert bias is None or bias.shape == (n,), f"bias {None if bias is None else list(bias.shape)} != ({n},)"
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
-    is_gemv = m <= GEMV_MAX_M
-    if split_k is None:
-        split_k = _split_k(n, k) if is_gemv else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), SPLIT_ALIGN) * SPLIT_ALIGN
-    split_k = triton.cdiv(k, k_per_split)
-    dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
-    kernel = _gemv if is_gemv else _gemm
-    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
-    kernel[grid](
-        x2, qweight, scales, bias if bias is not None else scales, dest,
-        m, n, k, k_per_split,
-        x2.stride(0), dest.stride(-2), dest.stride(0) if split_k > 1 else 0, qweight.stride(0),
-        HAS_BIAS=bias is not None, IS_SPLIT=split_k > 1, FP32_DOT=_fp32_dot(x),
+    return _splitk.launch(
+        _KERNELS, x, n, bias, split_k, SPLIT_ALIGN, _split_k,
+        qweight_ptr=qweight, scales_ptr=scales, stride_qn=qweight.stride(0),
     )
-    if split_k > 1:
-        y = dest.sum(0)
-        out.copy_(y if bias is None else y + bias.float())
-    return out.view(*x.shape[:-1], n)
 
 
 def w8a16_linear_ref(x, parts, fmt, bias=None) -> torch.Tensor:
@@ -138,10 +85,4 @@ def w8a16_linear_ref(x, parts, fmt, bias=None) -> torch.Tensor:
 
 def _split_k(n: int, k: int) -> int:
     # enough (N tile, split) programs to fill the GPU, at least 512 K per split
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, 64)), k // 512))
-
-
-def _fp32_dot(x: torch.Tensor) -> bool:
-    # fp32 inputs keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
-    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
-    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)
+    return max(1, min(triton.cdiv(_splitk.TARGET_PROGRAMS, triton.cdiv(n, 64)), k // 512))

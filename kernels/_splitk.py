@@ -1,0 +1,129 @@
+"""What the weight-only quantized linears (w4a16, w8a16) share: launch shapes, autotuning, the store
+epilogue and the launcher's tail. Each kernel file keeps its weight-tile load and dequantization,
+its asserts, its split heuristic and its reference.
+
+A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
+bias_ptr, out_ptr; sizes M, N, K, k_per_split; strides stride_xm, stride_om, stride_os; constexprs
+HAS_BIAS, IS_SPLIT, FP32_DOT and BLOCK_M, BLOCK_N, BLOCK_K (from the config); its program ids are
+(M tile, N tile, split). Two launch shapes, chosen by M: a split-K GEMV for M <= GEMV_MAX_M
+(decode; K split across programs so a small N still fills the GPU; fp32 partials summed here) and a
+tiled GEMM for larger M (prefill). Nothing here has run on a CUDA device in the session that wrote
+it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 16
+TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
+
+
+def config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+
+
+def autotune(kernel, gemv_configs: list[triton.Config], gemm_configs: list[triton.Config],
+             k_multiples: tuple[str, ...]) -> tuple[triton.runtime.Autotuner, triton.runtime.Autotuner]:
+    """The GEMV and GEMM launch shapes of `kernel`. Configs are pruned to those whose BLOCK_K divides
+    each size argument named in `k_multiples` (so no K tile straddles a split or a quantization
+    group); on the CPU (the Triton interpreter, which cannot time kernels) the first survivor runs."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}  # `launch` passes every argument by name
+        ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
+        return ok if args["x_ptr"].is_cuda else ok[:1]
+
+    by = {"early_config_prune": prune}
+    return (triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
+            triton.autotune(gemm_configs, key=["N", "K"], prune_configs_by=by)(kernel))
+
+
+@triton.jit
+def tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # this program's output rows and columns, its split, and the K range [k_start, k_end) it sums
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split
+    return offs_m, offs_n, split, k_start, tl.minimum(k_start + k_per_split, K)
+
+
+@triton.jit
+def load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K: tl.constexpr):
+    # x tile (BLOCK_M, BLOCK_K) at K offset k0, with the tile's K offsets and mask
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_end
+    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return x, offs_k, mask_k
+
+
+@triton.jit
+def dot(a, b, FP32: tl.constexpr):
+    if FP32:  # exact fp32 products (no tf32); see fp32_dot
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def store_tile(
+    acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os,
+    HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+):
+    # acc: (BLOCK_M, BLOCK_N) fp32 for rows offs_m, columns offs_n
+    mask_n = offs_n < N
+    mask_mn = (offs_m < M)[:, None] & mask_n[None, :]
+    if IS_SPLIT:  # fp32 partial sums; `launch` reduces them and adds the bias
+        out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc, mask=mask_mn)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+
+
+def launch(
+    kernels: tuple[triton.runtime.Autotuner, triton.runtime.Autotuner], x: torch.Tensor, n: int,
+    bias: torch.Tensor | None, split_k: int | None, k_align: int, split_heuristic: Callable[[int, int], int],
+    **weight,
+) -> torch.Tensor:
+    """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype through `kernels` (from `autotune`); `weight`
+    holds the kernel's own arguments. `split_k` (or `split_heuristic(n, k)` for the GEMV; the GEMM
+    does not split) is rounded so every split covers whole multiples of `k_align` of K."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    is_gemv = m <= GEMV_MAX_M
+    if split_k is None:
+        split_k = split_heuristic(n, k) if is_gemv else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), k_align) * k_align
+    split_k = triton.cdiv(k, k_per_split)
+    is_split = split_k > 1
+    dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if is_split else out
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
+    kernels[0 if is_gemv else 1][grid](
+        x_ptr=x2, bias_ptr=bias if bias is not None else x2, out_ptr=dest,  # x2: never read without a bias
+        M=m, N=n, K=k, k_per_split=k_per_split,
+        stride_xm=x2.stride(0), stride_om=dest.stride(-2), stride_os=dest.stride(0) if is_split else 0,
+        HAS_BIAS=bias is not None, IS_SPLIT=is_split, FP32_DOT=fp32_dot(x), **weight,
+    )
+    if is_split:
+        y = dest.sum(0)
+        out.copy_(y if bias is None else y + bias.float())
+    return out.view(*x.shape[:-1], n)
+
+
+def fp32_dot(x: torch.Tensor) -> bool:
+    # fp32 inputs keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
+    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)
