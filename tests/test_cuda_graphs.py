@@ -184,8 +184,8 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     greedy = SamplingParams(max_tokens=12)
-    eager = Engine.load(artifacts["cuda"], device="cuda", enforce_eager=True)
-    graphed = Engine.load(artifacts["cuda"], device="cuda")
+    eager = Engine.load(artifacts["cuda"], device="cuda", enforce_eager=True, num_blocks=256)
+    graphed = Engine.load(artifacts["cuda"], device="cuda", num_blocks=256)  # two engines share the GPU
     runner = graphed.graph_runner
     assert eager.graph_runner is None and runner is not None and runner.config.batch_sizes == (1, 2, 4, 8)
     expected = [c.token_ids for c in eager.generate(PROMPTS, greedy)]
