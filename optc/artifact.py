@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ def write(
     save_tokenizer: Callable[[Path], None],
     force: bool = False,
     progress: Callable[[str], None] = lambda m: None,
+    started: float | None = None,
 ) -> Path:
+    """Write the artifact; `report` gains write_seconds, total_seconds (from `started`) and peak_rss_bytes."""
     out = Path(out)
     if out.exists() and not force:
         raise ArtifactError(f"output folder {out} already exists; pass --force to replace it")
@@ -61,12 +64,14 @@ def write(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    t0 = time.perf_counter()
     try:
         (tmp / "graph.json").write_text(graph.dumps())
         for fname, keys in _shards(graph, store):
             progress(f"writing {fname} ({len(keys)} tensors)")
             tensors = {k: store.get(k).contiguous() for k in keys}
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o644)  # save_file creates 0600; the artifact is read by other accounts
             del tensors
         save_tokenizer(tmp / "tokenizer")
         files = {}
@@ -75,6 +80,10 @@ def write(
             files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
         manifest = {**manifest, "schema_version": SCHEMA_VERSION, "files": files}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        now = time.perf_counter()
+        report = {**report, "write_seconds": round(now - t0, 3),
+                  "total_seconds": round(now - (started if started is not None else t0), 3),
+                  "peak_rss_bytes": peak_rss_bytes()}
         (tmp / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -166,6 +175,16 @@ def _shards(graph: Graph, store: TensorStore) -> list[tuple[str, list[str]]]:
         size += nbytes
     n = len(groups)
     return [(f"weights-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux: ru_maxrss is KiB)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return None
 
 
 def _numel(shape) -> int:

@@ -84,13 +84,14 @@ def build(options: BuildOptions) -> Path:
     report = {
         "host": platform.node(),
         "python": platform.python_version(),
-        "total_seconds": round(time.perf_counter() - t0, 3),
+        "seconds_before_write": round(time.perf_counter() - t0, 3),  # load + passes (+ eval)
         "passes": [
             {"name": r.name, "seconds": round(r.seconds, 4), "peak_rss_bytes": r.peak_rss_bytes} for r in records
         ],
     }
     say(f"writing {out}")
-    return write(out, graph, store, manifest, report, source.save_tokenizer, force=options.force, progress=say)
+    return write(out, graph, store, manifest, report, source.save_tokenizer, force=options.force, progress=say,
+                 started=t0)
 
 
 def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from optc.artifact import peak_rss_bytes
 from optc.ir import Graph
 from optc.ops import verify
 from optc.store import TensorStore
@@ -128,7 +129,7 @@ class PassManager:
             seconds = time.perf_counter() - t0
             graph, store = result.graph, result.store
             manifest.update(result.manifest)
-            records.append(PassRecord(name, options, result.changed, result.stats, seconds, _peak_rss()))
+            records.append(PassRecord(name, options, result.changed, result.stats, seconds, peak_rss_bytes()))
             ctx.progress(
                 f"[{i + 1}/{total}] {name}: {'changed' if result.changed else 'no change'} "
                 f"{_short(result.stats)} ({seconds:.2f}s)"
@@ -141,12 +142,3 @@ class PassManager:
 def _short(stats: dict) -> str:
     items = [f"{k}={v}" for k, v in stats.items() if isinstance(v, int | float | str | bool)]
     return ", ".join(items[:4])
-
-
-def _peak_rss() -> int | None:
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except (ImportError, OSError):
-        return None

@@ -31,7 +31,9 @@ def test_manifest_describes_the_build(tiny_artifact):
     assert set(m["toolchain"]) == {"torch", "transformers", "triton"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in m["files"].values())
     assert "seconds" not in json.dumps(m), "timings belong in report.json"
-    assert "total_seconds" in json.loads((tiny_artifact / "report.json").read_text())
+    report = json.loads((tiny_artifact / "report.json").read_text())
+    assert report["total_seconds"] >= report["write_seconds"] > 0 and report["peak_rss_bytes"] > 0
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in tiny_artifact.rglob("*") if p.is_file()), "unreadable"
 
 
 def test_failed_build_leaves_nothing_and_keeps_the_old_artifact(tmp_path, recipes, monkeypatch):
