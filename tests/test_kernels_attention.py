@@ -81,9 +81,10 @@ def test_paged_prefill_kernel_matches_ref(num_heads, num_kv_heads, block_size):
 @pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_sdpa_matches_ref(num_heads, num_kv_heads, block_size, dtype):
-    # the torch-bound runtime path: prompt, chunk after context, decode, nothing scheduled
-    seq_lens, query_lens = [23, 57, 70, 9], [23, 17, 1, 0]
+@pytest.mark.parametrize("query_lens", [[23, 17, 1, 0], [1, 1, 1, 1]], ids=["mixed", "decode"])
+def test_paged_attention_sdpa_matches_ref(num_heads, num_kv_heads, block_size, dtype, query_lens):
+    # the torch-bound runtime path: prompt, chunk after context, decode, nothing scheduled; and a decode step
+    seq_lens = [23, 57, 70, 9]
     args = _case(seq_lens, query_lens, num_heads, num_kv_heads, 32, block_size, dtype, seed=5)
     assert_close(paged_attention_sdpa(*args, 0.2), paged_attention_ref(*args, 0.2), TOL[dtype])
 
