@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from optc.kernels._dot import fp32_dot
+
 GEMV_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
 
@@ -61,13 +63,6 @@ def load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K: tl.constexpr):
     x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     return x, offs_k, mask_k
-
-
-@triton.jit
-def dot(a, b, FP32: tl.constexpr):
-    if FP32:  # exact fp32 products (no tf32); see fp32_dot
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -121,9 +116,3 @@ def launch(
         y = dest.sum(0)
         out.copy_(y if bias is None else y + bias.float())
     return out.view(*x.shape[:-1], n)
-
-
-def fp32_dot(x: torch.Tensor) -> bool:
-    # fp32 inputs keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
-    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
-    return x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and not x.is_cuda)

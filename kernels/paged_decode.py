@@ -23,18 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
+from optc.kernels._dot import dot, fp32_dot
 from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per inner step
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:  # exact fp32 products (no tf32); see _fp32_dot
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -75,14 +69,14 @@ def _decode_kernel(
         kv_ptr = kv_base + rows[:, None] + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
         k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
-        s = _dot(q, tl.trans(k), FP32_DOT)
+        s = dot(q, tl.trans(k), FP32_DOT)
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))  # (BLOCK_G, BLOCK_N), log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or request) stays zero
@@ -168,7 +162,7 @@ def paged_decode(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3],
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
-        IS_SPLIT=is_split, FP32_DOT=_fp32_dot(kv_cache),
+        IS_SPLIT=is_split, FP32_DOT=fp32_dot(kv_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N, num_warps=4,
     )
     if is_split:
@@ -192,9 +186,3 @@ def _num_splits(num_groups: int, max_seq_len: int) -> int:
     if num_groups >= TARGET_PROGRAMS:
         return 1
     return max(1, min(triton.cdiv(TARGET_PROGRAMS, num_groups), triton.cdiv(max_seq_len, 256)))
-
-
-def _fp32_dot(kv_cache: torch.Tensor) -> bool:
-    # fp32 caches keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
-    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
-    return kv_cache.dtype == torch.float32 or (kv_cache.dtype == torch.bfloat16 and not kv_cache.is_cuda)

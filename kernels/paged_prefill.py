@@ -20,18 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from optc.kernels._dot import dot, fp32_dot
 from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # (query token, head) rows per program
 BLOCK_N = 32  # KV tokens per inner step
-
-
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:  # exact fp32 products (no tf32); see _fp32_dot
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
@@ -77,7 +71,7 @@ def _prefill_kernel(
         kv_ptr = kv_base + kv_rows[:, None] + offs_d[None, :]
         mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
         k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
-        s = _dot(q, tl.trans(k), FP32_DOT)
+        s = dot(q, tl.trans(k), FP32_DOT)
         # key 0 is visible to every row, so the first step leaves each row's max finite
         visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -86,7 +80,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -121,7 +115,7 @@ def paged_prefill(
         q, kv_cache, block_tables, seq_lens, query_start_loc, out,
         group, head_dim, block_size, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
-        FP32_DOT=_fp32_dot(kv_cache),
+        FP32_DOT=fp32_dot(kv_cache),
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out
@@ -130,9 +124,3 @@ def paged_prefill(
 def paged_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
     """The specification: paged_attention_ref."""
     return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
-
-
-def _fp32_dot(kv_cache: torch.Tensor) -> bool:
-    # fp32 caches keep fp32 products; on the CPU (the Triton interpreter) bf16 operands are upcast
-    # too, because the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
-    return kv_cache.dtype == torch.float32 or (kv_cache.dtype == torch.bfloat16 and not kv_cache.is_cuda)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from optc.formats import Format, FormatKind, linear_ref
 from optc.kernels import _splitk
+from optc.kernels._dot import dot
 from optc.kernels._splitk import config
 
 GEMV_CONFIGS = [config(16, n, k, 4, s) for n in (64, 32, 128) for k in (128, 64, 32) for s in (2, 4)]
@@ -60,7 +61,7 @@ def _w4a16_kernel(
         else:
             z = tl.full([BLOCK_N], 8.0, tl.float32)
         w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x_ptr.dtype.element_ty)
-        acc += _splitk.dot(x, w, FP32_DOT)
+        acc += dot(x, w, FP32_DOT)
     _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
 
 

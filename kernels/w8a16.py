@@ -21,6 +21,7 @@ import triton.language as tl
 
 from optc.formats import Format, FormatKind, linear_ref
 from optc.kernels import _splitk
+from optc.kernels._dot import dot
 from optc.kernels._splitk import config
 
 SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many K
@@ -51,7 +52,7 @@ def _w8a16_kernel(
         q = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0)  # (BLOCK_K, BLOCK_N)
         w = (q.to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
-        acc += _splitk.dot(x, w, FP32_DOT)
+        acc += dot(x, w, FP32_DOT)
     _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
 
 

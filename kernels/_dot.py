@@ -1,0 +1,24 @@
+"""`tl.dot` with the fp32 policy the kernels share, and the host-side choice of that policy.
+
+fp32 operands keep exact fp32 products (input_precision="ieee", no tf32). On the CPU (the Triton
+interpreter) bf16 operands are upcast too, because the interpreter's tl.dot multiplies bf16 bit
+patterns (triton-lang/triton#11584); on CUDA bf16/fp16 operands go to the tensor cores as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, FP32: tl.constexpr):
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+def fp32_dot(t: torch.Tensor) -> bool:
+    """The FP32 constexpr for kernels whose dot operands have `t`'s dtype and device."""
+    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and not t.is_cuda)
