@@ -14,7 +14,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -82,7 +82,6 @@ class Source:
     record: dict  # kind, path or id, revision, sha256 of every file read
     save_tokenizer: Callable[[Path], None]
     quantization: dict | None = None  # set when the checkpoint was pre-quantized
-    extra: dict = field(default_factory=dict)
 
 
 def load_source(spec: str) -> Source:

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from optc.schema import RecipeError, check_value, json_schema, validate
+from optc.schema import RecipeError, json_schema, validate
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
@@ -197,5 +197,3 @@ def _set_dotted(data: dict, key: str, value: Any) -> None:
         data = nxt
     data[parts[-1]] = value
 
-
-__all__ = ["Calibration", "PassSpec", "Recipe", "RecipeError", "Runtime", "Target", "check_value", "load_recipe"]
