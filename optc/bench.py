@@ -225,8 +225,11 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
     else:
         source = json.loads((Path(options.artifact) / "manifest.json").read_text())["source"]
         kind = source.get("kind")
-        if kind == "random":
-            return _hf_from_artifact(Path(options.artifact), device, dtype), f"rebuilt from {source['id']}"
+        # transformers keeps a GGUF's weights packed (its own quantized path); a dense artifact of one is
+        # compared with a dense LlamaForCausalLM holding the same weights, as random: sources are
+        if kind == "random" or (kind == "gguf" and _is_dense(Path(options.artifact))):
+            what = source.get("id") or Path(source["path"]).name
+            return _hf_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
         if kind == "hf_dir":
             path, kwargs = source["path"], {}
         elif kind == "hub":
@@ -240,6 +243,13 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
     return model.to(device).eval(), f"{path}{' / ' + kwargs['gguf_file'] if 'gguf_file' in kwargs else ''}"
 
 
+def _is_dense(path: Path) -> bool:
+    from optc.ir import Graph
+
+    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    return not any(graph.tensors[t].format.is_quantized for t in graph.used_tensors())
+
+
 def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -251,8 +261,9 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
     if quantized:
-        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source is random; "
-                         "transformers can only be rebuilt from a dense artifact (compare with the dense build)")
+        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
+                         "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
+                         "(compare with the dense build)")
     store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
     state: dict[str, torch.Tensor] = {}
     for node in graph.nodes:  # HF names: fused linears keep the original names as their outputs
