@@ -217,7 +217,7 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     assert_close(logits, expected, rtol=1e-5, what="optc vs rebuilt transformers logits")
     result = run_bench(BenchOptions(artifacts["cpu"], num_requests=3, input_len=6, output_len=3, max_num_seqs=2,
                                     compare_hf=True, show_progress=False))
-    assert result["hf"]["model"] == "rebuilt from random:tiny" and result["hf"]["num_output_tokens"] == 9
+    assert result["hf"]["model"] == "dense, rebuilt from random:tiny" and result["hf"]["num_output_tokens"] == 9
     assert result["cuda_graphs"] is None  # the CPU runs eager
 
     recipe = tmp_path / "int4.yaml"
