@@ -222,7 +222,7 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
 
     recipe = tmp_path / "int4.yaml"
     recipe.write_text("model: random:tiny\ndtype: float32\npasses: [{quantize_rtn: {bits: 4, group_size: 32}}]\n")
-    with pytest.raises(ValueError, match="holds int4_g weights and its source is random"):
+    with pytest.raises(ValueError, match="holds int4_g weights and its source has no transformers checkpoint"):
         _hf_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
 
 
