@@ -252,9 +252,10 @@ def _is_dense(path: Path) -> bool:
 
 def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from optc.formats import FormatKind
+    from optc.frontend import hf_llama_config
     from optc.ir import Graph
     from optc.store import TensorStore
 
@@ -274,18 +275,11 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
                               zip(node.outputs, weight.split(node.attrs["split"], 0), strict=True)})
             else:
                 state[name] = weight
-    c = graph.config
-    config = LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=c.attention_bias, dtype=dtype,
-    )
+    config = hf_llama_config(graph.config, dtype=dtype)
     with torch.device("meta"):  # no random init: the weights are assigned below
         model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if c.tie_word_embeddings:
+    if graph.config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise ValueError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "

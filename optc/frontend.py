@@ -212,6 +212,20 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     )
 
 
+def hf_llama_config(config: ModelConfig, **extra):
+    """The transformers LlamaConfig of a model config (the inverse of config_from_hf, for Llama graphs)."""
+    from transformers import LlamaConfig
+
+    c = config
+    return LlamaConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias, **({"rope_scaling": c.rope_scaling} if c.rope_scaling else {}), **extra,
+    )
+
+
 def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
     names = {v: k for k, v in DTYPES.items()}
     table = {}

@@ -38,6 +38,18 @@ def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model:
     )
 
 
+def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
+    from transformers import LlamaForCausalLM
+
+    from optc.frontend import hf_llama_config, load_source
+
+    src = load_source("random:tiny")
+    hf = LlamaForCausalLM(hf_llama_config(src.graph.config))
+    hf.load_state_dict({n: src.store.get(n) for n in src.store.names()}, strict=True)
+    return hf.to(device, dtype).eval()
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
     kv = engine.kv_manager

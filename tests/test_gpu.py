@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from optc.frontend import load_source
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
-from optc.testing import assert_close, build_artifact
+from optc.testing import assert_close, build_artifact, tiny_hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PASSES = "[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, {kv_layout: {block_size: 16}}, select_kernels]"
@@ -28,28 +26,6 @@ TOL = {
 }
 
 
-def _hf(dtype: torch.dtype) -> LlamaForCausalLM:
-    src = load_source("random:tiny")
-    c = src.graph.config
-    hf = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            vocab_size=c.vocab_size,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=False,
-        )
-    )
-    hf.load_state_dict({n: src.store.get(n) for n in src.store.names()}, strict=True)
-    return hf.to("cuda", dtype).eval()
-
-
 @pytest.mark.parametrize(("dtype", "kernels"), list(TOL), ids=[f"{d}-{k}" for d, k in TOL])
 def test_tiny_on_cuda_matches_transformers(tmp_path, dtype, kernels):
     recipe = tmp_path / "r.yaml"
@@ -58,7 +34,7 @@ def test_tiny_on_cuda_matches_transformers(tmp_path, dtype, kernels):
     engine = Engine.load(build_artifact(tmp_path / "a", recipe), device="cuda", num_blocks=256)  # not 90% of the GPU
     bound = {n.attrs.get("kernel", "torch").split(".")[0] for n in engine.model.graph.nodes}
     assert ("triton" in bound) == (kernels == "triton")
-    hf = _hf(getattr(torch, dtype))
+    hf = tiny_hf_model(getattr(torch, dtype), "cuda")
     tol = TOL[(dtype, kernels)]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 64)]

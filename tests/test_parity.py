@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from optc.frontend import load_source
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
-from optc.testing import assert_close, build_artifact
+from optc.testing import assert_close, build_artifact, tiny_hf_model
 
 NEW_TOKENS = 48
 SMOLLM2_PROMPTS = [
@@ -43,25 +42,7 @@ def _hf_greedy(hf, ids: list[int], eos) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_hf():
-    src = load_source("random:tiny")
-    c = src.graph.config
-    hf = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            vocab_size=c.vocab_size,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=c.rope_theta,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=False,
-        )
-    )
-    hf.load_state_dict({n: src.store.get(n) for n in src.store.names()}, strict=True)
-    return hf.eval()
+    return tiny_hf_model()
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
