@@ -58,14 +58,7 @@ PRESETS = {
         vocab_size=128256,
         max_position_embeddings=8192,
         tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
+        rope_theta=500000.0,  # Llama-3-8B: no rope scaling (that came with Llama 3.1's longer context)
     ),
 }
 RANDOM_SEED = 0
