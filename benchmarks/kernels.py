@@ -1,6 +1,7 @@
-"""Kernel benchmarks at Llama-3-8B decode shapes: each Triton kernel next to its torch equivalent.
+"""Kernel benchmarks at Llama-3-8B (or SmolLM2) decode shapes: each Triton kernel next to its torch equivalent.
 
     python benchmarks/kernels.py [--json out.json] [--repeats 50]
+    python benchmarks/kernels.py --compile-only [--arch 90] [--all-configs]    # no GPU needed
 
 Per kernel and shape it prints the median time (CUDA events, after warmup), the bytes the kernel
 must move (formula in `_cases`), achieved GB/s = bytes / time, and that as a fraction of the
@@ -8,22 +9,49 @@ device-to-device copy bandwidth measured in the same run (2 * bytes / time of a 
 torch equivalent is the reference path: dequantize + matmul (cuBLAS) for the quantized linears,
 gather the paged KV + F.scaled_dot_product_attention for decode, eager torch for the rest; its GB/s
 uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Needs CUDA.
+Prefill rows (linears at M=512, paged_prefill) are compute-bound: their GB/s is not their limit.
+
+--compile-only needs no GPU: each case's Triton launches compile for the GPU of --arch (Triton's
+own compiler and the ptxas in its wheel) and do not run; it prints each compiled kernel's registers,
+spilled bytes and shared memory, and fails on a compiler error or a launch that cannot fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+from dataclasses import dataclass
 from functools import partial as bind
 
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, GROUP = 4096, 14336, 32, 8, 128, 128
 BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
-LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+PREFILL = 512  # prompt tokens of the prefill rows (linears at M=PREFILL take the tiled GEMM path)
+
+
+@dataclass(frozen=True)
+class Model:
+    """The shapes a model's kernels see; `group` is the int4 group size its recipes use."""
+
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    group: int
+
+    @property
+    def linears(self) -> dict[str, tuple[int, int]]:  # name -> (N, K)
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"qkv": (q + 2 * kv, self.hidden), "o": (self.hidden, q), "gate_up": (2 * self.inter, self.hidden),
+                "down": (self.hidden, self.inter)}
+
+
+MODELS = {"llama-3-8b": Model(4096, 14336, 32, 8, 128, 128), "smollm2-135m": Model(576, 1536, 9, 3, 64, 64)}
 
 
 def time_ms(fn, warmup: int, repeats: int) -> float:
@@ -46,84 +74,175 @@ def copy_bandwidth(warmup: int, repeats: int) -> float:
     return 2 * src.numel() / (time_ms(lambda: dst.copy_(src), warmup, repeats) * 1e-3)
 
 
-def _cases():
-    """Yields (kernel, shape, bytes moved, triton fn, torch fn)."""
-    from optc.formats import Format, FormatKind, linear_ref, pack_int4
-    from optc.kernels import activation, norm, paged_decode, rope, w4a16, w8a16
+def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, rand=None):
+    """Yields (kernel, shape, bytes moved, triton fn, torch fn) at `model`'s shapes on `dev` in `dt`. `rand(*shape,
+    dtype=)` makes the data (default torch.randn; --compile-only passes torch.empty); block
+    tables, positions and lengths are always real."""
+    from optc.formats import Format, FormatKind, linear_ref
+    from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
 
-    dev, dt, e = "cuda", torch.bfloat16, 2
-    w = torch.randn(HIDDEN, device=dev, dtype=dt)
-    cos_sin = torch.randn(8192, HEAD_DIM, device=dev)
+    m, rand = model, rand or torch.randn
+    data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
+    e, name = dt.itemsize, str(dt).removeprefix("torch.")
+    w = data(m.hidden)
+    cos_sin = data(8192, m.head_dim, dtype=torch.float32)
     for t in BATCHES:
-        x, r = torch.randn(2, t, HIDDEN, device=dev, dtype=dt)
-        yield "rms_norm", f"T={t}", (2 * t + 1) * HIDDEN * e, bind(norm.rms_norm, x, w, 1e-5), \
+        x, r = data(2, t, m.hidden)
+        yield "rms_norm", f"T={t}", (2 * t + 1) * m.hidden * e, bind(norm.rms_norm, x, w, 1e-5), \
             bind(norm.rms_norm_ref, x, w, 1e-5)
-        yield "add_rms_norm", f"T={t}", (4 * t + 1) * HIDDEN * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
+        yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
             bind(norm.add_rms_norm_ref, x, r, w, 1e-5)
-        gu = torch.randn(t, 2 * INTER, device=dev, dtype=dt)
-        yield "silu_mul", f"T={t}", 3 * t * INTER * e, bind(activation.silu_mul, gu), \
+        gu = data(t, 2 * m.inter)
+        yield "silu_mul", f"T={t}", 3 * t * m.inter * e, bind(activation.silu_mul, gu), \
             bind(activation.silu_mul_ref, gu)
-        q = torch.randn(t, HEADS, HEAD_DIM, device=dev, dtype=dt)
-        k, v = torch.randn(2, t, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+        q = data(t, m.heads, m.head_dim)
+        k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
-        cache = torch.zeros(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
-        byts = (2 * HEADS + 4 * KV_HEADS) * t * HEAD_DIM * e + t * HEAD_DIM * 4
+        cache = data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
+        byts = (2 * m.heads + 4 * m.kv_heads) * t * m.head_dim * e + t * m.head_dim * 4
         args = (q, k, v, pos, cos_sin, cache, slots)
         yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope.rope_kv_store_ref, *args)
         for ctx in CONTEXTS:
-            byts = 2 * t * ctx * KV_HEADS * HEAD_DIM * e + 2 * t * HEADS * HEAD_DIM * e
-            yield ("paged_decode", f"B={t} ctx={ctx}", byts, *_decode(t, ctx, paged_decode.paged_decode))
-        for name, (n, kk) in LINEARS.items():
-            xl = torch.randn(t, kk, device=dev, dtype=dt)
-            fmt4 = Format(FormatKind.INT4_G, dtype="bfloat16", bits=4, group_size=GROUP, zero_point=True,
-                          packing="k8_lsb")
-            p4 = {"qweight": pack_int4(torch.randint(0, 16, (n, kk), device=dev)),
-                  "scales": torch.rand(n, kk // GROUP, device=dev, dtype=dt) * 0.01,
-                  "zeros": torch.randint(0, 16, (n, kk // GROUP), device=dev, dtype=torch.uint8)}
+            byts = 2 * t * ctx * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
+            yield ("paged_decode", f"B={t} ctx={ctx}", byts, *_decode(m, t, ctx, dev, data, paged_decode.paged_decode))
+    for t in BATCHES + (PREFILL,):
+        for lin, (n, kk) in m.linears.items():
+            xl = data(t, kk)
+            fmt4 = Format(FormatKind.INT4_G, dtype=name, bits=4, group_size=m.group, zero_point=True, packing="k8_lsb")
+            p4 = {"qweight": torch.randint(-2**31, 2**31 - 1, (n, kk // 8), dtype=torch.int32, device=dev),
+                  "scales": data(n, kk // m.group) * 0.01,
+                  "zeros": torch.randint(0, 16, (n, kk // m.group), device=dev, dtype=torch.uint8)}
             io = (t * kk + t * n) * e
-            yield f"w4a16.{name}", f"M={t} N={n} K={kk}", n * kk // 2 + n * kk // GROUP * (e + 1) + io, \
+            yield f"w4a16.{lin}", f"M={t} N={n} K={kk}", n * kk // 2 + n * kk // m.group * (e + 1) + io, \
                 bind(w4a16.w4a16_linear, xl, p4, fmt4), bind(linear_ref, xl, p4, fmt4)
-            fmt8 = Format(FormatKind.INT8_WO, dtype="bfloat16", bits=8)
+            fmt8 = Format(FormatKind.INT8_WO, dtype=name, bits=8)
             p8 = {"qweight": torch.randint(-127, 128, (n, kk), device=dev, dtype=torch.int8),
-                  "scales": torch.rand(n, device=dev, dtype=dt) * 0.01}
-            yield f"w8a16.{name}", f"M={t} N={n} K={kk}", n * kk + n * e + io, \
+                  "scales": data(n) * 0.01}
+            yield f"w8a16.{lin}", f"M={t} N={n} K={kk}", n * kk + n * e + io, \
                 bind(w8a16.w8a16_linear, xl, p8, fmt8), bind(linear_ref, xl, p8, fmt8)
+    for batch in (1, 4):  # prefill: `batch` prompts of PREFILL tokens each (compute-bound; bytes are the minimum)
+        byts = 4 * batch * PREFILL * (m.heads + m.kv_heads) * m.head_dim * e
+        fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill)
+        yield ("paged_prefill", f"B={batch} T={PREFILL}", byts, *fns)
 
 
-def _decode(batch, ctx, kernel):
-    dev, dt = "cuda", torch.bfloat16
-    per = ctx // BLOCK_SIZE
-    cache = torch.randn(1 + batch * per, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=dt)
+def _paged(m, batch, ctx, dev, data):
+    """A KV cache holding `batch` contexts of `ctx` tokens in shuffled blocks, with its tables."""
+    per = -(-ctx // BLOCK_SIZE)
+    cache = data(1 + batch * per, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
     tables = (torch.randperm(batch * per, device=dev) + 1).int().view(batch, per)
     seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
+    return cache, tables, seq_lens
+
+
+def _decode(m, batch, ctx, dev, data, kernel):
+    cache, tables, seq_lens = _paged(m, batch, ctx, dev, data)
     starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=dev, dtype=dt)
-    scale = HEAD_DIM ** -0.5
+    q = data(batch, m.heads, m.head_dim)
+    scale = m.head_dim ** -0.5
 
     def torch_fn():  # gather each request's K/V, then SDPA with GQA (no causal mask needed for decode)
-        kv = cache[tables.long()].transpose(1, 2).reshape(batch, 2, ctx, KV_HEADS, HEAD_DIM)
+        kv = cache[tables.long()].transpose(1, 2).reshape(batch, 2, ctx, m.kv_heads, m.head_dim)
         k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # (B, H_kv, ctx, D)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-    return lambda: kernel(q, cache, tables, seq_lens, starts, scale, max_seq_len=ctx), torch_fn
+    return bind(kernel, q, cache, tables, seq_lens, starts, scale, max_seq_len=ctx), torch_fn
+
+
+def _prefill(m, batch, dev, data, kernel):
+    cache, tables, seq_lens = _paged(m, batch, PREFILL, dev, data)
+    starts = torch.arange(0, (batch + 1) * PREFILL, PREFILL, device=dev, dtype=torch.int32)
+    q = data(batch * PREFILL, m.heads, m.head_dim)
+    scale = m.head_dim ** -0.5
+
+    def torch_fn():  # causal SDPA with GQA over each prompt's gathered K/V
+        kv = cache[tables.long()].transpose(1, 2).reshape(batch, 2, PREFILL, m.kv_heads, m.head_dim)
+        k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+        qb = q.view(batch, PREFILL, m.heads, m.head_dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(qb, k, v, scale=scale, is_causal=True, enable_gqa=True)
+
+    return bind(kernel, q, cache, tables, seq_lens, starts, scale, max_query_len=PREFILL), torch_fn
+
+
+def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) -> dict:
+    """Compile every kernel the cases launch for sm_{arch}, without a GPU (optc.kernels.compile_only):
+    one row per distinct compiled config, and the failures (compiler errors; launches with no
+    config that fits in the GPU's shared memory)."""
+    import triton
+
+    from optc.kernels.compile_only import MAX_SHARED, compile_only
+
+    seen, rows, failures = set(), [], []
+    for name in dtypes:
+        for kernel, shape, _, tri, _ in _cases(MODELS[model], "cpu", getattr(torch, name), torch.empty):
+            where = f"{kernel} {shape} {name}"
+            with compile_only(arch, all_configs) as launches:
+                try:
+                    tri()
+                except Exception as exc:  # what the compiler refuses, reported with the case
+                    failures.append(f"{where}: {type(exc).__name__}: {exc}")
+            failures += [f"{where}: no config of {launch.kernel} fits in {MAX_SHARED[arch]} bytes of shared memory"
+                         for launch in launches if not launch.fits]
+            for c in (c for launch in launches for c in launch.configs):
+                key = (c.name, name, tuple(c.config.items()))
+                if key not in seen:
+                    seen.add(key)
+                    rows.append({"kernel": c.name, "dtype": name, "config": c.config, "registers": c.registers,
+                                 "spill_bytes": c.spill_bytes, "shared_bytes": c.shared_bytes, "fits": c.fits})
+    return {"model": model, "arch": arch, "triton": triton.__version__, "all_configs": all_configs, "compiled": rows,
+            "failures": failures}
+
+
+def _print_compile_report(report: dict) -> None:
+    print(f"{report['model']} shapes compiled for sm_{report['arch']} with triton {report['triton']}, no GPU used "
+          f"({'every autotune config' if report['all_configs'] else 'first autotune config'})")
+    print(f"{'kernel':<24} {'dtype':<9} {'regs':>5} {'spill':>6} {'smem KB':>8}  config")
+    for r in report["compiled"]:
+        config = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        print(f"{r['kernel']:<24} {r['dtype']:<9} {r['registers']:5d} {r['spill_bytes']:6d} "
+              f"{r['shared_bytes'] / 1024:8.1f}{'' if r['fits'] else '!'}  {config}")
+    for failure in report["failures"]:
+        print(f"FAILED {failure}")
+    print(f"{len(report['compiled'])} kernels compiled, {len(report['failures'])} failures")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results to this file")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
+    ap.add_argument("--repeats", type=int, default=50, help="timed runs; the median is reported (default 50)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b",
+                    help="whose shapes the cases use (default llama-3-8b)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="no GPU needed: compile every kernel the benchmark launches for --arch and print "
+                         "registers, spills and shared memory; exit 1 on a compiler error or a launch that "
+                         "cannot fit")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability for --compile-only (default 90, H100)")
+    ap.add_argument("--all-configs", action="store_true",
+                    help="--compile-only: compile every autotune config, not just the first one kept")
+    ap.add_argument("--dtypes", default="bfloat16,float16,float32",
+                    help="--compile-only: activation dtypes, comma-separated (default bfloat16,float16,float32)")
     args = ap.parse_args(argv)
+    if args.compile_only:
+        os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones (read at import)
+        os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is its default
+        report = compile_report(args.model, args.arch, args.all_configs, args.dtypes.split(","))
+        _print_compile_report(report)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return 1 if report["failures"] else 0
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none is available on this machine", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     peak = copy_bandwidth(args.warmup, args.repeats)
-    print(f"device: {torch.cuda.get_device_name()}; device-to-device copy: {peak / 1e9:.0f} GB/s")
+    print(f"device: {torch.cuda.get_device_name()}; device-to-device copy: {peak / 1e9:.0f} GB/s; "
+          f"{args.model} shapes")
     print(f"{'kernel':<14} {'shape':<26} {'MB':>8} {'triton us':>10} {'GB/s':>7} {'%copy':>6} "
           f"{'torch us':>10} {'GB/s':>7} {'speedup':>8}")
     rows = []
-    for kernel, shape, byts, tri, ref in _cases():
+    for kernel, shape, byts, tri, ref in _cases(MODELS[args.model]):
         t_ms, r_ms = time_ms(tri, args.warmup, args.repeats), time_ms(ref, args.warmup, args.repeats)
         row = {"kernel": kernel, "shape": shape, "bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3,
                "triton_gbps": byts / t_ms / 1e6, "torch_gbps": byts / r_ms / 1e6,
@@ -133,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['fraction_of_copy']:6.1%} {row['torch_us']:10.1f} {row['torch_gbps']:7.0f} {row['speedup']:7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gbps": peak / 1e9, "results": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": peak / 1e9,
+                       "results": rows}, f, indent=1)
     return 0
 
 

@@ -1,8 +1,10 @@
 """`tl.dot` with the fp32 policy the kernels share, and the host-side choice of that policy.
 
-fp32 operands keep exact fp32 products (input_precision="ieee", no tf32). On the CPU (the Triton
-interpreter) bf16 operands are upcast too, because the interpreter's tl.dot multiplies bf16 bit
-patterns (triton-lang/triton#11584); on CUDA bf16/fp16 operands go to the tensor cores as they are.
+fp32 operands keep exact fp32 products (input_precision="ieee", no tf32). Under the Triton
+interpreter (TRITON_INTERPRET=1, the CPU) bf16 operands are upcast too, because the interpreter's
+tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584); compiled for a GPU, bf16/fp16
+operands go to the tensor cores as they are. The choice follows the interpreter, not the tensor's
+device, so a compile-only check on the CPU (optc.kernels.compile_only) builds what CUDA runs.
 """
 
 from __future__ import annotations
@@ -21,4 +23,4 @@ def dot(a, b, FP32: tl.constexpr):
 
 def fp32_dot(t: torch.Tensor) -> bool:
     """The FP32 constexpr for kernels whose dot operands have `t`'s dtype and device."""
-    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and not t.is_cuda)
+    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and triton.knobs.runtime.interpret)

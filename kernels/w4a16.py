@@ -4,11 +4,16 @@ registers.
 One kernel, two launch shapes chosen by M (see _splitk): a split-K GEMV for M <= 16 (decode; tiles
 of 16 rows, K split across programs so a small N still fills the GPU; fp32 partials summed by the
 launcher) and a tiled GEMM for larger M (prefill). Per K tile the packed words of W (N, K // 8)
-int32 are gathered once per nibble, unpacked `(word >> 4 * (k % 8)) & 0xF`, dequantized as
-(q - z) * s in fp32 with the tile's group scale and zero point, rounded to x's dtype (the reference
-dequantizes to x's dtype before its matmul), and fed to tl.dot with an fp32 accumulator; bias is
-added in fp32; one cast on store. BLOCK_K divides the group size, so one scale (and zero) per
-output column serves a K tile.
+int32 are loaded once, as a (BLOCK_K // 8, BLOCK_N) tile, unpacked in registers (nibble j of a
+word is `(word >> 4 * j) & 0xF`, laid out (BLOCK_K // 8, 8, BLOCK_N) and reshaped to
+(BLOCK_K, BLOCK_N), which is k8_lsb's order), dequantized as (q - z) * s in fp32 with the tile's
+group scale and zero point, rounded to x's dtype (the reference dequantizes to x's dtype before
+its matmul), and fed to tl.dot with an fp32 accumulator; bias is added in fp32; one cast on store.
+BLOCK_K divides the group size, so one scale (and zero) per output column serves a K tile, and
+every K tile is whole (K and each split are whole groups): the weight loads are masked along N
+only, which lets them compile to 16-byte copies. (Gathering one word per nibble instead, as an
+earlier version did, compiled for sm_90 to 8x the load instructions, 4-byte copies and twice the
+shared memory: benchmarks/kernels.py --compile-only.)
 
 Autotune configs are data (GEMV_CONFIGS, GEMM_CONFIGS), pruned so BLOCK_K divides the group size;
 on the CPU (the Triton interpreter, which cannot time kernels) the first surviving config runs.
@@ -48,12 +53,13 @@ def _w4a16_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
     rows_n = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    shifts = tl.arange(0, 8) * 4
     for k0 in range(k_start, k_end, BLOCK_K):
-        x, offs_k, mask_k = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K)
-        # w tile (BLOCK_K, BLOCK_N): nibble k % 8 of word k // 8 of row n
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + (offs_k // 8)[:, None], mask=mask_kn, other=0)
-        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        x, _, _ = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K)
+        # w tile (BLOCK_K, BLOCK_N): nibble k % 8 of word k // 8 of row n; whole K tiles, no K mask
+        offs_w = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_w[:, None], mask=mask_n[None, :], other=0)
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         group = k0 // group_size  # BLOCK_K divides the group size: one group per K tile
         s = tl.load(scales_ptr + rows_n * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
         if HAS_ZEROS:

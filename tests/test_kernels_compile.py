@@ -1,0 +1,117 @@
+"""Every Triton kernel compiles for sm_90 (H100) on a machine without a GPU, and fits it.
+
+The interpreter tests check what the kernels compute; these check what only the compiler sees:
+tile shapes it refuses, registers spilled, shared memory past the per-block limit. They run
+`benchmarks/kernels.py --compile-only` (and small scripts) in processes of their own, because the
+kernel modules must be imported with TRITON_INTERPRET unset. Nothing here runs a kernel.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from optc.kernels import w4a16, w8a16
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+FAMILIES = {"_w4a16_kernel", "_w8a16_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
+            "_rms_norm_kernel", "_rope_kv_store_kernel", "_silu_mul_kernel"}
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+
+
+def _compile_report(tmp_path, *args):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--compile-only", "--json", str(out), *args],
+                          capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _tiles(report, kernel):
+    return {(c["config"]["BLOCK_M"], c["config"]["BLOCK_N"], c["config"]["BLOCK_K"], c["config"]["num_warps"],
+             c["config"]["num_stages"]) for c in report["compiled"] if c["kernel"] == kernel}
+
+
+def _config_tiles(configs):
+    return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in configs}
+
+
+def test_kernels_compile_sm90_every_autotune_config_bf16_without_spills(tmp_path):
+    report = _compile_report(tmp_path, "--all-configs", "--dtypes", "bfloat16")
+    assert {c["kernel"] for c in report["compiled"]} == FAMILIES
+    # every config of the quantized linears' autotune lists was compiled (group 128 prunes none) ...
+    for module, kernel in ((w4a16, "_w4a16_kernel"), (w8a16, "_w8a16_kernel")):
+        assert _tiles(report, kernel) == _config_tiles(module.GEMV_CONFIGS + module.GEMM_CONFIGS)
+    # ... and none of them, nor any other kernel, spills registers or overflows shared memory
+    bad = [(c["kernel"], c["config"], c["spill_bytes"], c["shared_bytes"])
+           for c in report["compiled"] if c["spill_bytes"] or not c["fits"]]
+    assert not bad
+
+
+def test_kernels_compile_sm90_fp16_fp32(tmp_path):
+    # fp32 (exact products, no tensor cores) is for parity runs: it may spill, but must compile and fit
+    report = _compile_report(tmp_path, "--dtypes", "float16,float32")
+    assert {c["kernel"] for c in report["compiled"]} == FAMILIES
+    assert not [c for c in report["compiled"] if c["dtype"] == "float16" and c["spill_bytes"]]
+
+
+def test_kernels_compile_sm90_smollm2_shapes(tmp_path):
+    # head_dim 64, 9 query heads over 3 KV heads, hidden 576, int4 groups of 64
+    report = _compile_report(tmp_path, "--model", "smollm2-135m", "--dtypes", "bfloat16,float16")
+    assert {c["kernel"] for c in report["compiled"]} == FAMILIES
+    assert not [c for c in report["compiled"] if c["spill_bytes"]]
+
+
+def test_compile_only_reports_what_the_interpreter_accepts(tmp_path):
+    # a plain Python helper called from a kernel runs under the interpreter; the compiler refuses it
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent('''
+        import sys
+        import torch
+        import triton
+        import triton.language as tl
+        from optc.kernels.compile_only import compile_only
+
+        def twice(x):
+            return x * 2
+
+        @triton.jit
+        def scale(a_ptr, out_ptr, B: tl.constexpr):
+            offs = tl.arange(0, B)
+            tl.store(out_ptr + offs, tl.load(a_ptr + offs) * 2)
+
+        @triton.jit
+        def scale_by_helper(a_ptr, out_ptr, B: tl.constexpr):
+            offs = tl.arange(0, B)
+            tl.store(out_ptr + offs, twice(tl.load(a_ptr + offs)))
+
+        a = torch.randn(64)
+        out = torch.empty_like(a)
+        if triton.knobs.runtime.interpret:
+            scale_by_helper[(1,)](a, out, B=64)
+            assert torch.equal(out, 2 * a)
+            sys.exit(0)
+        with compile_only(90) as launches:
+            scale[(1,)](a, out, B=64)
+        (launch,) = launches
+        (compiled,) = launch.configs
+        assert launch.fits and compiled.registers > 0 and compiled.config["B"] == 64, launch
+        with compile_only(90):
+            try:
+                scale_by_helper[(1,)](a, out, B=64)
+            except Exception as exc:
+                print("refused:", str(exc).splitlines()[-1])
+                sys.exit(0)
+        sys.exit("compiled a call of a plain Python function")
+    '''))
+    interpreted = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                                 env=_env() | {"TRITON_INTERPRET": "1"})
+    assert interpreted.returncode == 0, interpreted.stdout + interpreted.stderr
+    compiled = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=300)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    assert "refused: Unsupported function referenced" in compiled.stdout
