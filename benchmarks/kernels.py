@@ -13,7 +13,8 @@ Prefill rows (linears at M=512, paged_prefill) are compute-bound: their GB/s is 
 
 --compile-only needs no GPU: each case's Triton launches compile for the GPU of --arch (Triton's
 own compiler and the ptxas in its wheel) and do not run; it prints each compiled kernel's registers,
-spilled bytes and shared memory, and fails on a compiler error or a launch that cannot fit.
+spilled bytes, shared memory and global-load instructions by width (e.g. 8x16B), and fails on a
+compiler error or a launch that cannot fit.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) 
                 if key not in seen:
                     seen.add(key)
                     rows.append({"kernel": c.name, "dtype": name, "config": c.config, "registers": c.registers,
-                                 "spill_bytes": c.spill_bytes, "shared_bytes": c.shared_bytes, "fits": c.fits})
+                                 "spill_bytes": c.spill_bytes, "shared_bytes": c.shared_bytes, "fits": c.fits,
+                                 "loads": c.loads})
     return {"model": model, "arch": arch, "triton": triton.__version__, "all_configs": all_configs, "compiled": rows,
             "failures": failures}
 
@@ -196,11 +198,12 @@ def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) 
 def _print_compile_report(report: dict) -> None:
     print(f"{report['model']} shapes compiled for sm_{report['arch']} with triton {report['triton']}, no GPU used "
           f"({'every autotune config' if report['all_configs'] else 'first autotune config'})")
-    print(f"{'kernel':<24} {'dtype':<9} {'regs':>5} {'spill':>6} {'smem KB':>8}  config")
+    print(f"{'kernel':<24} {'dtype':<9} {'regs':>5} {'spill':>6} {'smem KB':>8}  {'global loads':<22} config")
     for r in report["compiled"]:
         config = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        loads = " ".join(f"{n}x{w}B" for w, n in r["loads"].items())
         print(f"{r['kernel']:<24} {r['dtype']:<9} {r['registers']:5d} {r['spill_bytes']:6d} "
-              f"{r['shared_bytes'] / 1024:8.1f}{'' if r['fits'] else '!'}  {config}")
+              f"{r['shared_bytes'] / 1024:8.1f}{'' if r['fits'] else '!'}  {loads:<22} {config}")
     for failure in report["failures"]:
         print(f"FAILED {failure}")
     print(f"{len(report['compiled'])} kernels compiled, {len(report['failures'])} failures")

@@ -5,8 +5,10 @@ the compiler refuses, and it says nothing of registers, spills or shared memory.
 `compile_only(arch)`, every kernel launch compiles for that GPU through Triton's own pipeline down
 to a cubin (with the ptxas bundled in the triton wheel) and returns without running; an autotuned
 launch compiles every config its pruning keeps. Each launch is recorded with, per compiled config,
-its registers and spilled bytes (read from the cubin by the bundled cuobjdump) and its shared
-memory, checked against the GPU's per-block limit.
+its registers and spilled bytes (read from the cubin by the bundled cuobjdump), its shared memory,
+checked against the GPU's per-block limit, and its global loads by width (from the PTX: `ld.global`
+and `cp.async`, counted as instructions in the program text, not as executed): a memory-bound kernel
+should move its bulk in 16-byte loads.
 
 What this cannot tell: whether a kernel computes the right thing or is fast on the device. It needs
 a process in which TRITON_INTERPRET was unset when the kernel modules were imported (Triton decides
@@ -48,6 +50,7 @@ class Compiled:
     spill_bytes: int  # local memory per thread (register spills and stack)
     shared_bytes: int
     max_shared: int
+    loads: dict[int, int]  # global-load width in bytes -> instructions in the PTX
 
     @property
     def fits(self) -> bool:
@@ -141,7 +144,19 @@ def compile_only(arch: int = 90, all_configs: bool = True) -> Iterator[list[Laun
 
 def _describe(kernel, config: dict[str, object], arch: int) -> Compiled:
     registers, spill = _resource_usage(kernel.asm["cubin"])
-    return Compiled(kernel.metadata.name, config, registers, spill, kernel.metadata.shared, MAX_SHARED[arch])
+    return Compiled(kernel.metadata.name, config, registers, spill, kernel.metadata.shared, MAX_SHARED[arch],
+                    global_loads(kernel.asm["ptx"]))
+
+
+_LD = re.compile(r"\bld\.global(?:\.[A-Za-z_:0-9]+)*?(?:\.v(\d))?\.[bfsu](\d+)\s")
+_CP = re.compile(r"\bcp\.async\.c[ag]\.shared\.global[^;]*?,\s*(0x[0-9a-f]+|\d+)\s*[,;]")
+
+
+def global_loads(ptx: str) -> dict[int, int]:
+    """Global-load width in bytes -> how many such instructions the PTX holds (ld.global, cp.async)."""
+    widths = [int(vec or 1) * int(bits) // 8 for vec, bits in _LD.findall(ptx)]
+    widths += [int(size, 0) for size in _CP.findall(ptx)]
+    return {w: widths.count(w) for w in sorted(set(widths), reverse=True)}
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int]:

@@ -51,6 +51,12 @@ def test_kernels_compile_sm90_every_autotune_config_bf16_without_spills(tmp_path
     bad = [(c["kernel"], c["config"], c["spill_bytes"], c["shared_bytes"])
            for c in report["compiled"] if c["spill_bytes"] or not c["fits"]]
     assert not bad
+    # the quantized weights stream in wide copies: with K tiles of 64 or more, no 4-byte loads (a
+    # w4a16 that gathered one word per nibble compiled to 4-byte cp.async only)
+    narrow = [(c["kernel"], c["config"], c["loads"]) for c in report["compiled"]
+              if c["kernel"] in ("_w4a16_kernel", "_w8a16_kernel") and c["config"]["BLOCK_K"] >= 64
+              and ("4" in c["loads"] or "16" not in c["loads"])]
+    assert not narrow
 
 
 def test_kernels_compile_sm90_fp16_fp32(tmp_path):
