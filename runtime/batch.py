@@ -82,9 +82,8 @@ class ForwardBatch:
             starts.append(end)
             seq_lens.append(start + len(new))
         width = max((len(b) for b in block_ids), default=0) or 1
-        table = torch.zeros((num_requests, width), dtype=torch.int32)
-        for b, blocks in enumerate(block_ids):
-            table[b, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_ids] or [[0]],
+                             dtype=torch.int32)[:num_requests]  # one tensor, not one per row
         query_lens = [len(t) for t in token_ids]
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
