@@ -21,6 +21,11 @@ def dot(a, b, FP32: tl.constexpr):
     return tl.dot(a, b)
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
+    return triton.knobs.runtime.interpret
+
+
 def fp32_dot(t: torch.Tensor) -> bool:
-    """The FP32 constexpr for kernels whose dot operands have `t`'s dtype and device."""
-    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
+    """The FP32 constexpr for kernels whose dot operands have `t`'s dtype."""
+    return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and interpreting())

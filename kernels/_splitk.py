@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._dot import fp32_dot
+from optc.kernels._dot import fp32_dot, interpreting
 
 GEMV_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
@@ -38,7 +38,7 @@ def autotune(kernel, gemv_configs: list[triton.Config], gemm_configs: list[trito
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}  # `launch` passes every argument by name
         ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
-        return ok[:1] if triton.knobs.runtime.interpret else ok
+        return ok[:1] if interpreting() else ok
 
     by = {"early_config_prune": prune}
     return (triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),

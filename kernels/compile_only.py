@@ -36,6 +36,8 @@ from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
 
+from optc.kernels._dot import interpreting
+
 # the most dynamic shared memory one block may use, by compute capability (CUDA programming guide)
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
@@ -104,7 +106,7 @@ def compile_only(arch: int = 90, all_configs: bool = True) -> Iterator[list[Laun
     """Within it, kernel launches compile for `sm_{arch}` and return without running. Yields the
     list of Launch records, filled as launches happen. `all_configs=False` compiles only the first
     config an autotuned launch keeps."""
-    if triton.knobs.runtime.interpret:
+    if interpreting():
         raise RuntimeError("compile_only needs TRITON_INTERPRET unset before the kernel modules are imported")
     if arch not in MAX_SHARED:
         raise ValueError(f"arch {arch} is not one of {sorted(MAX_SHARED)}")
