@@ -10,7 +10,9 @@ CUDA (`--device cuda`): `random:llama-3-8b` built for target cuda in bf16 and in
 128), with select_kernels and cuda_graphs; batch 1 (4 requests, max_num_seqs 1) and batch 64 (64
 requests); bf16 also with `--eager` (no CUDA graphs), and transformers (`torch.compile`,
 static cache) on a LlamaForCausalLM rebuilt from the bf16 artifact's weights at both batch sizes.
-The int4 rows are compared with that bf16 transformers run (the same weights before quantization).
+The int4 rows are compared with that bf16 transformers run (the same weights before quantization)
+when both run in one process. `--configs`, `--batch-sizes` and `--no-eager` pick a subset, so the
+runs fit in device calls of 10 minutes (benchmarks/gpu_session.sh).
 
 Artifacts are built once under `--work` and reused. Prints a table and writes the results (with
 load average, threads and versions) as JSON. Measures only; asserts nothing.
@@ -48,6 +50,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-dtype", choices=("float32", "bfloat16"), default=DEFAULT_CPU_DTYPE)
     p.add_argument("--no-compare-hf", action="store_true", help="skip transformers")
+    p.add_argument("--configs", default="bf16,int4", help="cuda: which builds, comma-separated (default bf16,int4)")
+    p.add_argument("--batch-sizes", default="1,64", help="cuda: max_num_seqs values, comma-separated (default 1,64)")
+    p.add_argument("--no-eager", action="store_true", help="cuda: skip the --eager (no CUDA graphs) bf16 rows")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args()
     if args.threads:
@@ -78,20 +83,26 @@ def _cpu(args) -> list[dict]:
 
 def _cuda(args) -> list[dict]:
     recipes = {"bf16": "", "int4": "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "}
+    names = args.configs.split(",")
+    unknown = sorted(set(names) - set(recipes))
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; allowed: {', '.join(recipes)}")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = []
-    for name, quant in recipes.items():
+    for name in names:
+        quant = recipes[name]
         recipe = args.work / f"llama-3-8b-{name}.yaml"
         recipe.parent.mkdir(parents=True, exist_ok=True)
         recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
                           f"passes: [{CUDA_PASSES.format(quant=quant)}]\n"
                           "runtime: {max_batch_size: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
         artifact = _artifact(args.work / f"llama-3-8b-{name}", recipe)
-        for batch in (1, 64):
-            base = BenchOptions(artifact, num_requests=4 if batch == 1 else 64, input_len=128, output_len=128,
+        for batch in batch_sizes:
+            base = BenchOptions(artifact, num_requests=4 if batch == 1 else batch, input_len=128, output_len=128,
                                 max_num_seqs=batch, device="cuda", show_progress=not args.quiet)
             compare = name == "bf16" and not args.no_compare_hf
             runs.append(_run(f"llama-3-8b {name}, batch {batch}", replace(base, compare_hf=compare)))
-            if name == "bf16":
+            if name == "bf16" and not args.no_eager:
                 runs.append(_run(f"llama-3-8b {name}, batch {batch}, eager", replace(base, eager=True)))
     hf = {r["max_num_seqs"]: r["hf"] for r in runs if r["hf"]}
     for r in runs:  # int4 and eager rows: against the bf16 transformers run of the same batch size
