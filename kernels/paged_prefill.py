@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._dot import dot, fp32_dot
+from optc.kernels._attend import attend
+from optc.kernels._dot import fp32_dot
 from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
@@ -64,24 +65,9 @@ def _prefill_kernel(
     end = tl.where(tile * BLOCK_M < query_len * G, context_len + last_query + 1, 0)
     kv_base = cache_ptr + kv_head * stride_ch
     for n0 in range(0, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        blocks = tl.load(block_tables_ptr + req * stride_bt + offs_n // block_size, mask=mask_n, other=0)
-        kv_rows = blocks.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_co
-        kv_ptr = kv_base + kv_rows[:, None] + offs_d[None, :]
-        mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
-        k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
-        s = dot(q, tl.trans(k), FP32_DOT)
-        # key 0 is visible to every row, so the first step leaves each row's max finite
-        visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, block_tables_ptr + req * stride_bt, n0, end,
+                               block_size, stride_cb, stride_ckv, stride_co, D, qk_scale,
+                               FP32_DOT, BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]

@@ -1,0 +1,43 @@
+"""The inner step both paged attention kernels share: one tile of keys, read through the block
+table, folded into a flash-attention online softmax.
+
+Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
+it (decode passes the request's last position: every key in the context). Scores are in log2
+units (the scale is folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`,
+sum `l_i` and unnormalized output `acc` are fp32; P is cast to the cache dtype for the second
+dot. The caller divides `acc` by `l_i` at the end.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from optc.kernels._dot import dot
+
+
+@triton.jit
+def attend(
+    q, m_i, l_i, acc, query_pos,
+    kv_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co, D, qk_scale,
+    FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base points at the KV head's K of block 0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < end
+    blocks = tl.load(table_ptr + offs_n // block_size, mask=mask_n, other=0)
+    rows = blocks.to(tl.int64) * stride_cb + (offs_n % block_size) * stride_co
+    kv_ptr = kv_base + rows[:, None] + offs_d[None, :]
+    mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
+    k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
+    s = dot(q, tl.trans(k), FP32_DOT)
+    visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each caller's first step shows every row a key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
+    return m_new, l_i, acc
