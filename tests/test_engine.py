@@ -357,6 +357,17 @@ def test_bench_reports_throughput_latency_and_the_hf_ratio(tiny_artifact, tmp_pa
     result = run_bench(BenchOptions(tiny_artifact, num_requests=3, output_len=2, dataset=dataset, show_progress=False))
     assert result["num_prompt_tokens"] == 11 + 13 + 11
 
+    # one prompt three times, one request at a time: the 2nd and 3rd hit the 1st's full blocks; the
+    # warm-up (prompts of one repeated token, at the workload's length) counts in neither the hit rate
+    # nor the steps
+    dataset.write_text("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat, again\n")
+    result = run_bench(BenchOptions(tiny_artifact, num_requests=3, output_len=2, dataset=dataset, max_num_seqs=1,
+                                    show_progress=False))
+    length, block = result["num_prompt_tokens"] // 3, result["kv_cache"]["block_size"]
+    assert length % block and length > 2 * block
+    assert result["kv_cache"]["prefix_cache_hit_rate"] == pytest.approx(2 * (length // block) * block / (3 * length))
+    assert result["num_steps"] == 3 * 2  # per request: the prefill (and first token), then one decode
+
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
