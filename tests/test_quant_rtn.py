@@ -65,6 +65,8 @@ def test_pack_unpack_exact_and_layout():
     assert torch.equal(unpack_int4(pack_int4(q)), q.to(torch.uint8))
     row = torch.arange(8)[None]  # value k at bits 4k
     assert pack_int4(row).item() == 0x76543210
+    # the word is int32: a top nibble of 8 or more makes it negative (two's complement)
+    assert pack_int4(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 8], [15] * 8])).tolist() == [[-2**31], [-1]]
 
 
 def test_clip_bounds_the_weight():
