@@ -75,7 +75,7 @@ def group_params(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tens
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Integers (as fp32) clamp(round(w / s) + z); scale and zero broadcast against w."""
     qmin, qmax = qrange(fmt)
-    return (torch.round(w.float() / scale) + zero).clamp(qmin, qmax)
+    return torch.div(w.float(), scale).round_().add_(zero).clamp_(qmin, qmax)  # one temporary, not four
 
 
 def pack_parts(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
