@@ -103,11 +103,17 @@ def test_paged_prefill_kernel_rejects_bad_gqa():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_paged_attention_kernels_on_cuda_llama_heads(block_size):
-    args = _case([4096, 513, 77], [1, 1, 1], 32, 8, 128, block_size, torch.bfloat16)
-    args = [a.cuda() for a in args]
-    assert_close(paged_decode(*args, 128**-0.5), paged_attention_ref(*args, 128**-0.5), 2e-2)
-    args = _case([700, 300], [700, 45], 32, 8, 128, block_size, torch.bfloat16)
-    args = [a.cuda() for a in args]
-    assert_close(paged_prefill(*args, 128**-0.5), paged_attention_ref(*args, 128**-0.5), 2e-2)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 32, 128), (9, 3, 64), (32, 8, 128), (64, 8, 128)])
+def test_paged_attention_kernels_on_cuda(dtype, block_size, num_heads, num_kv_heads, head_dim):
+    # GQA ratios 1, 3, 4, 8; decode with the split heuristic at 4096 tokens and ragged lengths, then
+    # prefill and chunked prefill (query shorter than context)
+    scale, tol = head_dim**-0.5, TOL[dtype]
+    args = [a.cuda() for a in _case([4096, 513, 77, 1], [1, 1, 1, 1], num_heads, num_kv_heads, head_dim,
+                                    block_size, dtype)]
+    assert_close(paged_decode(*args, scale), paged_attention_ref(*args, scale), tol)
+    assert_close(paged_decode(*args, scale, num_splits=7), paged_attention_ref(*args, scale), tol)
+    args = [a.cuda() for a in _case([700, 300, 33], [700, 45, 1], num_heads, num_kv_heads, head_dim,
+                                    block_size, dtype)]
+    assert_close(paged_prefill(*args, scale), paged_attention_ref(*args, scale), tol)

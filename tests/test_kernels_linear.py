@@ -117,3 +117,22 @@ def test_linear_kernels_on_cuda_llama_shapes(m):
     parts = {r: t.cuda() for r, t in parts.items()}
     x = _x(m, 14336, torch.bfloat16).cuda()
     assert_close(w8a16_linear(x, parts, fmt), linear_ref(x, parts, fmt), 5e-2, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group,zero_point", [(32, False), (64, True), (128, False)])
+@pytest.mark.parametrize("m", [1, 5, 17, 77])
+def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_point, m):
+    # SmolLM2-sized K (576, 1536), N not a multiple of any tile, with bias
+    n, k = 1000, 576 if group != 128 else 1536
+    tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
+    parts, fmt = _int4(n, k, group, zero_point, dtype)
+    parts = {r: t.cuda() for r, t in parts.items()}
+    x = _x(m, k, dtype).cuda()
+    assert_close(w4a16_linear(x, parts, fmt, bias), linear_ref(x, parts, fmt, bias), tol, 1e-2)
+    parts, fmt = _int8(n, k, dtype)
+    parts = {r: t.cuda() for r, t in parts.items()}
+    assert_close(w8a16_linear(x, parts, fmt, bias), linear_ref(x, parts, fmt, bias), tol, 1e-2)

@@ -81,7 +81,16 @@ def test_silu_mul_kernel_rejects_mismatched_halves():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rms_norm_kernel_on_cuda_llama_width():
-    x = torch.randn(33, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
-    assert_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), 2e-2, 2e-2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [576, 4096, 5000])  # SmolLM2, Llama-3-8B, not a power of two
+def test_norm_and_silu_mul_kernels_on_cuda(dtype, width):
+    g = torch.Generator().manual_seed(width)
+    x, r = ((torch.randn(33, width, generator=g) * 3).to(dtype).cuda() for _ in range(2))
+    w = torch.randn(width, generator=g).to(dtype).cuda()
+    tol = _tol(dtype)
+    assert_close(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), tol, tol)
+    (y, s), (y_ref, s_ref) = add_rms_norm(x, r, w, 1e-5), add_rms_norm_ref(x, r, w, 1e-5)
+    assert torch.equal(s, s_ref)  # the residual sum is rounded once, in x's dtype, on both sides
+    assert_close(y, y_ref, tol, tol)
+    gate_up = torch.randn(33, 2 * width, generator=g).to(dtype).cuda()
+    assert_close(silu_mul(gate_up), silu_mul_ref(gate_up), tol, tol)

@@ -78,11 +78,19 @@ def test_kv_store_kernel_matches_ref():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_rope_kv_store_kernel_on_cuda_llama_heads():
-    q = torch.randn(20, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = torch.randn(2, 20, 8, 128, device="cuda", dtype=torch.bfloat16)
-    pos, slots, cos_sin = torch.arange(20, device="cuda"), torch.arange(16, 36, device="cuda"), _cos_sin(20, 128).cuda()
-    cache, cache_ref = (torch.zeros(4, 2, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_rope_kv_store_kernel_on_cuda(dtype, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(20, heads, head_dim, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(20, kv_heads, head_dim, generator=g).to(dtype).cuda() for _ in range(2))
+    pos = torch.randint(0, 4000, (20,), generator=g).cuda()
+    slots = torch.arange(16, 36).cuda()
+    slots[[3, 11]] = -1  # padding tokens: nothing stored
+    cos_sin = _cos_sin(4096, head_dim).cuda()
+    cache, cache_ref = (torch.zeros(4, 2, 16, kv_heads, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+    atol, rtol = TOL[dtype]
     assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
-                 rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots), 2e-2, 2e-2)
-    assert_close(cache, cache_ref, 2e-2, 2e-2)
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots), atol, rtol)
+    assert_close(cache, cache_ref, atol, rtol)
+    assert_close(rope(q, pos, cos_sin), rope_ref(q, pos, cos_sin), atol, rtol)
