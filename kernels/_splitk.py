@@ -13,6 +13,7 @@ it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that u
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -33,12 +34,15 @@ def autotune(kernel, gemv_configs: list[triton.Config], gemm_configs: list[trito
              k_multiples: tuple[str, ...]) -> tuple[triton.runtime.Autotuner, triton.runtime.Autotuner]:
     """The GEMV and GEMM launch shapes of `kernel`. Configs are pruned to those whose BLOCK_K divides
     each size argument named in `k_multiples` (so no K tile straddles a split or a quantization
-    group); on the CPU (the Triton interpreter, which cannot time kernels) the first survivor runs."""
+    group). The first survivor runs without timing under the Triton interpreter (which cannot time
+    kernels) and when the environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests
+    use it where they check formats, not speed); otherwise Triton times every survivor once per
+    shape and keeps the fastest."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}  # `launch` passes every argument by name
         ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
-        return ok[:1] if interpreting() else ok
+        return ok[:1] if interpreting() or os.environ.get("OPTC_AUTOTUNE", "1") == "0" else ok
 
     by = {"early_config_prune": prune}
     return (triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),

@@ -108,7 +108,8 @@ def test_w8a16_kernel_fp16_split_k():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 8, 32, 300])
-def test_linear_kernels_on_cuda_llama_shapes(m):
+def test_linear_kernels_on_cuda_llama_shapes(m, monkeypatch):
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")  # correctness here; every config: test_every_autotune_config_on_cuda
     parts, fmt = _int4(14336, 4096, 128, True, torch.bfloat16)
     parts = {r: t.cuda() for r, t in parts.items()}
     x = _x(m, 4096, torch.bfloat16).cuda()
@@ -124,8 +125,10 @@ def test_linear_kernels_on_cuda_llama_shapes(m):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group,zero_point", [(32, False), (64, True), (128, False)])
 @pytest.mark.parametrize("m", [1, 5, 17, 77])
-def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_point, m):
-    # SmolLM2-sized K (576, 1536), N not a multiple of any tile, with bias
+def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_point, m, monkeypatch):
+    # SmolLM2-sized K (576, 1536), N not a multiple of any tile, with bias; formats, not speed: the
+    # first fitting config runs untimed (every config is checked below)
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")
     n, k = 1000, 576 if group != 128 else 1536
     tol = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(dtype).cuda()
@@ -136,3 +139,51 @@ def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_poi
     parts, fmt = _int8(n, k, dtype)
     parts = {r: t.cuda() for r, t in parts.items()}
     assert_close(w8a16_linear(x, parts, fmt, bias), linear_ref(x, parts, fmt, bias), tol, 1e-2)
+
+
+def _every_config(kernel, monkeypatch, n, k, m_gemv, m_gemm, dtype, tol, device, split_k=None):
+    """Run each GEMV and GEMM config of `kernel` alone (an autotuner with one config runs it
+    unpruned, so K and the group must suit every BLOCK_K); the configs whose output is wrong."""
+    import importlib
+
+    module = importlib.import_module(f"optc.kernels.{kernel}")
+    parts, fmt = _int4(n, k, 128, True, dtype) if kernel == "w4a16" else _int8(n, k, dtype)
+    parts = {r: t.to(device) for r, t in parts.items()}
+    linear = module.w4a16_linear if kernel == "w4a16" else module.w8a16_linear
+    wrong = []
+    for tuner, configs, m in ((module._KERNELS[0], module.GEMV_CONFIGS, m_gemv),
+                              (module._KERNELS[1], module.GEMM_CONFIGS, m_gemm)):
+        x = _x(m, k, dtype).to(device)
+        expected = linear_ref(x, parts, fmt)
+        for config in configs:
+            monkeypatch.setattr(tuner, "configs", [config])
+            try:
+                assert_close(linear(x, parts, fmt, split_k=split_k if m <= 16 else None), expected, *tol)
+            except AssertionError as e:
+                wrong.append(f"{config}: {e}")
+    return wrong
+
+
+@pytest.mark.parametrize("kernel", ["w4a16", "w8a16"])
+def test_every_autotune_config_matches_ref(kernel, monkeypatch):
+    # the interpreter otherwise runs only the first config; N = 70 fits no tile, 2 K splits
+    assert not _every_config(kernel, monkeypatch, 70, 512, 3, 20, torch.float16, (1e-2, 1e-2), "cpu", split_k=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["w4a16", "w8a16"])
+def test_every_autotune_config_on_cuda(kernel, monkeypatch):
+    # Llama-3-8B's K, a ragged N; each config alone, so configs the timing never picks are checked too
+    assert not _every_config(kernel, monkeypatch, 1000, 4096, 3, 77, torch.bfloat16, (5e-2, 1e-2), "cuda")
+
+def test_autotune_pruning_keeps_fitting_configs_and_optc_autotune_0_keeps_one(monkeypatch):
+    from optc.kernels import _splitk, w4a16
+
+    monkeypatch.setattr(_splitk, "interpreting", lambda: False)  # as compiled for a GPU
+    prune = w4a16._KERNELS[0].early_config_prune
+    args = {"group_size": 32, "k_per_split": 1024}
+    kept = prune(w4a16.GEMV_CONFIGS, args)
+    assert kept == [c for c in w4a16.GEMV_CONFIGS if c.kwargs["BLOCK_K"] == 32] and len(kept) > 1
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")
+    assert prune(w4a16.GEMV_CONFIGS, args) == kept[:1]
