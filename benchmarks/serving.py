@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import time
+import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def _cpu(args) -> list[dict]:
                         compare_hf=not args.no_compare_hf, show_progress=not args.quiet)
     batched = _run(f"smollm2 {args.cpu_dtype}, continuous batching", replace(base, max_num_seqs=32))
     serial = _run(f"smollm2 {args.cpu_dtype}, one at a time", replace(base, max_num_seqs=1, compare_hf=False))
-    batched["speedup_over_serial"] = batched["output_tokens_per_s"] / serial["output_tokens_per_s"]
+    if "error" not in batched and "error" not in serial:
+        batched["speedup_over_serial"] = batched["output_tokens_per_s"] / serial["output_tokens_per_s"]
     return [batched, serial]
 
 
@@ -104,9 +106,9 @@ def _cuda(args) -> list[dict]:
             runs.append(_run(f"llama-3-8b {name}, batch {batch}", replace(base, compare_hf=compare)))
             if name == "bf16" and not args.no_eager:
                 runs.append(_run(f"llama-3-8b {name}, batch {batch}, eager", replace(base, eager=True)))
-    hf = {r["max_num_seqs"]: r["hf"] for r in runs if r["hf"]}
+    hf = {r["max_num_seqs"]: r["hf"] for r in runs if r.get("hf")}
     for r in runs:  # int4 and eager rows: against the bf16 transformers run of the same batch size
-        if r["hf"] is None and r["max_num_seqs"] in hf:
+        if "error" not in r and r["hf"] is None and r["max_num_seqs"] in hf:
             r["hf"] = {**hf[r["max_num_seqs"]], "optc_over_hf": r["output_tokens_per_s"]
                        / hf[r["max_num_seqs"]]["output_tokens_per_s"], "reused": True}
     return runs
@@ -122,8 +124,22 @@ def _artifact(out: Path, recipe: Path, *overrides: str) -> Path:
 
 
 def _run(label: str, options: BenchOptions) -> dict:
+    """One bench run. A failure costs only its own row (and a failing transformers comparison only
+    the comparison): a first-contact bug on a new GPU must not lose the other measurements."""
     print(f"== {label}", flush=True)
-    result = run_bench(options)
+    try:
+        result = run_bench(options)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"label": label, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    if "error" in result:  # outside the except block, whose traceback holds the failed run's memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if not options.compare_hf:
+            return result
+        print(f"== {label}, again without transformers", flush=True)
+        retry = _run(label, replace(options, compare_hf=False))
+        return {**retry, "hf_error": result["error"]}
     result["label"] = label
     result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
     return result
@@ -135,6 +151,9 @@ def _table(runs: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     nan = float("nan")
     for r in runs:
+        if "error" in r:
+            lines.append(f"{r['label']:<44} FAILED {r['error'][:120]}")
+            continue
         hf = r["hf"] or {"output_tokens_per_s": nan, "optc_over_hf": nan}
         lines.append(
             f"{r['label']:<44} {r['output_tokens_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
