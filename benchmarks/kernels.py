@@ -8,7 +8,9 @@ must move (formula in `_cases`), achieved GB/s = bytes / time, and that as a fra
 device-to-device copy bandwidth measured in the same run (2 * bytes / time of a 1 GiB copy). The
 torch equivalent is the reference path: dequantize + matmul (cuBLAS) for the quantized linears,
 gather the paged KV + F.scaled_dot_product_attention for decode, eager torch for the rest; its GB/s
-uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Needs CUDA.
+uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Each row also
+checks the Triton output against the torch one (max error relative to the largest |value|) and
+marks it past MAX_REL_ERR; a case that raises is reported and the others still run. Needs CUDA.
 Prefill rows (linears at M=512, paged_prefill) are compute-bound: their GB/s is not their limit.
 
 --compile-only needs no GPU: each case's Triton launches compile for the GPU of --arch (Triton's
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
+MAX_REL_ERR = 3e-2  # bf16 outputs against the torch path: a larger error marks the row (and exit 1)
 PREFILL = 512  # prompt tokens of the prefill rows (linears at M=PREFILL take the tiled GEMM path)
 
 
@@ -243,21 +246,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}; device-to-device copy: {peak / 1e9:.0f} GB/s; "
           f"{args.model} shapes")
     print(f"{'kernel':<14} {'shape':<26} {'MB':>8} {'triton us':>10} {'GB/s':>7} {'%copy':>6} "
-          f"{'torch us':>10} {'GB/s':>7} {'speedup':>8}")
+          f"{'torch us':>10} {'GB/s':>7} {'speedup':>8} {'rel err':>8}")
     rows = []
+    failures = 0
     for kernel, shape, byts, tri, ref in _cases(MODELS[args.model]):
-        t_ms, r_ms = time_ms(tri, args.warmup, args.repeats), time_ms(ref, args.warmup, args.repeats)
+        try:  # a kernel that fails on first contact with the device costs its row, not the table
+            err = _error(tri(), ref())
+            t_ms, r_ms = time_ms(tri, args.warmup, args.repeats), time_ms(ref, args.warmup, args.repeats)
+        except Exception as exc:
+            failures += 1
+            rows.append({"kernel": kernel, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"{kernel:<14} {shape:<26} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
+            continue
         row = {"kernel": kernel, "shape": shape, "bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3,
                "triton_gbps": byts / t_ms / 1e6, "torch_gbps": byts / r_ms / 1e6,
-               "fraction_of_copy": byts / (t_ms * 1e-3) / peak, "speedup": r_ms / t_ms}
+               "fraction_of_copy": byts / (t_ms * 1e-3) / peak, "speedup": r_ms / t_ms, "max_rel_err": err}
         rows.append(row)
+        failures += err > MAX_REL_ERR
         print(f"{kernel:<14} {shape:<26} {byts / 1e6:8.2f} {row['triton_us']:10.1f} {row['triton_gbps']:7.0f} "
-              f"{row['fraction_of_copy']:6.1%} {row['torch_us']:10.1f} {row['torch_gbps']:7.0f} {row['speedup']:7.2f}x")
+              f"{row['fraction_of_copy']:6.1%} {row['torch_us']:10.1f} {row['torch_gbps']:7.0f} {row['speedup']:7.2f}x "
+              f"{err:8.1e}{'!' if err > MAX_REL_ERR else ''}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": peak / 1e9,
                        "results": rows}, f, indent=1)
-    return 0
+    return 1 if failures else 0
+
+
+def _error(out, ref) -> float:
+    """max |out - ref| / max |ref|, after bringing SDPA's (B, H, T, D) to the kernels' (B * T, H, D);
+    a tuple (add_rms_norm's) is compared by its first item."""
+    out, ref = (t[0] if isinstance(t, tuple) else t for t in (out, ref))
+    if ref.dim() == 4:
+        ref = ref.transpose(1, 2).reshape(-1, ref.shape[1], ref.shape[3])
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
 
 
 if __name__ == "__main__":
