@@ -1,4 +1,5 @@
-"""`tl.dot` with the fp32 policy the kernels share, and the host-side choice of that policy.
+"""`tl.dot` with the fp32 policy the kernels share (and `dot_or_fma` for tiles of fewer than 16
+rows), and the host-side choice of that policy.
 
 fp32 operands keep exact fp32 products (input_precision="ieee", no tf32). Under the Triton
 interpreter (TRITON_INTERPRET=1, the CPU) bf16 operands are upcast too, because the interpreter's
@@ -19,6 +20,15 @@ def dot(a, b, FP32: tl.constexpr):
     if FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def dot_or_fma(a, b, FP32: tl.constexpr, BLOCK_M: tl.constexpr):
+    # a tile of fewer than 16 rows (the decode GEMV at M = 1) multiplies on the FMA units and sums
+    # the products over K: no padding to the tensor cores' 16 rows, no shared-memory staging
+    if BLOCK_M < 16:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return dot(a, b, FP32)
 
 
 def interpreting() -> bool:

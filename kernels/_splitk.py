@@ -5,16 +5,19 @@ its asserts, its split heuristic and its reference.
 A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
 bias_ptr, out_ptr; sizes M, N, K, k_per_split; strides stride_xm, stride_om, stride_os; constexprs
 HAS_BIAS, IS_SPLIT, FP32_DOT and BLOCK_M, BLOCK_N, BLOCK_K (from the config); its program ids are
-(M tile, N tile, split). Two launch shapes, chosen by M: a split-K GEMV for M <= GEMV_MAX_M
-(decode; K split across programs so a small N still fills the GPU; fp32 partials summed here) and a
-tiled GEMM for larger M (prefill). Nothing here has run on a CUDA device in the session that wrote
-it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that use it.
+(M tile, N tile, split). Launch shapes, chosen by M: a split-K GEMV for M <= GEMV_MAX_M (decode;
+K split across programs so a small N still fills the GPU; fp32 partials summed here), autotuned
+apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the tl.dot
+ones, and a tiled GEMM for larger M (prefill). Nothing here has run on a CUDA device in the session
+that wrote it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that use it,
+and compiled for sm_90 (benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,14 +33,26 @@ def config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
 
 
-def autotune(kernel, gemv_configs: list[triton.Config], gemm_configs: list[triton.Config],
-             k_multiples: tuple[str, ...]) -> tuple[triton.runtime.Autotuner, triton.runtime.Autotuner]:
-    """The GEMV and GEMM launch shapes of `kernel`. Configs are pruned to those whose BLOCK_K divides
-    each size argument named in `k_multiples` (so no K tile straddles a split or a quantization
-    group). The first survivor runs without timing under the Triton interpreter (which cannot time
-    kernels) and when the environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests
-    use it where they check formats, not speed); otherwise Triton times every survivor once per
-    shape and keeps the fastest."""
+class Kernels(NamedTuple):
+    """A kernel's autotuners, one per launch shape; each caches its choice per shape key."""
+
+    m1: triton.runtime.Autotuner  # M == 1: the GEMV's configs and dot-free ones (BLOCK_M = 1)
+    gemv: triton.runtime.Autotuner  # 2 <= M <= GEMV_MAX_M
+    gemm: triton.runtime.Autotuner  # M > GEMV_MAX_M
+
+    def for_rows(self, m: int) -> triton.runtime.Autotuner:
+        return self.m1 if m == 1 else self.gemv if m <= GEMV_MAX_M else self.gemm
+
+
+def autotune(kernel, m1_configs: list[triton.Config], gemv_configs: list[triton.Config],
+             gemm_configs: list[triton.Config], k_multiples: tuple[str, ...]) -> Kernels:
+    """The launch shapes of `kernel`. Configs are pruned to those whose BLOCK_K divides each size
+    argument named in `k_multiples` (so no K tile straddles a split or a quantization group). The
+    first survivor runs without timing under the Triton interpreter (which cannot time kernels)
+    and when the environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests use it
+    where they check formats, not speed); otherwise Triton times every survivor once per shape and
+    keeps the fastest. M == 1 has its own autotuner, so a dot-free config that wins at one row is
+    never reused for more."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}  # `launch` passes every argument by name
@@ -45,8 +60,9 @@ def autotune(kernel, gemv_configs: list[triton.Config], gemm_configs: list[trito
         return ok[:1] if interpreting() or os.environ.get("OPTC_AUTOTUNE", "1") == "0" else ok
 
     by = {"early_config_prune": prune}
-    return (triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
-            triton.autotune(gemm_configs, key=["N", "K"], prune_configs_by=by)(kernel))
+    return Kernels(triton.autotune(m1_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
+                   triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
+                   triton.autotune(gemm_configs, key=["N", "K"], prune_configs_by=by)(kernel))
 
 
 @triton.jit
@@ -60,12 +76,18 @@ def tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K: tl.constexpr):
-    # x tile (BLOCK_M, BLOCK_K) at K offset k0, with the tile's K offsets and mask
+def load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K: tl.constexpr, WHOLE_K: tl.constexpr):
+    # x tile (BLOCK_M, BLOCK_K) at K offset k0, with the tile's K offsets and mask; WHOLE_K: the
+    # caller guarantees whole K tiles, so no K mask (which keeps the loads vectorizable)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < k_end
-    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    if WHOLE_K:
+        offs_k = tl.max_contiguous(tl.multiple_of(offs_k, BLOCK_K), BLOCK_K)
+        mask_k = tl.full([BLOCK_K], 1, tl.int1)
+        mask = mask_m[:, None]
+    else:
+        mask_k = offs_k < k_end
+        mask = mask_m[:, None] & mask_k[None, :]
+    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :], mask=mask, other=0.0)
     return x, offs_k, mask_k
 
 
@@ -88,7 +110,7 @@ def store_tile(
 
 
 def launch(
-    kernels: tuple[triton.runtime.Autotuner, triton.runtime.Autotuner], x: torch.Tensor, n: int,
+    kernels: Kernels, x: torch.Tensor, n: int,
     bias: torch.Tensor | None, split_k: int | None, k_align: int, split_heuristic: Callable[[int, int], int],
     **weight,
 ) -> torch.Tensor:
@@ -110,7 +132,7 @@ def launch(
     is_split = split_k > 1
     dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if is_split else out
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
-    kernels[0 if is_gemv else 1][grid](
+    kernels.for_rows(m)[grid](
         x_ptr=x2, bias_ptr=bias if bias is not None else x2, out_ptr=dest,  # x2: never read without a bias
         M=m, N=n, K=k, k_per_split=k_per_split,
         stride_xm=x2.stride(0), stride_om=dest.stride(-2), stride_os=dest.stride(0) if is_split else 0,

@@ -8,14 +8,15 @@ int32 are loaded once, as a (BLOCK_K // 8, BLOCK_N) tile, unpacked in registers 
 word is `(word >> 4 * j) & 0xF`, laid out (BLOCK_K // 8, 8, BLOCK_N) and reshaped to
 (BLOCK_K, BLOCK_N), which is k8_lsb's order), dequantized as (q - z) * s in fp32 with the tile's
 group scale and zero point, rounded to x's dtype (the reference dequantizes to x's dtype before
-its matmul), and fed to tl.dot with an fp32 accumulator; bias is added in fp32; one cast on store.
+its matmul), and fed to tl.dot (or, in one-row tiles at M = 1, multiplied on the FMA units and
+summed over K) with an fp32 accumulator; bias is added in fp32; one cast on store.
 BLOCK_K divides the group size, so one scale (and zero) per output column serves a K tile, and
 every K tile is whole (K and each split are whole groups): the weight loads are masked along N
 only, which lets them compile to 16-byte copies. (Gathering one word per nibble instead, as an
 earlier version did, compiled for sm_90 to 8x the load instructions, 4-byte copies and twice the
 shared memory: benchmarks/kernels.py --compile-only.)
 
-Autotune configs are data (GEMV_CONFIGS, GEMM_CONFIGS), pruned so BLOCK_K divides the group size;
+Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS), pruned so BLOCK_K divides the group size;
 on the CPU (the Triton interpreter, which cannot time kernels) the first surviving config runs.
 Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
 the session that wrote it, and the configs and split heuristic are untuned.
@@ -29,12 +30,15 @@ import triton.language as tl
 
 from optc.formats import Format, FormatKind, linear_ref
 from optc.kernels import _splitk
-from optc.kernels._dot import dot
+from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config
 
 GEMV_CONFIGS = [config(16, n, k, 4, s) for n in (64, 32, 128) for k in (128, 64, 32) for s in (2, 4)]
 GEMM_CONFIGS = [config(m, n, k, w, s) for m, n, w in ((64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4))
                 for k in (64, 32, 128) for s in (3, 4)]
+# M == 1 also tries dot-free tiles of one row (FMA and a sum over K), after the GEMV's own; the
+# tiles whose x and weight loads compile to 16-byte copies (benchmarks/kernels.py --compile-only)
+M1_CONFIGS = GEMV_CONFIGS + [config(1, n, k, 4, 1) for n, k in ((64, 128), (128, 128), (32, 128), (128, 64))]
 
 
 @triton.jit
@@ -55,7 +59,7 @@ def _w4a16_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     shifts = tl.arange(0, 8) * 4
     for k0 in range(k_start, k_end, BLOCK_K):
-        x, _, _ = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K)
+        x, _, _ = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K, True)
         # w tile (BLOCK_K, BLOCK_N): nibble k % 8 of word k // 8 of row n; whole K tiles, no K mask
         offs_w = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_w[:, None], mask=mask_n[None, :], other=0)
@@ -67,11 +71,12 @@ def _w4a16_kernel(
         else:
             z = tl.full([BLOCK_N], 8.0, tl.float32)
         w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x_ptr.dtype.element_ty)
-        acc += dot(x, w, FP32_DOT)
+        acc += dot_or_fma(x, w, FP32_DOT, BLOCK_M)
     _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
 
 
-_KERNELS = _splitk.autotune(_w4a16_kernel, GEMV_CONFIGS, GEMM_CONFIGS, k_multiples=("group_size", "k_per_split"))
+_KERNELS = _splitk.autotune(_w4a16_kernel, M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS,
+                            k_multiples=("group_size", "k_per_split"))
 
 
 def w4a16_linear(

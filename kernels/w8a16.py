@@ -4,10 +4,11 @@ channel; see optc.formats), dequantized in registers.
 One kernel, two launch shapes chosen by M (see _splitk): a split-K GEMV for M <= 16 (decode; fp32
 partials summed by the launcher) and a tiled GEMM for larger M (prefill). Per K tile, W is loaded
 as (BLOCK_K, BLOCK_N) int8, dequantized as q * s in fp32, rounded to x's dtype (the reference
-dequantizes to x's dtype before its matmul) and fed to tl.dot with an fp32 accumulator; bias is
+dequantizes to x's dtype before its matmul) and fed to tl.dot (or, in one-row tiles at M = 1,
+multiplied on the FMA units and summed over K) with an fp32 accumulator; bias is
 added in fp32; one cast on store.
 
-Autotune configs are data (GEMV_CONFIGS, GEMM_CONFIGS); every BLOCK_K divides SPLIT_ALIGN, so the
+Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS); every BLOCK_K divides SPLIT_ALIGN, so the
 pruning keeps them all, and on the CPU (the Triton interpreter, which cannot time kernels) the
 first config runs. Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run
 on a CUDA device in the session that wrote it, and the configs and split heuristic are untuned.
@@ -21,13 +22,16 @@ import triton.language as tl
 
 from optc.formats import Format, FormatKind, linear_ref
 from optc.kernels import _splitk
-from optc.kernels._dot import dot
+from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config
 
 SPLIT_ALIGN = 128  # split boundaries fall on multiples of this many K
 GEMV_CONFIGS = [config(16, n, k, 4, s) for n in (64, 32, 128) for k in (128, 64) for s in (2, 4)]
 GEMM_CONFIGS = [config(m, n, k, w, s) for m, n, w in ((64, 64, 4), (128, 128, 8), (64, 128, 4), (128, 64, 4))
                 for k in (64, 128) for s in (3, 4)]
+# M == 1 also tries dot-free tiles of one row (FMA and a sum over K), after the GEMV's own; the
+# tiles whose x and weight loads compile to 16-byte copies (benchmarks/kernels.py --compile-only)
+M1_CONFIGS = GEMV_CONFIGS + [config(1, n, k, 4, 1) for n, k in ((64, 128), (128, 128), (32, 128), (128, 64))]
 
 
 @triton.jit
@@ -48,15 +52,15 @@ def _w8a16_kernel(
     s = tl.load(scales_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        x, offs_k, mask_k = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K)
+        x, offs_k, mask_k = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K, False)
         q = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0)  # (BLOCK_K, BLOCK_N)
         w = (q.to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
-        acc += dot(x, w, FP32_DOT)
+        acc += dot_or_fma(x, w, FP32_DOT, BLOCK_M)
     _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
 
 
-_KERNELS = _splitk.autotune(_w8a16_kernel, GEMV_CONFIGS, GEMM_CONFIGS, k_multiples=("k_per_split",))
+_KERNELS = _splitk.autotune(_w8a16_kernel, M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS, k_multiples=("k_per_split",))
 
 
 def w8a16_linear(

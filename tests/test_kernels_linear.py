@@ -142,7 +142,7 @@ def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_poi
 
 
 def _every_config(kernel, monkeypatch, n, k, m_gemv, m_gemm, dtype, tol, device, split_k=None):
-    """Run each GEMV and GEMM config of `kernel` alone (an autotuner with one config runs it
+    """Run each M == 1, GEMV and GEMM config of `kernel` alone (an autotuner with one config runs it
     unpruned, so K and the group must suit every BLOCK_K); the configs whose output is wrong."""
     import importlib
 
@@ -151,8 +151,9 @@ def _every_config(kernel, monkeypatch, n, k, m_gemv, m_gemm, dtype, tol, device,
     parts = {r: t.to(device) for r, t in parts.items()}
     linear = module.w4a16_linear if kernel == "w4a16" else module.w8a16_linear
     wrong = []
-    for tuner, configs, m in ((module._KERNELS[0], module.GEMV_CONFIGS, m_gemv),
-                              (module._KERNELS[1], module.GEMM_CONFIGS, m_gemm)):
+    kernels = module._KERNELS
+    for tuner, configs, m in ((kernels.m1, module.M1_CONFIGS, 1), (kernels.gemv, module.GEMV_CONFIGS, m_gemv),
+                              (kernels.gemm, module.GEMM_CONFIGS, m_gemm)):
         x = _x(m, k, dtype).to(device)
         expected = linear_ref(x, parts, fmt)
         for config in configs:
@@ -181,7 +182,7 @@ def test_autotune_pruning_keeps_fitting_configs_and_optc_autotune_0_keeps_one(mo
     from optc.kernels import _splitk, w4a16
 
     monkeypatch.setattr(_splitk, "interpreting", lambda: False)  # as compiled for a GPU
-    prune = w4a16._KERNELS[0].early_config_prune
+    prune = w4a16._KERNELS.gemv.early_config_prune
     args = {"group_size": 32, "k_per_split": 1024}
     kept = prune(w4a16.GEMV_CONFIGS, args)
     assert kept == [c for c in w4a16.GEMV_CONFIGS if c.kwargs["BLOCK_K"] == 32] and len(kept) > 1
