@@ -75,11 +75,14 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
     if longest > engine.max_model_len:
         raise ValueError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
     params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
-    # warm-up at the run's prefill length, so Triton's compiles and GEMM autotuning (keyed by the
-    # linears' shapes, not by the token count) happen before the clock starts; prompts of one
-    # repeated token share no cached block with the workload; counters are taken as differences
+    # warm-up at the run's prefill length, then decode steps of 2 rows and of 1 (the quantized
+    # GEMMs autotune M == 1, 2..16 and larger M apart, keyed by the linears' shapes, not by the
+    # token count), so Triton's compiles and autotuning happen before the clock starts; prompts of
+    # one repeated token share no cached block with the workload; counters are taken as differences
     length = min(len(p) for p in prompts)
-    engine.generate([[1] * length, [2] * length][: min(2, engine.config.max_num_seqs)], SamplingParams(max_tokens=2))
+    warm = min(2, engine.config.max_num_seqs)
+    engine.generate([[1] * length, [2] * length][:warm],
+                    [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)][:warm])
     before = engine.stats()
     queried = engine.kv_manager.num_prefix_query_tokens
     is_cuda = engine.device.type == "cuda"
