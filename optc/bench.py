@@ -84,7 +84,6 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
     engine.generate([[1] * length, [2] * length][:warm],
                     [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)][:warm])
     before = engine.stats()
-    queried = engine.kv_manager.num_prefix_query_tokens
     is_cuda = engine.device.type == "cuda"
     if is_cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -131,7 +130,7 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
             "peak_usage": peak_blocks / stats.num_kv_blocks,
             "num_preemptions": stats.num_preemptions - before.num_preemptions,
             "prefix_cache_hit_rate": (stats.num_prefix_cache_hit_tokens - before.num_prefix_cache_hit_tokens)
-            / max(1, engine.kv_manager.num_prefix_query_tokens - queried),
+            / max(1, stats.num_prefix_cache_query_tokens - before.num_prefix_cache_query_tokens),
         },
         "num_steps": stats.num_steps - before.num_steps,
         "hf": None,

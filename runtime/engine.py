@@ -92,6 +92,7 @@ class EngineStats:
     kv_usage: float
     prefix_cache_hit_rate: float  # hit tokens / looked-up tokens, over admissions
     num_prefix_cache_hit_tokens: int
+    num_prefix_cache_query_tokens: int  # prompt tokens looked up in the prefix cache (the rate's denominator)
     num_preemptions: int
     num_prompt_tokens: int  # prompt tokens of every request added
     num_computed_prompt_tokens: int  # prompt tokens run through the model (recomputation included)
@@ -237,6 +238,7 @@ class Engine:
             kv_usage=kv.num_used_blocks / (kv.num_blocks - 1),
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
+            num_prefix_cache_query_tokens=kv.num_prefix_query_tokens,
             num_preemptions=scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
             num_computed_prompt_tokens=scheduler.num_computed_prompt_tokens,
