@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from optc.errors import UserError
 from optc.formats import part_name
 from optc.ir import Graph
 from optc.store import TensorStore
@@ -32,7 +33,7 @@ SHARD_BYTES = 2 * 1024**3
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
-class ArtifactError(ValueError):
+class ArtifactError(UserError, ValueError):
     """An artifact that cannot be written or loaded; the message says what to do."""
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from optc.artifact import sha256_file
+from optc.errors import UserError
 from optc.formats import DTYPES, Format, part_name
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.rope import SUPPORTED_ROPE_TYPES
@@ -64,7 +65,7 @@ PRESETS = {
 RANDOM_SEED = 0
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """A model source that cannot be read; the message says what was given and what is allowed."""
 
 

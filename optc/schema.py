@@ -13,8 +13,10 @@ import typing
 from enum import Enum
 from typing import Any
 
+from optc.errors import UserError
 
-class RecipeError(ValueError):
+
+class RecipeError(UserError, ValueError):
     pass
 
 

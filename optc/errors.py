@@ -1,0 +1,13 @@
+"""The line between a user's mistake and a bug.
+
+`UserError` is the base of every error a user can fix without reading code: a bad recipe, a missing
+or unreadable model, a damaged artifact, a wrong target, a bad command-line value, a request the
+engine cannot serve. Its message is one line that names the file, key or value and what is allowed.
+The CLI prints it and exits 2. Every other exception is a bug: the CLI shows its traceback and exits 1.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Something the user can fix; the message says what and how."""
