@@ -44,6 +44,7 @@ class BenchOptions:
     hf_model_dir: Path | None = None  # compare with this HF checkpoint instead of the source (implies compare_hf)
     seed: int = 0
     show_progress: bool = True
+    verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -69,7 +70,7 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
     if options.max_num_seqs is not None:
         overrides["max_num_seqs"] = options.max_num_seqs
-    engine = Engine.load(options.artifact, device=options.device, **overrides)
+    engine = Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
     prompts = _prompts(options, engine)
     longest = max(len(p) for p in prompts) + options.output_len
     if longest > engine.max_model_len:
@@ -197,6 +198,8 @@ def _run_hf(options: BenchOptions, prompts: list[list[int]], device: torch.devic
     model, what = _hf_model(options, device, dtype)
     if device.type == "cuda":
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # transformers would also compile __call__ for a static cache on CUDA: one compile, not two
+        model.generation_config.disable_compile = True
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run(batch: list[list[int]], num_new: int) -> int:
