@@ -41,12 +41,12 @@ GEMM_CONFIGS = [config(m, n, k, w, s) for m, n, w in ((64, 64, 4), (128, 128, 8)
 M1_CONFIGS = GEMV_CONFIGS + [config(1, n, k, 4, 1) for n, k in ((64, 128), (128, 128), (32, 128), (128, 64))]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_BUCKET"])
 def _w4a16_kernel(
     # pointers
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-    # sizes
-    M, N, K, group_size, k_per_split,
+    # sizes (M_BUCKET: the autotune key's bucket of M, never read)
+    M, M_BUCKET, N, K, group_size, k_per_split,
     # strides: x, out (row); qweight, scales, zeros (row n); partials (split)
     stride_xm, stride_om, stride_os, stride_qn, stride_sn, stride_zn,
     # meta
