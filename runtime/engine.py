@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from optc.errors import InputError
-from optc.runtime.batch import ForwardBatch
+from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
 from optc.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from optc.runtime.kv_cache_manager import KVCacheManager
@@ -116,6 +116,7 @@ class Engine:
         self.graph_runner = make_runner(  # None on the CPU or with enforce_eager: eager steps
             model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
             max_num_seqs=config.max_num_seqs, max_seq_len=self.max_model_len, block_size=config.block_size)
+        self.batch_builder = BatchBuilder(self.device)  # eager steps: one host->device copy each
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
@@ -207,12 +208,12 @@ class Engine:
                 cache[destination].copy_(cache[source])
         starts = [r.num_computed_tokens for r in out.requests]
         pairs = zip(out.requests, out.num_new_tokens, strict=True)
-        batch = ForwardBatch.build(
+        batch = (self.graph_runner or self.batch_builder).build(  # a replayed step: straight into the graph's buffers
             [r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in pairs],
             starts,
             out.block_ids,
             self.config.block_size,
-        ).to(self.device)
+        )
         logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (B, V) float32
         self.scheduler.update(out)
         self._num_steps += 1
@@ -220,8 +221,9 @@ class Engine:
         if not rows:
             return []
         sampled = [out.requests[b] for b in rows]
-        token_ids = sample(
-            logits[rows], [r.params for r in sampled], [r.generator for r in sampled]
+        token_ids = sample(  # no gather (a host->device index copy) when every row samples
+            logits if len(rows) == len(out.requests) else logits[rows], [r.params for r in sampled],
+            [r.generator for r in sampled]
         ).tolist()
         now = time.perf_counter()
         for request, token_id in zip(sampled, token_ids, strict=True):

@@ -28,6 +28,8 @@ class Model:
         c = graph.config
         self.graph = graph
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.executor = Executor(graph, bind_params(graph, store, self.device), impls)
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
