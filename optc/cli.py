@@ -20,9 +20,9 @@ app = typer.Typer(
 
 def _user_errors():
     from optc.artifact import ArtifactError
-    from optc.frontend import SourceError
     from optc.passmanager import PassError
     from optc.schema import RecipeError
+    from optc.sources import SourceError
 
     return (RecipeError, SourceError, ArtifactError, PassError, ValueError, FileNotFoundError)
 

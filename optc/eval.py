@@ -106,7 +106,7 @@ def load_model(model) -> Loaded:
         store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"]
                                                     if f.endswith(".safetensors")))
         return Loaded(graph, store, _tokenizer(path / "tokenizer"))
-    from optc.frontend import load_source
+    from optc.sources import load_source
 
     source = load_source(str(model))
     with tempfile.TemporaryDirectory(prefix="optc-eval-tok-") as tmp:

@@ -1,6 +1,6 @@
 """Load an artifact: check it (schema, sizes, sha256, target), bind its graph, and return a Model.
 
-Only JSON and safetensors are read; nothing is unpickled. The runtime never imports the frontend or
+Only JSON and safetensors are read; nothing is unpickled. The runtime never imports the sources or
 the passes.
 """
 

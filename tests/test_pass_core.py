@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from optc.execute import Executor, bind_params, run_dense
-from optc.frontend import load_source
 from optc.ops import verify
 from optc.passmanager import PassContext, PassError, PassManager, make_pass
+from optc.sources import load_source
 from optc.testing import assert_close
 
 IDS = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))

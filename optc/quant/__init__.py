@@ -10,12 +10,12 @@ from optc.quant.awq import (
     search_clip,
     search_scale,
 )
-from optc.quant.checkpoints import ImportedCheckpoint, QuantizedWeight, import_quantized, import_tensors
+from optc.quant.checkpoints import CheckpointError, import_quantized
 from optc.quant.gptq import Gptq, GptqResult
 from optc.quant.rtn import fake_quantize, make_format, quantize_weight
 
 __all__ = [
-    "AwqResult", "Gptq", "GptqResult", "ImportedCheckpoint", "QuantizedWeight", "awq_quantize",
-    "fake_quantize", "fold_into_linear", "fold_into_norm", "import_quantized", "import_tensors", "make_format",
+    "AwqResult", "CheckpointError", "Gptq", "GptqResult", "awq_quantize",
+    "fake_quantize", "fold_into_linear", "fold_into_norm", "import_quantized", "make_format",
     "quantize_weight", "search_clip", "search_scale",
 ]
