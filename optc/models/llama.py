@@ -26,7 +26,8 @@ ARCHITECTURES = tuple(MODEL_TYPES.values())
 
 
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
-    """The unoptimized layer graph of a Llama-family decoder over HF parameter names."""
+    """The unoptimized layer graph of a Llama-family decoder over HF parameter names; every node of
+    decoder block i has `attrs["layer"] == i` (the embedding, final norm and lm_head have none)."""
     nodes: list[Node] = []
     c = config
     add = lambda name, op, ins, outs, attrs=None, params=None: nodes.append(
@@ -42,6 +43,7 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
     add("model.embed_tokens", "embedding", ["input_ids"], ["h.0"], params={"weight": "model.embed_tokens.weight"})
     h = "h.0"
     for i in range(c.num_layers):
+        first = len(nodes)
         p = f"model.layers.{i}"
         qkv_bias = c.attention_bias or f"{p}.self_attn.q_proj.bias" in tensors
         o_bias = f"{p}.self_attn.o_proj.bias" in tensors
@@ -80,6 +82,8 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
         add(f"{p}.mlp.act", "silu_mul", [g, u], [f"{p}.mlp_act"])
         d = linear(f"{p}.mlp.down_proj", f"{p}.mlp_act", c.intermediate_size, c.hidden_size, False)
         add(f"{p}.mlp_residual", "add", [f"{p}.h_attn", d], [f"h.{i + 1}"])
+        for node in nodes[first:]:  # the decoder block a node belongs to (calibration runs block by block)
+            node.attrs["layer"] = i
         h = f"h.{i + 1}"
     add("model.norm", "rms_norm", [h], ["final"], {"eps": eps}, {"weight": "model.norm.weight"})
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
