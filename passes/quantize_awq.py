@@ -9,7 +9,7 @@ import torch
 from optc.ir import Graph, Node
 from optc.ops import Param
 from optc.passes.quantize_rtn import GROUP, dense_linear_weights, refuse_requantizing
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.quant.awq import input_mean, search_clip, search_scale
 from optc.quant.blocks import (
     BlockRunner,
@@ -27,10 +27,8 @@ from optc.store import TensorStore
 ROPE_OPS = ("rope", "rope_kv_store")
 
 
-class QuantizeAwq:
+class QuantizeAwq(Pass):
     """Quantize every dense linear weight with AWQ scales and clipping, block by block on calibration tokens."""
-
-    name = "quantize_awq"
 
     @dataclass(frozen=True)
     class Options:
@@ -43,7 +41,7 @@ class QuantizeAwq:
             "min": 1, "help": "calibration windows the scale search runs the block on (statistics use all)"})
 
     def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
+        super().__init__(options)
         make_format(self.options.bits, self.options.group_size, self.options.zero_point)
 
     def requires(self, graph: Graph) -> None:

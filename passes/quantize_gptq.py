@@ -7,17 +7,15 @@ from dataclasses import dataclass, field
 from optc.ir import Graph
 from optc.ops import Param
 from optc.passes.quantize_rtn import BITS, GROUP, dense_linear_weights, refuse_requantizing
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.quant.blocks import apply, linear_groups, progress, start_calibration
 from optc.quant.gptq import Gptq
 from optc.quant.rtn import make_format
 from optc.store import TensorStore
 
 
-class QuantizeGptq:
+class QuantizeGptq(Pass):
     """Quantize every dense linear weight with GPTQ, block by block on the calibration tokens."""
-
-    name = "quantize_gptq"
 
     @dataclass(frozen=True)
     class Options:
@@ -29,7 +27,7 @@ class QuantizeGptq:
         act_order: bool = field(default=False, metadata={"help": "columns by decreasing diag H (static groups)"})
 
     def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
+        super().__init__(options)
         o = self.options
         make_format(o.bits, o.group_size, o.zero_point and o.bits == 4)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from optc.formats import part_name
 from optc.ir import Graph, TensorInfo
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.quant.rtn import make_format, quantize_weight
 from optc.store import Entry, TensorStore
 
@@ -14,10 +14,8 @@ BITS = {"choices": (4, 8), "help": "4: int4_g grouped; 8: int8_wo per output cha
 GROUP = {"choices": (32, 64, 128), "help": "int4 group size along the input dimension"}
 
 
-class QuantizeRtn:
+class QuantizeRtn(Pass):
     """Quantize every dense linear weight by round-to-nearest (int8 per channel or int4 per group)."""
-
-    name = "quantize_rtn"
 
     @dataclass(frozen=True)
     class Options:
@@ -26,7 +24,7 @@ class QuantizeRtn:
         zero_point: bool = field(default=True, metadata={"help": "int4: asymmetric with a zero point per group"})
 
     def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
+        super().__init__(options)
         o = self.options
         make_format(o.bits, o.group_size, o.zero_point and o.bits == 4)  # option errors before any work
 
@@ -83,7 +81,7 @@ def refuse_requantizing(graph: Graph, pass_name: str, options) -> None:
                              f"{want[0]} group_size={want[1]} zero_point={want[2]}: keep one quantization pass")
 
 
-class _LastParts:
+class _LastParts(Pass):
     """The quantized parts of the last weight asked for (a one-entry cache)."""
 
     def __init__(self) -> None:
