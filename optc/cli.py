@@ -207,7 +207,7 @@ def bench(
         result = run_bench(options)
     except _user_errors() as e:
         _fail(e)
-    typer.echo(json.dumps(result, indent=1, sort_keys=True) if as_json else format_bench(result))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 
 
 @app.command()

@@ -14,7 +14,6 @@ A model is an artifact directory, a model source string (anything `optc build` a
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Callable
@@ -98,14 +97,10 @@ def load_model(model) -> Loaded:
         return Loaded(*model)
     path = Path(str(model))
     if (path / "manifest.json").is_file():
-        from optc.artifact import read_manifest, verify_files
+        from optc.artifact import read
 
-        manifest = read_manifest(path)
-        verify_files(path, manifest)  # sizes and sha256, as the runtime loader checks them
-        graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-        store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"]
-                                                    if f.endswith(".safetensors")))
-        return Loaded(graph, store, _tokenizer(path / "tokenizer"))
+        artifact = read(path)  # sizes and sha256, graph against weights, as the runtime loads it
+        return Loaded(artifact.graph, artifact.store, _tokenizer(artifact.tokenizer_dir))
     from optc.frontend import load_source
 
     source = load_source(str(model))
