@@ -101,11 +101,15 @@ class Manifest:
         if unknown or missing:
             problems = [f"{what} keys {keys}" for what, keys in (("unknown", unknown), ("missing", missing)) if keys]
             raise ArtifactError(f"{where}: {'; '.join(problems)}; rebuild the artifact with this optc")
-        target = d["target"]
-        cc = target.get("min_compute_capability")
-        return Manifest(**{**d, "model": ModelConfig.from_json(d["model"]),
-                           "target": Target(target["device"], tuple(cc) if cc else None),
-                           "kv_layout": KVLayout(**d["kv_layout"])})
+        try:
+            target = d["target"]
+            cc = target.get("min_compute_capability")
+            return Manifest(**{**d, "model": ModelConfig.from_json(d["model"]),
+                               "target": Target(target["device"], tuple(cc) if cc else None),
+                               "kv_layout": KVLayout(**d["kv_layout"])})
+        except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
+            raise ArtifactError(f"{where}: a damaged section ({type(e).__name__}: {e}); rebuild the artifact") \
+                from None
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,8 @@ def _prompts(options: BenchOptions, engine: Engine) -> list[list[int]]:
         g = torch.Generator().manual_seed(options.seed)
         ids = torch.randint(0, engine.vocab_size, (options.num_requests, options.input_len), generator=g)
         return ids.tolist()
+    if not Path(options.dataset).is_file():
+        raise InputError(f"--dataset {options.dataset} does not exist")
     lines = [line for line in Path(options.dataset).read_text().splitlines() if line.strip()]
     if not lines:
         raise InputError(f"dataset {options.dataset} has no non-empty lines")
@@ -280,7 +282,7 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
         elif kind == "gguf":
             path, kwargs = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
         else:
-            raise ValueError(f"--compare-hf: the artifact's source kind {kind!r} has no transformers "
+            raise InputError(f"--compare-hf: the artifact's source kind {kind!r} has no transformers "
                              "model; pass --hf-model-dir DIR")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device).eval(), f"{path}{' / ' + kwargs['gguf_file'] if 'gguf_file' in kwargs else ''}"
@@ -305,7 +307,7 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
     if quantized:
-        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
+        raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
                          "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
                          "(compare with the dense build)")
     store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
@@ -325,7 +327,7 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
     if graph.config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
+        raise InputError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from optc.calibration import encode, load_text
+from optc.errors import InputError
 from optc.execute import Executor, bind_params, run_dense
 from optc.ir import Graph
 from optc.store import TensorStore
@@ -45,7 +46,7 @@ def evaluate(model, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 
     ids = torch.tensor(encode(m.tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
     num_windows = ids.numel() // window
     if num_windows == 0:
-        raise ValueError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
+        raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
                          f"of {window}")
     windows = ids[: num_windows * window].view(num_windows, window)
     ref = load_model(reference) if reference is not None else None
