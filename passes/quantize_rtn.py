@@ -50,7 +50,7 @@ class QuantizeRtn(Pass):
         ensure_quantized(graph, self.name)
 
 
-class _LastParts(Pass):
+class _LastParts:
     """The quantized parts of the last weight asked for (a one-entry cache)."""
 
     def __init__(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from optc.errors import InputError
 from optc.formats import FormatKind
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.models import UnsupportedModelError
@@ -174,7 +175,7 @@ def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype)
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
     if quantized:
-        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
+        raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
                          "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
                          "(compare with the dense build)")
     store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
@@ -194,7 +195,7 @@ def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype)
     if graph.config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
+        raise InputError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer
