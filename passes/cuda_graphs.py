@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optc.ir import Graph
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -22,10 +22,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SYNCING_REFERENCE_OPS = ("attention", "rope_kv_store")
 
 
-class CudaGraphs:
+class CudaGraphs(Pass):
     """Plan the CUDA-graph batch-size buckets of decode steps and record them in the manifest."""
-
-    name = "cuda_graphs"
 
     @dataclass(frozen=True)
     class Options:
@@ -40,12 +38,6 @@ class CudaGraphs:
             if bad:
                 raise ValueError(f"cuda_graphs: batch_sizes must be ints >= 1, got {bad}")
             object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         if ctx.target != "cuda":
@@ -63,6 +55,3 @@ class CudaGraphs:
                  "num_eager_only_nodes": len(eager_only)}
         return PassResult(graph, store, changed=False, stats=stats,
                           manifest={"cuda_graphs": {"batch_sizes": sizes}})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from optc.artifact import read
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import (
@@ -27,11 +28,16 @@ from optc.runtime.cuda_graphs import (
     make_runner,
     plan_batch_sizes,
 )
-from optc.runtime.loader import load
+from optc.runtime.loader import load_model
 from optc.testing import assert_close, build_artifact
 
 PROMPTS = [[(i * 13 + j * 7) % 250 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens
 PASSES = "fuse_qkv, fuse_gate_up, kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels"
+
+
+def load(path):
+    """The artifact's Model on the CPU (cuda-targeted ones run there under the Triton interpreter)."""
+    return load_model(read(path, device="cpu"))
 
 
 class EagerReplays(CudaGraphRunner):
@@ -174,7 +180,7 @@ def test_an_eager_step_is_built_with_one_host_to_device_copy():
 
 
 def test_capture_refuses_syncing_references_and_eager_paths(artifacts):
-    cpu_model, cuda_model = load(artifacts["cpu"]).model, load(artifacts["cuda"]).model
+    cpu_model, cuda_model = load(artifacts["cpu"]), load(artifacts["cuda"])
     assert capture_blockers(cpu_model.graph) == [
         f"model.layers.{i}.self_attn.{op} ({op})" for i in (0, 1) for op in ("rope_kv_store", "attention")]
     assert capture_blockers(cuda_model.graph) == []
@@ -196,7 +202,7 @@ def test_capture_refuses_syncing_references_and_eager_paths(artifacts):
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_padded_static_batch_equals_eager_and_writes_no_padding(artifacts, target):
-    model = load(artifacts[target]).model
+    model = load(artifacts[target])
     size, lengths = 16, [3, 20, 40]
     blocks = [[1 + 4 * b + i for i in range(-(-(n + 1) // size))] for b, n in enumerate(lengths)]
     caches = model.allocate_kv_caches(16, size)
@@ -264,9 +270,10 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
 # --- `optc bench --compare-hf`: the transformers peer comes from the artifact's source -----------
 
 def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_path):
-    from optc.bench import BenchOptions, _hf_from_artifact, run_bench
+    from optc.bench import BenchOptions, run_bench
+    from optc.models.llama import hf_model_from_artifact
 
-    hf = _hf_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
+    hf = hf_model_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
     engine = Engine.load(artifacts["cpu"])
     ids = [(3 * j) % 250 + 1 for j in range(9)]
     with torch.inference_mode():
@@ -275,13 +282,13 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     assert_close(logits, expected, rtol=1e-5, what="optc vs rebuilt transformers logits")
     result = run_bench(BenchOptions(artifacts["cpu"], num_requests=3, input_len=6, output_len=3, max_num_seqs=2,
                                     compare_hf=True, show_progress=False))
-    assert result["hf"]["model"] == "dense, rebuilt from random:tiny" and result["hf"]["num_output_tokens"] == 9
-    assert result["cuda_graphs"] is None  # the CPU runs eager
+    assert result.hf["model"] == "dense, rebuilt from random:tiny" and result.hf["num_output_tokens"] == 9
+    assert result.cuda_graphs is None  # the CPU runs eager
 
     recipe = tmp_path / "int4.yaml"
     recipe.write_text("model: random:tiny\ndtype: float32\npasses: [{quantize_rtn: {bits: 4, group_size: 32}}]\n")
     with pytest.raises(ValueError, match="holds int4_g weights and its source has no transformers checkpoint"):
-        _hf_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
+        hf_model_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
 
 
 def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):
@@ -298,4 +305,4 @@ def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):
     artifact = build_artifact(tmp_path / "a", None, "dtype=float32", model=str(tmp_path / "hf"))
     result = run_bench(BenchOptions(artifact, num_requests=2, input_len=5, output_len=2, compare_hf=True,
                                     show_progress=False))
-    assert result["hf"]["model"] == str((tmp_path / "hf").resolve()) and result["hf"]["num_output_tokens"] == 4
+    assert result.hf["model"] == str((tmp_path / "hf").resolve()) and result.hf["num_output_tokens"] == 4
