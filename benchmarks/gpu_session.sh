@@ -8,13 +8,14 @@
 #
 # Stages, in the order to run them (the first four fit one session's 30 minutes with the starts;
 # a later session goes on where the previous one stopped):
-#   smoke          CUDA-graph and end-to-end GPU tests (the capture and the engine, first)
+#   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
 #   bf16-b1        serving 8B bf16 at batch 1: CUDA graphs, then eager
 #   int4-b1        serving 8B int4 (RTN g128) at batch 1
 #   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
 #   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
 #   kernels-w8a16  benchmarks/kernels.py: int8 linears
+#   awq-8b         `optc build recipes/llama-awq.yaml` on random:llama-3-8b with --device cuda (timed)
 #   bf16-b64       serving 8B bf16 at batch 64: CUDA graphs, then eager
 #   int4-b64       serving 8B int4 at batch 64
 #   autotune-all   the GPU test that runs every autotune config
@@ -41,8 +42,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="smoke kernel-tests bf16-b1 int4-b1 kernels-small kernels-w4a16 kernels-w8a16 bf16-b64 int4-b64 autotune-all
-        hf-b1 hf-b64 fake"
+STAGES="smoke kernel-tests bf16-b1 int4-b1 kernels-small kernels-w4a16 kernels-w8a16 awq-8b bf16-b64 int4-b64
+        autotune-all hf-b1 hf-b64 fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
 PY=${PYTHON:-python3}
@@ -64,9 +65,11 @@ step() {  # step SECONDS CMD ...: CMD under `timeout -s INT`, its output tee'd t
     return 0
   fi
   echo "== $* (limit ${secs} s)" | tee -ia "$LOG"
+  local start=$SECONDS
   timeout -s INT -k "$GRACE" "$secs" "$@" 2>&1 | tee -ia "$LOG"
   local rc=${PIPESTATUS[0]}
-  ((rc == 0)) || echo "== exit $rc$( ((rc == 124 || rc == 130)) && echo ' (time limit: SIGINT)')" | tee -ia "$LOG"
+  echo "== exit $rc after $((SECONDS - start)) s$( ((rc == 124 || rc == 130)) && echo ' (time limit: SIGINT)')" \
+    | tee -ia "$LOG"
   return "$rc"
 }
 
@@ -118,9 +121,9 @@ stage() {  # define (and, unless --dry-run, run) stage $1
   BOUND=0
   case "$STAGE" in
     smoke)
-      estimate 4.5 "setup 0.5 + ~60 compiles (graph capture, 4 tiny models) 2 + transformers refs 1 + runs 1"
+      estimate 5 "setup 0.5 + ~60 compiles (graph capture, 4 tiny models) 2 + transformers refs 1 + runs 1 + 4 tiny AWQ/GPTQ builds 0.5"
       setup
-      pytest_stage 300 150 tests/test_cuda_graphs.py tests/test_gpu.py ;;
+      pytest_stage 330 150 tests/test_cuda_graphs.py tests/test_gpu.py tests/test_build_device.py ;;
     kernel-tests)
       estimate 5 "setup 0.5 + ~140 compiles of the kernels' GPU tests 3.5 + runs 1"
       setup
@@ -147,6 +150,11 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       fi
       setup
       serving_stage 390 --configs "$config" --batch-sizes "$batch" --no-compare-hf ;;
+    awq-8b)
+      estimate 6.5 "setup 0.5 + random 8B init 1.5 + AWQ on the GPU, 32 blocks x 64K tokens ~3 (target: <= 5) + write 5 GB 0.5"
+      setup
+      step 390 optc build recipes/llama-awq.yaml --model random:llama-3-8b --device cuda --force \
+        --out build/bench-serving/llama-3-8b-awq ;;
     hf-b1 | hf-b64)
       estimate 7.5 "setup 0.5 + 8B build 2.5 (none if bf16 ran on this machine) + optc run 1.5 + transformers load 0.5 + torch.compile 2 + run 0.5"
       setup

@@ -74,13 +74,18 @@ def build(
         None, "--dump-ir", help="Write the IR as text before and after every pass into this folder."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    device: str | None = typer.Option(
+        None, "--device",
+        help="Where the calibration passes (quantize_awq, quantize_gptq) run, one decoder block at a time: "
+        "cuda or cpu (default: cuda when torch sees a GPU, else cpu). Other passes run on the CPU.",
+    ),
 ) -> None:
     """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
     from optc.build import BuildOptions
     from optc.build import build as run_build
 
     with _user_errors():
-        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet))
+        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device))
     typer.echo(str(path))
 
 

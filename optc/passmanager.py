@@ -55,6 +55,7 @@ class PassContext:
     show_progress_bars: bool = False
     calibration_tokens: Callable[[], torch.Tensor] | None = None  # (samples, seq_len) int64, computed once
     calibration_record: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where calibration passes compute
 
 
 class Pass:

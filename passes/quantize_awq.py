@@ -19,6 +19,7 @@ from optc.quant.blocks import (
     linear_groups,
     progress,
     start_calibration,
+    to_host,
 )
 from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
 from optc.quant.rtn import quantize_weight
@@ -67,7 +68,7 @@ class QuantizeAwq(Pass):
                     feeds_rope = any(c.op in ROPE_OPS for v in n.outputs for c in consumers.get(v, []))
                     clip = search_clip(x, w, fmt, o.n_grid) if o.clip and not feeds_rope else None
                     parts = quantize_weight(w, fmt, name, clip=clip)
-                    quantized[name] = (fmt, parts)
+                    quantized[name] = (fmt, to_host(parts))
                     params[name] = Param(parts, fmt)
             runner.advance(block.nodes, params, block.outputs)
         missing = sorted(targets - set(quantized))
@@ -115,5 +116,5 @@ class QuantizeAwq(Pass):
         # round to the stored dtype now, so later calibration sees the artifact's values
         prev = prev.to(graph.tensors[prev_name].format.torch_dtype).float()
         params[prev_name] = dense_param(prev)
-        folded[prev_name] = prev
+        folded[prev_name] = prev.cpu()
         return found.alpha

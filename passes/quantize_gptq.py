@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from optc.ir import Graph
 from optc.ops import Param
 from optc.passmanager import Pass, PassContext, PassResult
-from optc.quant.blocks import apply, linear_groups, progress, start_calibration
+from optc.quant.blocks import apply, linear_groups, progress, start_calibration, to_host
 from optc.quant.gptq import Gptq
 from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
 from optc.store import TensorStore
@@ -49,7 +49,7 @@ class QuantizeGptq(Pass):
                     gptq.hessian, gptq.num_samples = hessian  # same input, same H (run() copies it)
                     fmt = o.format(graph.tensors[name].format.dtype)
                     parts = gptq.quantize(fmt, o.damp, o.block_size, o.act_order)
-                    quantized[name] = (fmt, parts)
+                    quantized[name] = (fmt, to_host(parts))
                     params[name] = Param(parts, fmt)
             runner.advance(block.nodes, params, block.outputs)
         missing = sorted(targets - set(quantized))

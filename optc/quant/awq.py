@@ -44,7 +44,7 @@ class ScaleSearch:
 def input_mean(x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """mean |x| per channel over all rows of x (..., K), fp32, in chunks of rows."""
     x = x.reshape(-1, x.shape[-1])
-    total = torch.zeros(x.shape[-1], dtype=torch.float32)
+    total = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
     for i in range(0, x.shape[0], chunk):
         total += x[i:i + chunk].float().abs().sum(0)
     return total / x.shape[0]

@@ -87,14 +87,18 @@ def dense_param(t: torch.Tensor) -> Param:
 
 
 class BlockRunner:
-    """Calibration activations flowing through the graph, one block at a time (fp32)."""
+    """Calibration activations flowing through the graph, one block at a time (fp32), on `device`:
+    the activations that cross block boundaries and the weights of the block being loaded live
+    there; the store and the results (`to_host`) stay on the host, so a GPU holds one block at a time."""
 
-    def __init__(self, graph: Graph, store: TensorStore, tokens: torch.Tensor):
+    def __init__(self, graph: Graph, store: TensorStore, tokens: torch.Tensor, device: torch.device | str = "cpu"):
         self.graph = graph
         self.store = store
+        self.device = torch.device(device)
         self.num_seqs, self.seq_len = tokens.shape
-        self.step = dense_step(graph, self.num_seqs, self.seq_len, dtype=torch.float32)
-        self.env: dict[str, torch.Tensor] = {"input_ids": tokens.reshape(-1), "positions": self.step.positions}
+        self.step = dense_step(graph, self.num_seqs, self.seq_len, device=self.device, dtype=torch.float32)
+        self.env: dict[str, torch.Tensor] = {"input_ids": tokens.reshape(-1).to(self.device),
+                                             "positions": self.step.positions}
 
     def load(self, nodes: Iterable[Node]) -> dict[str, Param]:
         """Params of the nodes' tensors: dense ones as fp32, quantized ones as stored."""
@@ -103,7 +107,8 @@ class BlockRunner:
             for name in n.params.values():
                 info = self.graph.tensors[name]
                 fmt = info.format
-                parts = {r: self.store.get(part_name(name, r, fmt)) for r in fmt.part_shapes(info.shape)}
+                parts = {r: self.store.get(part_name(name, r, fmt)).to(self.device)
+                         for r in fmt.part_shapes(info.shape)}
                 params[name] = dense_param(parts["weight"]) if not fmt.is_quantized else Param(parts, fmt)
         return params
 
@@ -112,7 +117,8 @@ class BlockRunner:
         num_seqs = min(num_seqs, self.num_seqs)
         if num_seqs == self.num_seqs:
             return num_seqs * self.seq_len, self.step
-        return num_seqs * self.seq_len, dense_step(self.graph, num_seqs, self.seq_len, dtype=torch.float32)
+        return num_seqs * self.seq_len, dense_step(self.graph, num_seqs, self.seq_len, device=self.device,
+                                                   dtype=torch.float32)
 
     def run(self, nodes: list[Node], params: dict[str, Param], env: dict[str, torch.Tensor] | None = None,
             until: str | None = None, step=None) -> dict[str, torch.Tensor]:
@@ -179,13 +185,19 @@ def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, d
 
 
 def _entry(t: torch.Tensor) -> Entry:
+    t = t.cpu()  # the same tensor when it is on the CPU already
     return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
+
+
+def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block's results moved off the calibration device (the same tensors on the CPU)."""
+    return {r: t.cpu() for r, t in parts.items()}
 
 
 def start_calibration(graph: Graph, store: TensorStore, ctx, pass_name: str) -> tuple[BlockRunner, list[Block]]:
     """The calibration tokens run through the nodes before the first block; the blocks to process in order."""
     prefix, blocks = split_blocks(graph)
-    runner = BlockRunner(graph, store, calibration_tokens(ctx, pass_name))
+    runner = BlockRunner(graph, store, calibration_tokens(ctx, pass_name), getattr(ctx, "device", "cpu"))
     runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
     return runner, blocks
 
