@@ -108,13 +108,18 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
         raise InputError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
     params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
     # warm-up at the run's prefill length, then decode steps of 2 rows and of 1 (the quantized
-    # GEMMs autotune M == 1, 2..16 and larger M apart, keyed by the linears' shapes, not by the
-    # token count), so Triton's compiles and autotuning happen before the clock starts; prompts of
-    # one repeated token share no cached block with the workload; counters are taken as differences
+    # GEMMs autotune per bucket of M, the token count, and per linear shape), so Triton's compiles
+    # and autotuning happen before the clock starts; on CUDA also the run's batch (its chunked
+    # prefills and decode rows reach the same M buckets as the run's); prompts of one repeated token
+    # share no cached block with the workload; counters are taken as differences
     length = min(len(p) for p in prompts)
     warm = min(2, engine.config.max_num_seqs)
     engine.generate([[1] * length, [2] * length][:warm],
                     [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)][:warm])
+    if engine.device.type == "cuda" and len(prompts) > warm:
+        batch = min(len(prompts), engine.config.max_num_seqs)
+        warm_prompts = [[3 + i % (engine.vocab_size - 3)] * length for i in range(batch)]
+        engine.generate(warm_prompts, SamplingParams(max_tokens=2))
     before = engine.stats()
     is_cuda = engine.device.type == "cuda"
     if is_cuda:
