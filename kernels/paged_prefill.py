@@ -1,4 +1,5 @@
-"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache.
+"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache
+(optc.ops.attention describes the layout and the reference).
 
 The K/V of every token, the earlier context's and this step's, are read from the paged cache (the
 store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
@@ -20,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._attend import attend
+from optc.kernels._attend import attend, check_paged_args
 from optc.kernels._dot import fp32_dot
-from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # (query token, head) rows per program
@@ -105,8 +105,3 @@ def paged_prefill(
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out
-
-
-def paged_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
-    """The specification: paged_attention_ref."""
-    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Format, FormatKind, linear_ref
+from optc.formats import Format, FormatKind
 from optc.kernels import _splitk
 from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config
@@ -103,11 +103,6 @@ def w4a16_linear(
         group_size=group, stride_qn=qweight.stride(0), stride_sn=scales.stride(0),
         stride_zn=zeros.stride(0) if zeros is not None else 0, HAS_ZEROS=zeros is not None,
     )
-
-
-def w4a16_linear_ref(x, parts, fmt, bias=None) -> torch.Tensor:
-    """The specification: optc.formats.linear_ref."""
-    return linear_ref(x, parts, fmt, bias)
 
 
 def _split_k(n: int, k: int, group: int) -> int:

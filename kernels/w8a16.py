@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Format, FormatKind, linear_ref
+from optc.formats import Format, FormatKind
 from optc.kernels import _splitk
 from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config
@@ -81,11 +81,6 @@ def w8a16_linear(
         _KERNELS, x, n, bias, split_k, SPLIT_ALIGN, _split_k,
         qweight_ptr=qweight, scales_ptr=scales, stride_qn=qweight.stride(0),
     )
-
-
-def w8a16_linear_ref(x, parts, fmt, bias=None) -> torch.Tensor:
-    """The specification: optc.formats.linear_ref."""
-    return linear_ref(x, parts, fmt, bias)
 
 
 def _split_k(n: int, k: int) -> int:

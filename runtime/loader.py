@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optc.artifact import ArtifactError, check_target, read_manifest, verify_files
-from optc.ir import Graph
+from optc.ir import REFERENCE_KERNEL, Graph
 from optc.ops import VerifyError, verify
 from optc.runtime.model import Model
 from optc.store import TensorStore
@@ -45,7 +45,7 @@ def load(path: str | Path, device: str = "cpu", verify_hashes: bool = True) -> A
 
 def _impls(graph: Graph) -> dict:
     """Implementations for the non-reference kernels the graph's nodes are bound to."""
-    names = {n.attrs.get("kernel", "torch") for n in graph.nodes} - {"torch"}
+    names = {n.kernel for n in graph.nodes} - {REFERENCE_KERNEL}
     if not names:
         return {}
     from optc.kernels.registry import impls  # Triton launchers adapted to the op signature
