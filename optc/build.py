@@ -13,10 +13,10 @@ import torch
 
 import optc
 from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
-from optc.frontend import load_source
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
 from optc.recipe import Recipe, RecipeError, load_recipe
+from optc.sources import load_source
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,13 @@ from dataclasses import dataclass, field
 
 from optc.ir import Graph
 from optc.ops import host_syncing_nodes
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.store import TensorStore
 
 
-class CudaGraphs:
+class CudaGraphs(Pass):
     """Plan the CUDA-graph batch-size buckets of decode steps and record them in the manifest."""
-
-    name = "cuda_graphs"
 
     @dataclass(frozen=True)
     class Options:
@@ -38,12 +36,6 @@ class CudaGraphs:
             if bad:
                 raise ValueError(f"cuda_graphs: batch_sizes must be ints >= 1, got {bad}")
             object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         if ctx.target != "cuda":
@@ -60,6 +52,3 @@ class CudaGraphs:
                  "num_eager_only_nodes": len(eager_only)}
         return PassResult(graph, store, changed=False, stats=stats,
                           manifest={"cuda_graphs": {"batch_sizes": sizes}})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

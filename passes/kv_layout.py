@@ -7,28 +7,20 @@ from dataclasses import dataclass, field
 from optc.formats import DTYPES
 from optc.ir import Graph, Node
 from optc.ops import OPS
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 BLOCK_SIZES = (16, 32)
 
 
-class KvLayout:
+class KvLayout(Pass):
     """Choose the paged KV-cache layout (block size, dtype) and record it on every attention."""
-
-    name = "kv_layout"
 
     @dataclass(frozen=True)
     class Options:
         block_size: int = field(default=16, metadata={"choices": BLOCK_SIZES, "help": "tokens per KV block"})
         dtype: str | None = field(default=None, metadata={
             "choices": tuple(DTYPES), "help": "KV cache dtype; default: the recipe's dtype"})
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         block_size, dtype = self.options.block_size, self.options.dtype or ctx.dtype

@@ -7,25 +7,17 @@ from dataclasses import dataclass, field
 
 from optc.ir import REFERENCE_KERNEL, Graph, Node
 from optc.kernels.registry import KERNELS, KernelQuery, select
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 
-class SelectKernels:
+class SelectKernels(Pass):
     """Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
-
-    name = "select_kernels"
 
     @dataclass(frozen=True)
     class Options:
         disable: tuple[str, ...] = field(default=(), metadata={
             "choices": tuple(KERNELS), "help": "Triton kernels not to use (ablations); their nodes get torch"})
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]

@@ -2,7 +2,7 @@
 
 The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
 `optc.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
-imports the frontend or the passes.
+imports the sources or the passes.
 """
 
 from __future__ import annotations

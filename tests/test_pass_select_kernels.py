@@ -5,10 +5,10 @@ import torch
 
 from optc.execute import Executor, bind_params, run_dense
 from optc.formats import Format, FormatKind
-from optc.frontend import load_source
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.kernels.registry import impls
 from optc.passmanager import PassContext, make_pass
+from optc.sources import load_source
 
 
 def _graph(head_dim: int = 16) -> Graph:
