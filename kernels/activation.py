@@ -5,8 +5,7 @@ separate (T, I) views, e.g. two strided column slices of one (T, 2I) tensor (onl
 be contiguous). Numerical policy (matches the reference in x's dtype, as transformers does):
 silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up in fp32 and rounded.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ Numerical policy (the same as transformers' LlamaRMSNorm): the mean of squares a
 fp32; the normalized value is cast to the input dtype before the weight multiplies it. One program
 normalizes one row; the whole row sits in registers (hidden sizes up to 16384 fit).
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ the scale folded into log2 e); P is cast to the cache dtype for the second dot; 
 on store. Semantics are optc.ops.attention.paged_attention_ref's for requests whose query length
 is 1 (a request with seq_len 0 gets zeros).
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and `num_splits` heuristics are untuned.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

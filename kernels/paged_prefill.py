@@ -11,8 +11,7 @@ head of the group) pairs flattened as row = i * G + g, so each K/V tile is read 
 The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
 (exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot; cast on store.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and the tile sizes are untuned.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

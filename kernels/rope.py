@@ -9,8 +9,7 @@ paged cache through the slot mapping; one program per token), `rope` (rotate one
 `kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
 cache dtype, exactly as the reference's two steps do.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ shared memory: benchmarks/kernels.py --compile-only.)
 
 Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS), pruned so BLOCK_K divides the group size;
 on the CPU (the Triton interpreter, which cannot time kernels) the first surviving config runs.
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and the configs and split heuristic are untuned.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

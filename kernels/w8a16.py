@@ -10,8 +10,8 @@ added in fp32; one cast on store.
 
 Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS); every BLOCK_K divides SPLIT_ALIGN, so the
 pruning keeps them all, and on the CPU (the Triton interpreter, which cannot time kernels) the
-first config runs. Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run
-on a CUDA device in the session that wrote it, and the configs and split heuristic are untuned.
+first config runs. Tests compare it with its op's torch reference (optc.ops), on the CPU under
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
