@@ -1,6 +1,6 @@
 """What the weight-only quantized linears (w4a16, w8a16) share: launch shapes, autotuning, the store
 epilogue and the launcher's tail. Each kernel file keeps its weight-tile load and dequantization,
-its asserts, its split heuristic and its reference.
+its asserts and its split heuristic; the reference of both is optc.formats.linear_ref.
 
 A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
 bias_ptr, out_ptr; sizes M, M_BUCKET, N, K, k_per_split; strides stride_xm, stride_om, stride_os;
@@ -12,8 +12,8 @@ M: a split-K GEMV for M <= GEMV_MAX_M (decode; K split across programs so a smal
 GPU; the fp32 partials summed by `_reduce_kernel`, with the bias and the cast, in one launch),
 autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the
 tl.dot ones, and a tiled GEMM for larger M (prefill). Autotuning times each config with short runs
-(AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS). Checked under TRITON_INTERPRET=1 on the CPU through the
-kernels that use it, and compiled for sm_90 (benchmarks/kernels.py --compile-only).
+(AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS). Tests check it through the kernels that use it, on the CPU
+under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations

@@ -134,13 +134,13 @@ def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
 
 
 def _toolchain() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
+    try:  # the installed version, without importing triton (a CPU build never does)
+        versions["triton"] = version("triton")
+    except PackageNotFoundError:
         versions["triton"] = None
     return versions

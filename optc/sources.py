@@ -14,7 +14,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -117,6 +117,7 @@ def _finish(config: ModelConfig, table: dict[str, TensorInfo], store: TensorStor
     if missing:
         raise SourceError(f"{where}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     graph.tensors = {n: table[n] for n in table if n in used}
+    graph.config = replace(config, dtype=table[graph.used_tensors()[0]].format.dtype)  # activations: the embedding's
     keys = [part_name(t, r, graph.tensors[t].format) for t in sorted(used)
             for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
     return Source(graph, store.keep(keys), record, save_tokenizer, quantization)

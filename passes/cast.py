@@ -1,4 +1,5 @@
-"""Cast dense weights (and the scales of quantized ones) to one floating dtype."""
+"""Cast dense weights (and the scales of quantized ones) to one floating dtype, and record it as the
+activation dtype (`graph.config.dtype`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Cast(Pass):
             entries[key] = transformed(store.entry(key), lambda t, to=to: t.to(to), dtype=to)
             new_graph.tensors[name] = TensorInfo(info.shape, replace(fmt, dtype=dtype))
             cast += 1
-        if not cast:
+        if not cast and graph.config.dtype == dtype:
             return PassResult(graph, store, changed=False, stats={"cast": 0, "dtype": dtype})
+        new_graph.config = replace(graph.config, dtype=dtype)  # activations follow the weights
         return PassResult(new_graph, store.with_entries(entries), changed=True, stats={"cast": cast, "dtype": dtype})

@@ -14,12 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optc.ir import Graph
+from optc.ops import host_syncing_nodes
 from optc.passmanager import Pass, PassContext, PassResult
+from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.store import TensorStore
-
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# ops whose torch references read device values on the host (int(seq_lens.max()), boolean masks)
-SYNCING_REFERENCE_OPS = ("attention", "rope_kv_store")
 
 
 class CudaGraphs(Pass):
@@ -27,7 +25,7 @@ class CudaGraphs(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        batch_sizes: tuple[int, ...] = field(default=DEFAULT_BATCH_SIZES, metadata={
+        batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES, metadata={
             "min": 1, "help": "decode batch sizes to capture a graph for (sorted and deduplicated)"})
 
         def __post_init__(self) -> None:
@@ -45,8 +43,7 @@ class CudaGraphs(Pass):
             return PassResult(graph, store, changed=False, stats=stats)
         sizes = list(self.options.batch_sizes)
         # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
-        eager_only = [n.name for n in graph.nodes
-                      if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+        eager_only = [n.name for n in host_syncing_nodes(graph)]
         if eager_only:
             ctx.progress(f"cuda_graphs: {len(eager_only)} KV node(s) run on torch references that sync "
                          f"(first: {eager_only[0]}); the runtime will not capture graphs "

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 from optc.formats import DTYPES
 from optc.ir import Graph, Node
+from optc.ops import OPS
 from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 BLOCK_SIZES = (16, 32)
-KV_OPS = ("attention", "rope_kv_store")  # nodes that read or write the cache
 
 
 class KvLayout(Pass):
@@ -30,17 +30,17 @@ class KvLayout(Pass):
         stats = {**layout, "bytes_per_token": c.num_layers * 2 * c.num_kv_heads * c.head_dim * DTYPES[dtype].itemsize}
         manifest = {"kv_layout": layout}
         attrs = {"kv_block_size": block_size, "kv_dtype": dtype}
-        todo = [n for n in graph.nodes if n.op in KV_OPS and any(n.attrs.get(k) != v for k, v in attrs.items())]
+        todo = [n for n in graph.nodes if _touches_kv(n) and any(n.attrs.get(k) != v for k, v in attrs.items())]
         if not todo:
             return PassResult(graph, store, changed=False, stats=stats, manifest=manifest)
         graph = graph.copy()
-        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, **attrs}, n.params) if n.op in KV_OPS
+        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, **attrs}, n.params) if _touches_kv(n)
                        else n for n in graph.nodes]
         return PassResult(graph, store, changed=True, stats=stats, manifest=manifest)
 
     def ensures(self, graph: Graph) -> None:
         for n in graph.nodes:
-            if n.op in KV_OPS and "kv_block_size" not in n.attrs:
+            if _touches_kv(n) and "kv_block_size" not in n.attrs:
                 raise AssertionError(f"{n.name}: no KV layout recorded")
 
     @staticmethod
@@ -51,7 +51,7 @@ class KvLayout(Pass):
             raise ValueError(f"kv_layout: dtype {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
         c = graph.config
         for n in graph.nodes:
-            if n.op not in KV_OPS:
+            if not _touches_kv(n):
                 continue
             a = n.attrs
             if (a["num_heads"], a["num_kv_heads"], a["head_dim"]) != (c.num_heads, c.num_kv_heads, c.head_dim):
@@ -61,3 +61,7 @@ class KvLayout(Pass):
         if target == "cuda" and (c.head_dim * DTYPES[dtype].itemsize) % 16:
             raise ValueError(f"kv_layout: head_dim {c.head_dim} in {dtype} gives {c.head_dim * DTYPES[dtype].itemsize}"
                              f"-byte rows; target cuda needs a multiple of 16 bytes (use another dtype or target cpu)")
+
+
+def _touches_kv(node: Node) -> bool:
+    return OPS[node.op].touches_kv_cache

@@ -74,6 +74,7 @@ def test_fp16_fixture_checkpoint_matches_transformers(shared_fixture):
     path = shared_fixture("tiny-llama-fp16")
     src = load_source(str(path))
     assert src.graph.tensors["lm_head.weight"].format.dtype == "float16"
+    assert src.graph.config.dtype == "float16"  # the activation dtype: the embedding's
     assert src.record["kind"] == "hf_dir" and "model.safetensors" in src.record["files"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = _ids(256)

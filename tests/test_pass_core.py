@@ -60,6 +60,7 @@ def test_cast_structure(tiny):
     r = _run("cast", tiny.graph, tiny.store, dtype="bfloat16")
     assert r.changed and r.stats == {"cast": 21, "dtype": "bfloat16"}  # 3 + 2 layers x (2 norms + 7 linears)
     assert {i.format.dtype for i in r.graph.tensors.values()} == {"bfloat16"}
+    assert (tiny.graph.config.dtype, r.graph.config.dtype) == ("float32", "bfloat16")  # the activations follow
     assert r.store.get("model.norm.weight").dtype == torch.bfloat16
     assert tiny.store.get("model.norm.weight").dtype == torch.float32
 
