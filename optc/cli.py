@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from optc.errors import UserError
+
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
     no_args_is_help=True,
@@ -208,6 +210,45 @@ def bench(
     except _user_errors() as e:
         _fail(e)
     typer.echo(json.dumps(result, indent=1, sort_keys=True) if as_json else format_bench(result))
+
+
+@app.command()
+def serve(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes "
+                             "the server to the network)."),
+    port: int = typer.Option(8000, "--port", help="Port to bind (0 = any free port; the URL is printed when ready)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPTC_API_KEY", help="Require "
+                                       "'Authorization: Bearer KEY' on /v1/* (default: env OPTC_API_KEY; none = "
+                                       "no key)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model name clients send "
+                                                 "and /v1/models lists (default: the artifact folder's name)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests batched together at "
+                                            "most (default: the artifact's runtime.max_batch_size)."),
+    max_waiting: int = typer.Option(1024, "--max-waiting", min=0, help="Requests that may wait beyond the running "
+                                    "ones; more get 503."),
+    allowed_origin: list[str] = typer.Option([], "--allowed-origin", help="Allow browser requests (CORS) from "
+                                             "this origin, e.g. http://localhost:3000 (repeatable; none = no CORS)."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log every request line and body (off: "
+                                      "bodies are never logged)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
+                                           "get to finish after SIGTERM/SIGINT before they are cancelled."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+) -> None:
+    """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
+    plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
+    try:
+        from optc.runtime.server import ServeOptions
+        from optc.runtime.server import serve as run_server
+    except ImportError as e:
+        _fail(ValueError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}"))
+    try:
+        options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
+                               tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify)
+        run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
+    except (UserError, *_user_errors()) as e:
+        _fail(e)
 
 
 @app.command()
