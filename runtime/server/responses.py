@@ -22,7 +22,7 @@ def sse(chunk: dict[str, Any] | str) -> str:
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs (the top tokens and the
-    chosen one, by text), text_offset (character offsets into the returned text)."""
+    chosen one, keyed by their text), text_offset (character offsets into the returned text)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for entry in entries:
         tokens.append(entry.text)
@@ -32,7 +32,10 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> di
         if entry.logprob is None:  # the first prompt token: nothing before it to condition on
             top_logprobs.append(None)
         else:
-            top_logprobs.append({text: lp for text, _, lp in entry.top} | {entry.text: entry.logprob})
+            top: dict[str, float] = {}
+            for text, _, lp in (*entry.top, (entry.text, entry.token_id, entry.logprob)):
+                top.setdefault(text, lp)  # tokens that decode alike: the likeliest one's value
+            top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
