@@ -183,7 +183,7 @@ def eval_(
 
 @app.command()
 def bench(
-    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    artifact: Path | None = typer.Argument(None, help="Artifact folder (not with --url)."),
     num_requests: int = typer.Option(64, "--num-requests", min=1, help="Requests, all submitted at once."),
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens per request (random token ids, "
                                   "seeded; ignored with --dataset)."),
@@ -199,10 +199,35 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (output_tokens_per_s, "
                                  "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, ...)."),
+    url: str | None = typer.Option(None, "--url", help="Load-test a running OpenAI-compatible server at this base "
+                                   "URL (e.g. http://127.0.0.1:8000) instead of an artifact in-process: streaming "
+                                   "requests, greedy, EOS ignored; key from env OPTC_API_KEY."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="With --url: requests per second, "
+                                       "Poisson arrivals (inf = all at once)."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="With --url: requests in "
+                                               "flight at most (default: no limit)."),
 ) -> None:
-    """Offline serving benchmark: throughput, TTFT/TPOT percentiles, peak memory and KV usage."""
+    """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
+    or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
     from optc.bench import BenchOptions, format_bench, run_bench
 
+    if url is not None or artifact is None:
+        from optc.loadgen import LoadOptions, format_load, run_load
+
+        try:
+            if (url is None) == (artifact is None):
+                raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
+            in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
+                          "--compare-hf": compare_hf}
+            if any(in_process.values()):
+                raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
+                                "it is the server's setting")
+            result = run_load(LoadOptions(url, num_requests, input_len, output_len, request_rate, max_concurrency,
+                                          dataset, seed, show_progress=not as_json))
+        except _user_errors() + (UserError,) as e:
+            _fail(e)
+        typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
+        return
     try:
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json)

@@ -155,15 +155,17 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
-            chunk = lambda out, first: _completion_chunk(ids, out, echo if first else "")
+            chunk = lambda out, first: _completion_chunk(ids, out, echo if first else "", body.return_token_ids)
             return _stream(request, outputs, body, chunk, ids.completion)
-        text, last, entries = await _collect(request, outputs)
+        text, last, entries, token_ids = await _collect(request, outputs)
         if last is None:
             return Response(status_code=499)
         logprobs = None
         if body.logprobs is not None:
             logprobs = r.completion_logprobs((last.prompt_logprobs or []) + entries if body.echo else entries)
         choice = {"text": echo + text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+        if body.return_token_ids:
+            choice |= {"prompt_token_ids": accepted.prompt_token_ids, "token_ids": token_ids}
         return JSONResponse(ids.completion(choice, r.usage(last.num_prompt_tokens, last.num_output_tokens)))
 
     @v1.post("/chat/completions")
@@ -178,7 +180,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         if body.stream:
             return _stream(request, outputs, body, lambda out, first: _chat_chunk(ids, out, first, body.logprobs),
                            ids.chat)
-        text, last, entries = await _collect(request, outputs)
+        text, last, entries, _ = await _collect(request, outputs)
         if last is None:
             return Response(status_code=499)
         choice = {"message": {"role": "assistant", "content": text},
@@ -287,23 +289,26 @@ async def _items(request: Request, outputs: AsyncIterator[Output]) -> AsyncItera
         await outputs.aclose()
 
 
-async def _collect(request: Request, outputs: AsyncIterator[Output]) -> tuple[str, Output | None, list]:
-    """Text, the finishing output (None if the client left) and the token logprobs of a request."""
-    texts, entries, last = [], [], None
+async def _collect(request: Request, outputs: AsyncIterator[Output]) -> tuple[str, Output | None, list, list[int]]:
+    """Text, the finishing output (None if the client left), token logprobs and token ids of a request."""
+    texts, entries, token_ids, last = [], [], [], None
     async for out in _items(request, outputs):
         texts.append(out.text)
         entries.extend(out.logprobs)
+        token_ids.extend(out.token_ids)
         if out.finish_reason is not None:
             last = out
-    return "".join(texts), last, entries
+    return "".join(texts), last, entries, token_ids
 
 
-def _completion_chunk(ids: r.ResponseIds, out: Output, prefix: str) -> dict | None:
-    if not (out.text or prefix or out.finish_reason):
+def _completion_chunk(ids: r.ResponseIds, out: Output, prefix: str, with_token_ids: bool) -> dict | None:
+    if not (out.text or prefix or out.finish_reason or with_token_ids and out.token_ids):
         return None
     logprobs = r.completion_logprobs(out.logprobs) if out.logprobs else None
-    return ids.completion({"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason},
-                          is_chunk=True)
+    choice = {"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    if with_token_ids:
+        choice["token_ids"] = out.token_ids
+    return ids.completion(choice, is_chunk=True)
 
 
 def _chat_chunk(ids: r.ResponseIds, out: Output, first: bool, with_logprobs: bool) -> dict | None:

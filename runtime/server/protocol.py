@@ -2,8 +2,8 @@
 
 Every model forbids unknown fields, and fields the API has but this server does not implement are
 accepted only at their neutral value (`n` 1, penalties 0, no tools, a text response format): any
-other value is an `ApiError` 400 naming the field, never silently ignored. `top_k` and `ignore_eos`
-are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422.
+other value is an `ApiError` 400 naming the field, never silently ignored. `top_k`, `ignore_eos` and
+`return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = False  # extension: the choice also lists prompt_token_ids and token_ids
 
     def check_supported(self) -> None:
         super().check_supported()
