@@ -1,9 +1,12 @@
 """`optc serve` as a live process on 127.0.0.1 (random:tiny), driven by the official `openai` client
 (sync and async, streaming and not) and by httpx: the answers equal the in-process engine's, logprobs
 equal transformers' log-softmax, and every error has OpenAI's shape and the documented status.
-Heavier scenarios (disconnects under load, shutdown, SmolLM2) are in test_server_load.py."""
+Also 50 concurrent streams with 20 disconnects, and the load tester. Shutdown, a full server and
+SmolLM2 are in test_server_load.py."""
 
 import asyncio
+import json
+import time
 
 import httpx
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
+from optc.errors import UserError  # noqa: E402
 from optc.runtime import Engine, SamplingParams  # noqa: E402
 from optc.testing import serve_process, tiny_hf_model  # noqa: E402
 
@@ -182,14 +186,80 @@ def test_tokenize_and_detokenize(server, engine):
 
 
 def test_metrics_count_tokens_and_finishes(server):
-    text = httpx.get(f"{server}/metrics").text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("optc:")}
-    assert values['optc:num_requests_running{model_name="tiny"}'] == 0
-    assert values['optc:kv_cache_usage_perc{model_name="tiny"}'] == 0
-    assert values['optc:generation_tokens_total{model_name="tiny"}'] > 0
-    assert values['optc:request_success_total{finished_reason="length",model_name="tiny"}'] > 0
-    assert values['optc:time_to_first_token_seconds_count{model_name="tiny"}'] > 0
+    values = metrics(server)
+    assert values["optc:num_requests_running"] == 0 and values["optc:kv_cache_usage_perc"] == 0
+    assert values["optc:generation_tokens_total"] > 0
+    assert values['optc:request_success_total{finished_reason="length"}'] > 0
+    assert values["optc:time_to_first_token_seconds_count"] > 0
     for name in ("inter_token_latency_seconds_count", "e2e_request_latency_seconds_count", "prompt_tokens_total",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "num_requests_waiting"):
-        assert f'optc:{name}{{model_name="tiny"}}' in values
+        assert f"optc:{name}" in values
+
+
+LOAD_PROMPTS = ["one two three", "four five", "six seven eight nine", "ten"]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every `optc:` sample: {'name{labels}': value}, labels with model_name dropped."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("optc:"):
+            name, value = line.rsplit(" ", 1)
+            out[name.replace('model_name="tiny"', "").replace("{,", "{").replace(",}", "}").replace("{}", "")] = \
+                float(value)
+    return out
+
+
+async def stream(client: httpx.AsyncClient, prompt: str, max_tokens: int, disconnect_after: int | None) -> str | None:
+    """The streamed text, or None after closing the connection once `disconnect_after` chunks came."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(text) == disconnect_after:
+                    return None  # leaving the block closes the connection mid-stream
+    return "".join(text)
+
+
+def test_fifty_streams_twenty_disconnect(server):
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = {p: post(server, "/v1/completions", body | {"prompt": p}).json()["choices"][0]["text"]
+                for p in LOAD_PROMPTS}
+    aborted_before = metrics(server)['optc:request_success_total{finished_reason="abort"}']
+
+    async def run():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server, headers=headers, timeout=120,
+                                     limits=httpx.Limits(max_connections=60)) as client:
+            return await asyncio.gather(*[
+                stream(client, LOAD_PROMPTS[i % 4], 24, 3 if i % 5 in (1, 3) else None) for i in range(50)])
+
+    texts = asyncio.run(run())
+    assert sum(t is None for t in texts) == 20
+    kept = [i for i in range(50) if i % 5 not in (1, 3)]
+    assert [t for t in texts if t is not None] == [expected[LOAD_PROMPTS[i % 4]] for i in kept]
+    deadline = time.monotonic() + 20
+    while (values := metrics(server))["optc:num_requests_running"] or values["optc:kv_cache_usage_perc"]:
+        assert time.monotonic() < deadline, f"requests still running after every client left: {values}"
+        time.sleep(0.2)
+    assert values["optc:num_requests_waiting"] == 0
+    assert values['optc:request_success_total{finished_reason="abort"}'] - aborted_before == 20
+    again = post(server, "/v1/completions", body | {"prompt": LOAD_PROMPTS[0]})
+    assert again.json()["choices"][0]["text"] == expected[LOAD_PROMPTS[0]]
+
+
+def test_load_tester_against_the_server(server):
+    from optc.loadgen import LoadOptions, run_load
+
+    result = run_load(LoadOptions(server, num_requests=12, input_len=16, output_len=8, request_rate=50.0,
+                                  max_concurrency=4, api_key=KEY, show_progress=False))
+    assert result.num_errors == 0 and result.num_requests == 12, result.errors
+    assert result.num_output_tokens == 12 * 8 and result.num_prompt_tokens == 12 * 16
+    assert 0 < result.ttft_ms["p50"] <= result.e2e_ms["p50"] and result.itl_ms["p50"] > 0
+    assert result.output_tokens_per_s > 0 and result.max_concurrency == 4
+    with pytest.raises(UserError, match="401"):
+        run_load(LoadOptions(server, num_requests=2, input_len=4, output_len=2, api_key="wrong", show_progress=False))
