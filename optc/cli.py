@@ -1,11 +1,17 @@
 """The `optc` command line: thin typer wrappers; each command parses options and calls one library
-function. User errors (bad recipe, bad source, bad artifact, bad prompt) print one line and exit 2.
+function. A user error (`optc.errors.UserError`: bad recipe, source, artifact, option or prompt)
+prints one line and exits 2; any other exception is a bug and shows its traceback (exit 1).
+`--traceback` (or OPTC_TRACEBACK=1) shows the traceback of user errors too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -20,19 +26,28 @@ app = typer.Typer(
 )
 
 
-def _user_errors():
-    from optc.artifact import ArtifactError
-    from optc.frontend import SourceError
-    from optc.passmanager import PassError
-    from optc.schema import RecipeError
+@app.callback()
+def _main(
+    show_traceback: bool = typer.Option(
+        False, "--traceback", help="Show the full traceback of user errors too (also: OPTC_TRACEBACK=1)."
+    ),
+) -> None:
+    """optc: compile LLM checkpoints into optimized, self-describing inference artifacts."""
+    if show_traceback:  # the flag lives in this process's environment: every command of the run sees it
+        os.environ["OPTC_TRACEBACK"] = "1"
 
-    return (RecipeError, SourceError, ArtifactError, PassError, ValueError, FileNotFoundError)
 
-
-def _fail(e: Exception) -> None:
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """One line and exit 2 for a UserError (with its traceback under --traceback); bugs propagate."""
+    try:
+        yield
+    except UserError as e:
+        if os.environ.get("OPTC_TRACEBACK") == "1":
+            traceback.print_exc()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -64,10 +79,8 @@ def build(
     from optc.build import BuildOptions
     from optc.build import build as run_build
 
-    try:
+    with _user_errors():
         path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet))
-    except _user_errors() as e:
-        _fail(e)
     typer.echo(str(path))
 
 
@@ -79,10 +92,8 @@ def inspect(
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.inspect import summarize
 
-    try:
+    with _user_errors():
         summary = summarize(artifact)
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -113,7 +124,7 @@ def run(
 
     from optc.runtime import Engine, SamplingParams
 
-    try:
+    with _user_errors():
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
@@ -121,8 +132,6 @@ def run(
         t0 = time.perf_counter()
         (completion,) = engine.generate([prompt], params, chat=chat)
         seconds = time.perf_counter() - t0
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(
             json.dumps(
@@ -167,12 +176,10 @@ def eval_(
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.eval import evaluate
 
-    try:
+    with _user_errors():
         result = evaluate(
             artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None
         )
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))
         return
@@ -214,7 +221,7 @@ def bench(
     if url is not None or artifact is None:
         from optc.loadgen import LoadOptions, format_load, run_load
 
-        try:
+        with _user_errors():
             if (url is None) == (artifact is None):
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
@@ -224,17 +231,13 @@ def bench(
                                 "it is the server's setting")
             result = run_load(LoadOptions(url, num_requests, input_len, output_len, request_rate, max_concurrency,
                                           dataset, seed, show_progress=not as_json))
-        except _user_errors() + (UserError,) as e:
-            _fail(e)
         typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
         return
-    try:
+    with _user_errors():
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json)
         result = run_bench(options)
-    except _user_errors() as e:
-        _fail(e)
-    typer.echo(json.dumps(result, indent=1, sort_keys=True) if as_json else format_bench(result))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 
 
 @app.command()
@@ -263,17 +266,15 @@ def serve(
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
-    try:
-        from optc.runtime.server import ServeOptions
-        from optc.runtime.server import serve as run_server
-    except ImportError as e:
-        _fail(ValueError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}"))
-    try:
+    with _user_errors():
+        try:
+            from optc.runtime.server import ServeOptions
+            from optc.runtime.server import serve as run_server
+        except ImportError as e:
+            raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
-    except (UserError, *_user_errors()) as e:
-        _fail(e)
 
 
 @app.command()

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optc.errors import UserError
+from optc.errors import InputError, UserError
 
 PERCENTILES = (50, 99)
 
@@ -43,14 +43,14 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise UserError(f"--url must start with http:// or https://, got {self.url!r}")
+            raise InputError(f"--url must start with http:// or https://, got {self.url!r}")
         for name in ("num_requests", "input_len", "output_len"):
             if getattr(self, name) < 1:
-                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_rate > 0:
-            raise UserError(f"--request-rate must be > 0 (inf = all at once), got {self.request_rate}")
+            raise InputError(f"--request-rate must be > 0 (inf = all at once), got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise UserError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+            raise InputError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
 
 @dataclass(frozen=True)

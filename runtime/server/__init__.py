@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from optc.errors import UserError
+from optc.errors import InputError, UserError
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 
@@ -44,15 +44,15 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
-            raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
+            raise InputError(f"--device must be cpu or cuda, got {self.device!r}")
         if not 0 <= self.port <= 65535:
-            raise UserError(f"--port must be in [0, 65535], got {self.port}")
+            raise InputError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 0:
-            raise UserError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+            raise InputError(f"--max-waiting must be >= 0, got {self.max_waiting}")
         if self.shutdown_timeout < 0:
-            raise UserError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+            raise InputError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key == "":
-            raise UserError("--api-key (or OPTC_API_KEY) must not be empty")
+            raise InputError("--api-key (or OPTC_API_KEY) must not be empty")
 
     @property
     def model_name(self) -> str:

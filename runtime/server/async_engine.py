@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from optc.runtime.engine import Engine, EngineStats, _take_delta
+from optc.runtime.engine import Engine, EngineStats
 from optc.runtime.request import Request
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.server.metrics import Metrics
@@ -70,6 +70,7 @@ class _Stream:
     request: Request
     queue: asyncio.Queue
     arrival_time: float
+    is_streaming: bool
     last_token_time: float | None = None
     num_sent_tokens: int = 0
 
@@ -201,11 +202,11 @@ class AsyncEngine:
         try:
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 prompt = apply_chat_template(engine, prompt)
-            request = engine.add_request(prompt, params, request_id=request_id, is_streaming=is_streaming)
+            request = engine.add_request(prompt, params, request_id=request_id)
         except Exception as e:  # ValueError / UserError: the handler answers 400; anything else 500
             self._put(results, e)
             return
-        self._streams[request_id] = _Stream(request, results, arrival_time)
+        self._streams[request_id] = _Stream(request, results, arrival_time, is_streaming)
         self._put(results, Accepted(list(request.prompt_token_ids)))
 
     def _emit(self, engine: Engine, stream: _Stream, now: float) -> None:
@@ -218,10 +219,10 @@ class AsyncEngine:
                 self.metrics.observe_inter_token(now - stream.last_token_time)
             stream.last_token_time = now
         finished = request.finish_reason is not None
-        if not (request.is_streaming or finished):
+        if not (stream.is_streaming or finished):
             return
-        start = stream.num_sent_tokens if request.is_streaming else 0
-        text = _take_delta(request) if request.is_streaming else request.text
+        start = stream.num_sent_tokens if stream.is_streaming else 0
+        text = request.take_delta() if stream.is_streaming else request.text
         token_ids = request.output_token_ids[start:]
         stream.num_sent_tokens = num_tokens
         prompt_logprobs = None
