@@ -263,3 +263,15 @@ def test_load_tester_against_the_server(server):
     assert result.output_tokens_per_s > 0 and result.max_concurrency == 4
     with pytest.raises(UserError, match="401"):
         run_load(LoadOptions(server, num_requests=2, input_len=4, output_len=2, api_key="wrong", show_progress=False))
+
+
+def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
+    before = metrics(server)['optc:request_success_total{finished_reason="abort"}']
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 480 tokens are generated
+        httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0, json={
+            "model": "tiny", "prompt": [7] * 16, "max_tokens": 480, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while (values := metrics(server))['optc:request_success_total{finished_reason="abort"}'] == before:
+        assert time.monotonic() < deadline, "the request of a client that left was not aborted"
+        time.sleep(0.1)
+    assert values["optc:num_requests_running"] == 0 and values["optc:kv_cache_usage_perc"] == 0
