@@ -355,7 +355,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        error = ApiError(e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404 else None)
+        error = ApiError(e.status_code, str(e.detail))
         return JSONResponse(error.body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)

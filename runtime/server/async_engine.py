@@ -160,6 +160,7 @@ class AsyncEngine:
             self._wake.clear()
             self._drain(engine)
             if not engine.has_unfinished():
+                self.stats = engine.stats()  # aborts may have emptied the engine: no step will follow
                 continue
             try:
                 stepped = engine.step()
@@ -195,7 +196,6 @@ class AsyncEngine:
                 except Exception as e:
                     result, error = None, e
                 self._loop.call_soon_threadsafe(_resolve, future, result, error)
-        self.stats = engine.stats()
 
     def _add(self, engine: Engine, request_id: str, prompt: Prompt, params: SamplingParams, is_streaming: bool,
              arrival_time: float, results: asyncio.Queue) -> None:

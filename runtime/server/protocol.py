@@ -22,8 +22,9 @@ class ApiError(Exception):
                  type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        default = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        self.type = type or {401: "authentication_error", 404: "not_found_error",
+                             503: "service_unavailable"}.get(status, default)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
