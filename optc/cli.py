@@ -211,6 +211,44 @@ def bench(
 
 
 @app.command()
+def export(
+    artifact: Path = typer.Argument(..., help="Artifact folder to export."),
+    out: Path = typer.Option(..., "--out", help="Output folder (written whole, then renamed into place)."),
+    format_: str = typer.Option(
+        "onnx", "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized TensorRT engine "
+        "built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
+    ),
+    flavor: str = typer.Option(
+        "ort", "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
+        "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
+        "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output folder once the new one is whole."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+    as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
+) -> None:
+    """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
+    from optc.errors import UserError
+    from optc.export import ExportFormat, ExportOptions, Flavor
+    from optc.export import export as run_export
+
+    try:
+        fmt = _choice(ExportFormat, format_, "--format")
+        fl = _choice(Flavor, flavor, "--flavor")
+        result = run_export(ExportOptions(artifact, out, fmt, fl, force, not no_verify, quiet=as_json))
+    except (UserError, *_user_errors()) as e:
+        _fail(e)
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
+
+
+def _choice(enum, value: str, option: str):
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"{option} {value!r} is not one of: {', '.join(e.value for e in enum)}") from None
+
+
+@app.command()
 def schema() -> None:
     """Print the JSON Schema of recipes."""
     from optc.recipe import recipe_json_schema

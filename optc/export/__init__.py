@@ -78,7 +78,7 @@ def export(options: ExportOptions) -> ExportResult:
     out = Path(options.out)
     if out.exists() and not options.force:
         raise UserError(f"output folder {out} already exists; pass --force to replace it")
-    graph, store, tokenizer_dir = _read(Path(options.artifact), options.verify)
+    manifest, graph, store, tokenizer_dir = _read(Path(options.artifact), options.verify)
     if flavor is Flavor.PORTABLE:
         from optc.export.portable import check_portable
 
@@ -98,7 +98,9 @@ def export(options: ExportOptions) -> ExportResult:
             from optc.export.tensorrt import build_engine
 
             say("building the TensorRT engine")
-            build_engine(tmp / MODEL_FILE, tmp / "model.engine", graph.config)
+            runtime = manifest.get("runtime") or {}
+            build_engine(tmp / MODEL_FILE, tmp / "model.engine", graph.config,
+                         runtime.get("max_batch_size", 32), runtime.get("max_seq_len", 2048))
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         result = ExportResult(out, fmt, flavor, time.perf_counter() - t0, files)
         (tmp / "export.json").write_text(
@@ -150,7 +152,7 @@ def _read(path: Path, verify: bool):
     verify_files(path, manifest, hashes=verify)
     graph = Graph.from_json(_json.loads((path / "graph.json").read_text()))
     store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"] if f.endswith(".safetensors")))
-    return graph, store, path / "tokenizer"
+    return manifest, graph, store, path / "tokenizer"
 
 
 def _tokenizer_config(tokenizer_dir: Path) -> dict:
