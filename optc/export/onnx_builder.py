@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from optc.formats import Format, FormatKind, dequantize, unpack_int4
+from optc.formats import Format, FormatKind, dequantize
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
@@ -106,10 +106,12 @@ def matmul_operand_int8(b: GraphBuilder, name: str, parts: dict[str, torch.Tenso
 def matmul_operand_int4_blocked(b: GraphBuilder, name: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
     """DequantizeLinear(q (K, N) int4, scales (K / G, N), axis=0, block_size=G): symmetric int4 only."""
     assert not fmt.zero_point, "blocked int4 DequantizeLinear is written for symmetric formats"
-    q = unpack_int4(parts["qweight"]).T.contiguous().to(torch.int16) - 8  # (K, N) in [-8, 7]
-    k, n = q.shape
-    raw = _pack_nibbles(q.flatten().to(torch.uint8) & 0xF)
-    qname = b.packed_initializer(f"{name}.qweight", TensorProto.INT4, [k, n], raw)
+    words = parts["qweight"].contiguous().numpy().view(np.uint8)  # (N, K / 2): k even in the low nibble
+    n, k = words.shape[0], words.shape[1] * 2
+    q = np.empty((n, k), np.uint8)
+    q[:, 0::2], q[:, 1::2] = words & 0xF, words >> 4
+    signed = np.ascontiguousarray(q.T) ^ 8  # (K, N); q - 8 as a two's-complement nibble
+    qname = b.packed_initializer(f"{name}.qweight", TensorProto.INT4, [k, n], _pack_nibbles(signed.reshape(-1)))
     s = b.initializer(f"{name}.scales", float32(parts["scales"]).T)
     return b.op1("DequantizeLinear", [qname, s], base=name, axis=0, block_size=fmt.group_size)
 
@@ -135,8 +137,8 @@ def embedding_table(parts: dict[str, torch.Tensor], fmt: Format) -> np.ndarray:
     return dense_weight(parts, fmt) if fmt.kind is not FormatKind.DENSE else float32(parts["weight"])
 
 
-def _pack_nibbles(values: torch.Tensor) -> bytes:
+def _pack_nibbles(values: np.ndarray) -> bytes:
     """Flat uint8 nibbles -> bytes, element 2i in the low nibble of byte i (ONNX INT4/UINT4 raw_data)."""
-    if values.numel() % 2:
-        values = torch.cat([values, values.new_zeros(1)])
-    return (values[0::2] | (values[1::2] << 4)).contiguous().numpy().tobytes()
+    if values.size % 2:
+        values = np.concatenate([values, np.zeros(1, np.uint8)])
+    return (values[0::2] | (values[1::2] << 4)).tobytes()
