@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 
 from optc.errors import UserError
+from optc.export import ExportFormat, Flavor
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -221,12 +222,12 @@ def bench(
 def export(
     artifact: Path = typer.Argument(..., help="Artifact folder to export."),
     out: Path = typer.Option(..., "--out", help="Output folder (written whole, then renamed into place)."),
-    format_: str = typer.Option(
-        "onnx", "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized TensorRT engine "
-        "built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
+    format_: ExportFormat = typer.Option(
+        ExportFormat.ONNX, "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized "
+        "TensorRT engine built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
     ),
-    flavor: str = typer.Option(
-        "ort", "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
+    flavor: Flavor = typer.Option(
+        Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
         "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
         "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
     ),
@@ -235,24 +236,12 @@ def export(
     as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
 ) -> None:
     """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
-    from optc.errors import UserError
-    from optc.export import ExportFormat, ExportOptions, Flavor
+    from optc.export import ExportOptions
     from optc.export import export as run_export
 
-    try:
-        fmt = _choice(ExportFormat, format_, "--format")
-        fl = _choice(Flavor, flavor, "--flavor")
-        result = run_export(ExportOptions(artifact, out, fmt, fl, force, not no_verify, quiet=as_json))
-    except (UserError, *_user_errors()) as e:
-        _fail(e)
+    with _user_errors():
+        result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
-
-
-def _choice(enum, value: str, option: str):
-    try:
-        return enum(value)
-    except ValueError:
-        raise ValueError(f"{option} {value!r} is not one of: {', '.join(e.value for e in enum)}") from None
 
 
 @app.command()

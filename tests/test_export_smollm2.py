@@ -12,12 +12,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from optc.artifact import read
 from optc.export import ExportOptions, Flavor, export
 from optc.export.onnxrt import feeds, greedy_generate, session
 from optc.ir import Graph
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
-from optc.runtime.loader import load
+from optc.runtime.loader import load_model
 from optc.testing import build_artifact
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which"]
@@ -62,7 +63,7 @@ def test_smollm2_int4_top1_agrees_with_optc(recipes, tmp_path_factory, smollm2_h
     text = " ".join(pydoc_data.topics.topics[k] for k in ("assert", "class", "for", "if", "try", "with", "function"))
     ids = tokenizer(text)["input_ids"][: WINDOW * NUM_WINDOWS]
     windows = [ids[i * WINDOW : (i + 1) * WINDOW] for i in range(NUM_WINDOWS)]
-    model = load(artifact).model
+    model = load_model(read(artifact))
     caches = model.allocate_kv_caches(1 + WINDOW // 16, 16)
     blocks = [list(range(1, 1 + WINDOW // 16))]
     ref = torch.stack([model.forward(ForwardBatch.build([w], [0], blocks, 16, [WINDOW]), caches).argmax(-1)

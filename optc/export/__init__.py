@@ -78,7 +78,10 @@ def export(options: ExportOptions) -> ExportResult:
     out = Path(options.out)
     if out.exists() and not options.force:
         raise UserError(f"output folder {out} already exists; pass --force to replace it")
-    manifest, graph, store, tokenizer_dir = _read(Path(options.artifact), options.verify)
+    from optc.artifact import read
+
+    opened = read(options.artifact, verify=options.verify)
+    graph, store, tokenizer_dir = opened.graph, opened.store, opened.tokenizer_dir
     if flavor is Flavor.PORTABLE:
         from optc.export.portable import check_portable
 
@@ -98,7 +101,7 @@ def export(options: ExportOptions) -> ExportResult:
             from optc.export.tensorrt import build_engine
 
             say("building the TensorRT engine")
-            runtime = manifest.get("runtime") or {}
+            runtime = opened.manifest.runtime
             build_engine(tmp / MODEL_FILE, tmp / "model.engine", graph.config,
                          runtime.get("max_batch_size", 32), runtime.get("max_seq_len", 2048))
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -139,20 +142,6 @@ def _require_onnx() -> None:
         import onnx  # noqa: F401
     except ImportError:
         raise UserError(f"optc export needs the onnx package; install it with {ONNX_INSTALL}") from None
-
-
-def _read(path: Path, verify: bool):
-    import json as _json
-
-    from optc.artifact import read_manifest, verify_files
-    from optc.ir import Graph
-    from optc.store import TensorStore
-
-    manifest = read_manifest(path)
-    verify_files(path, manifest, hashes=verify)
-    graph = Graph.from_json(_json.loads((path / "graph.json").read_text()))
-    store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"] if f.endswith(".safetensors")))
-    return manifest, graph, store, path / "tokenizer"
 
 
 def _tokenizer_config(tokenizer_dir: Path) -> dict:
