@@ -136,7 +136,7 @@ def test_greedy_loop_and_genai_give_the_runtimes_tokens(exported, artifacts):
     prompt = [11, 42, 7, 99, 3]
     expected = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     assert greedy_generate(session(folder), engine.model.graph.config, prompt, 12) == expected
-    og = pytest.importorskip("onnxruntime_genai")  # optional: not in optc[onnx]
+    og = pytest.importorskip("onnxruntime_genai")  # optc[genai], which .ci/run installs
     model = og.Model(str(exported[("dense-fused", Flavor.ORT)]))  # reads genai_config.json
     dense = Engine.load(artifacts["dense-fused"])
     expected = dense.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
