@@ -91,7 +91,7 @@ def export(options: ExportOptions) -> ExportResult:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_onnx(graph, store, tmp, flavor, say)
+        write_onnx(graph, store, tmp, flavor, not options.quiet, say)
         if flavor is Flavor.ORT:
             from optc.export.ort import write_genai_config
 
@@ -122,14 +122,15 @@ def export(options: ExportOptions) -> ExportResult:
     return result
 
 
-def write_onnx(graph, store, out: Path, flavor: Flavor, progress: Callable[[str], None] = lambda m: None) -> Path:
+def write_onnx(graph, store, out: Path, flavor: Flavor, show_progress: bool = False,
+               progress: Callable[[str], None] = lambda m: None) -> Path:
     """Lower `graph` in `flavor` and save `out/model.onnx` with its weights in `out/model.onnx.data`."""
     import onnx
 
     from optc.export.ort import OrtLowering
     from optc.export.portable import PortableLowering
 
-    lowering = (OrtLowering if flavor is Flavor.ORT else PortableLowering)(graph, store, progress)
+    lowering = (OrtLowering if flavor is Flavor.ORT else PortableLowering)(graph, store, show_progress)
     model = lowering.build()
     progress(f"writing {out / MODEL_FILE} ({len(model.graph.node)} nodes, {len(model.graph.initializer)} tensors)")
     onnx.save_model(model, str(out / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper
+from tqdm import tqdm
 
 from optc.export.onnx_builder import (
     MS_DOMAIN,
@@ -46,8 +47,8 @@ class Lowering:
 
     flavor = ""
 
-    def __init__(self, graph: Graph, store: TensorStore, progress: Callable[[str], None] = lambda m: None):
-        self.graph, self.store, self.progress = graph, store, progress
+    def __init__(self, graph: Graph, store: TensorStore, show_progress: bool = False):
+        self.graph, self.store, self.show_progress = graph, store, show_progress
         self.cfg = graph.config
         self.b = GraphBuilder()
         self._tables: dict[str, str] = {}  # logical tensor -> Gather table initializer
@@ -94,9 +95,8 @@ class Lowering:
                     helper.make_tensor_value_info(b.reserve(present.format(i)), TensorProto.FLOAT, present_shape)
                 )
         env = {"input_ids": "input_ids", "positions": "position_ids"}
-        for i, node in enumerate(self.graph.nodes):
-            if i % 50 == 0:
-                self.progress(f"lowering node {i + 1}/{len(self.graph.nodes)}")
+        nodes = tqdm(self.graph.nodes, desc=f"lowering ({self.flavor})", unit="node", disable=not self.show_progress)
+        for node in nodes:
             outs = self._lower(node, [env[v] for v in node.inputs])
             env.update(zip(node.outputs, outs, strict=True))
         (logits,) = [env[v] for v in self.graph.outputs]
