@@ -132,7 +132,8 @@ def write_onnx(graph, store, out: Path, flavor: Flavor, show_progress: bool = Fa
 
     lowering = (OrtLowering if flavor is Flavor.ORT else PortableLowering)(graph, store, show_progress)
     model = lowering.build()
-    progress(f"writing {out / MODEL_FILE} ({len(model.graph.node)} nodes, {len(model.graph.initializer)} tensors)")
+    g = model.graph
+    progress(f"writing {MODEL_FILE} and {DATA_FILE} ({len(g.node)} nodes, {len(g.initializer)} tensors)")
     onnx.save_model(model, str(out / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=DATA_FILE, size_threshold=1024)
     return out / MODEL_FILE
