@@ -104,6 +104,13 @@ def test_checker_and_logits_match_the_runtime(exported, artifacts, name, flavor)
     assert_close(torch.from_numpy(logits[:, 0]), ref_decode, atol=1e-3, what=f"{name} {flavor} decode logits")
 
 
+def test_every_ir_op_has_a_lowering():
+    from optc.export.lower import LOWERED_OPS
+    from optc.ops import OPS
+
+    assert sorted(LOWERED_OPS) == sorted(OPS)
+
+
 def test_ort_flavor_uses_the_fused_contrib_ops(exported):
     def nodes(name, flavor):
         return onnx.load(str(exported[(name, flavor)] / "model.onnx"), load_external_data=False).graph.node

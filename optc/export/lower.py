@@ -36,6 +36,9 @@ from optc.ir import Graph, Node
 from optc.rope import cos_sin_table
 from optc.store import TensorStore
 
+# every op of optc.ops has a lowering (tests/test_export.py checks the two lists agree)
+LOWERED_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "rope", "rope_kv_store", "attention",
+               "silu_mul", "lm_head")
 PAST_KEY = "past_key_values.{}.key"
 PAST_VALUE = "past_key_values.{}.value"
 PRESENT_KEY = "present.{}.key"
