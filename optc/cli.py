@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 
 from optc.errors import UserError
+from optc.export import ExportFormat, Flavor
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -275,6 +276,32 @@ def serve(
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
+
+
+@app.command()
+def export(
+    artifact: Path = typer.Argument(..., help="Artifact folder to export."),
+    out: Path = typer.Option(..., "--out", help="Output folder (written whole, then renamed into place)."),
+    format_: ExportFormat = typer.Option(
+        ExportFormat.ONNX, "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized "
+        "TensorRT engine built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
+    ),
+    flavor: Flavor = typer.Option(
+        Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
+        "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
+        "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output folder once the new one is whole."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+    as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
+) -> None:
+    """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
+    from optc.export import ExportOptions
+    from optc.export import export as run_export
+
+    with _user_errors():
+        result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
 
 
 @app.command()
