@@ -7,7 +7,10 @@ step = schedule -> one `model.forward` over all scheduled tokens -> advance comp
 sample for the requests that reached their last token -> detokenize the new tokens (incrementally,
 runtime/detokenizer.py) -> check stops. The engine owns the KV tensors; the scheduler and KV manager
 below it see only block ids; the pool's size comes from runtime/kv_sizing.py. Pure-decode steps
-replay CUDA graphs on a cuda device (runtime/cuda_graphs.py). No HTTP here.
+replay CUDA graphs on a cuda device (runtime/cuda_graphs.py). With speculative decoding
+(runtime/speculative.py) the step starts by giving decoding requests draft tokens, the forward scores
+each draft, and verification appends the accepted ones plus one token, each checked for stops, and
+rolls the computed count back over the rest. No HTTP here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.request import FinishReason, Request
 from optc.runtime.sampler import SamplingParams, sample
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
+from optc.runtime.speculative import SpeculativeConfig, Speculator
 
 Prompt = str | Sequence[int]
 
@@ -101,10 +105,18 @@ class EngineStats:
     num_computed_tokens: int
     num_generated_tokens: int
     num_steps: int
+    num_drafts: int = 0  # verifications of a request that had draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i
+    spec_acceptance_rate: float = 0.0  # accepted / drafted tokens
+    spec_mean_acceptance_length: float = 0.0  # 1 + accepted / drafts: tokens per verification
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, speculator: Speculator | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -128,18 +140,27 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.speculator = speculator
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", verify: bool = True, **overrides: Any) -> Engine:
-        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's."""
+    def load(
+        cls, path: str | Path, device: str = "cpu", verify: bool = True,
+        speculative: SpeculativeConfig | None = None, **overrides: Any,
+    ) -> Engine:
+        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's;
+        `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
         from optc.runtime.loader import load
+        from optc.runtime.speculative import make_speculator
 
         artifact = load(path, device, verify)  # positional: the loader calls it verify_hashes
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        return cls(artifact.model, tokenizer, config)
+        engine = cls(artifact.model, tokenizer, config)
+        engine.speculator = make_speculator(
+            artifact, tokenizer, speculative, engine.kv_manager.num_blocks, config.block_size, verify)
+        return engine
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -190,6 +211,8 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -197,7 +220,11 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one model step; the requests that got a token in it."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        for request_id in out.preempted_ids if self.speculator is not None else ():
+            self.speculator.release(request_id)
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler scheduled nothing while requests wait (a bug)")
@@ -207,30 +234,43 @@ class Engine:
                 cache[destination].copy_(cache[source])
         starts = [r.num_computed_tokens for r in out.requests]
         pairs = zip(out.requests, out.num_new_tokens, strict=True)
+        num_logits = [1 + len(r.draft_token_ids) for r in out.requests]  # drafts: one logits row each
         batch = ForwardBatch.build(
-            [r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in pairs],
-            starts,
-            out.block_ids,
-            self.config.block_size,
+            [_query_tokens(r, n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_logits,
         ).to(self.device)
-        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (B, V) float32
+        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_logits), V) float32
         self.scheduler.update(out)
         self._num_steps += 1
-        rows = [b for b, r in enumerate(out.requests) if r.num_computed_tokens == r.num_tokens]
-        if not rows:
-            return []
-        sampled = [out.requests[b] for b in rows]
-        token_ids = sample(
-            logits[rows], [r.params for r in sampled], [r.generator for r in sampled]
-        ).tolist()
+        ends = torch.tensor(num_logits).cumsum(0).tolist()  # request b's rows end at ends[b]
+        ready = [b for b, r in enumerate(out.requests) if r.num_computed_tokens >= r.num_tokens]
+        plain = [b for b in ready if num_logits[b] == 1]
+        spec = [b for b in ready if num_logits[b] > 1]
+        new_tokens: dict[int, list[int]] = {}
+        if plain:
+            sampled = [out.requests[b] for b in plain]
+            token_ids = sample(
+                logits[[ends[b] - 1 for b in plain]], [r.params for r in sampled], [r.generator for r in sampled]
+            ).tolist()
+            new_tokens.update((b, [t]) for b, t in zip(plain, token_ids, strict=True))
+        if spec:
+            verified = self.speculator.verify(
+                [out.requests[b] for b in spec], [logits[ends[b] - num_logits[b] : ends[b]] for b in spec])
+            new_tokens.update(zip(spec, verified, strict=True))
         now = time.perf_counter()
-        for request, token_id in zip(sampled, token_ids, strict=True):
-            request.append_token(token_id)
-            self._num_generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop(request, now)
-        return sampled
+        for b in ready:
+            request = out.requests[b]
+            for token_id in new_tokens[b]:  # stops apply to every token: nothing is emitted after one
+                request.append_token(token_id)
+                self._num_generated_tokens += 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                self._check_stop(request, now)
+                if request.is_finished:
+                    break
+            if num_logits[b] > 1 and not request.is_finished:  # roll back over the rejected drafts
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv_manager.truncate(request, request.num_tokens)
+        return [out.requests[b] for b in ready]
 
     def stats(self) -> EngineStats:
         kv, scheduler = self.kv_manager, self.scheduler
@@ -250,6 +290,7 @@ class Engine:
             num_computed_tokens=scheduler.num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
+            **(self.speculator.stats.to_fields() if self.speculator is not None else {}),
         )
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -330,6 +371,16 @@ class Engine:
             return
         request.finish_time = now
         self.scheduler.finish(request.request_id, reason)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
+
+
+def _query_tokens(request: Request, num_tokens: int) -> list[int]:
+    """The request's next `num_tokens` uncomputed tokens: its own, then its draft tokens."""
+    start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
+    if end <= request.num_tokens:
+        return request.token_ids[start:end]
+    return request.token_ids[start:] + request.draft_token_ids[: end - request.num_tokens]
 
 
 def _completion(request: Request) -> Completion:

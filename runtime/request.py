@@ -42,6 +42,7 @@ class Request:
     detokenizer: IncrementalDetokenizer = field(default_factory=lambda: IncrementalDetokenizer(None))
     token_ids: list[int] = field(init=False)  # prompt, then output
     num_computed_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative, unverified: after token_ids
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
