@@ -165,7 +165,8 @@ class NgramProposer:
     def propose(
         self, requests: Sequence[Request], num_tokens: Sequence[int]
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        drafts = [ngram_lookup(r.token_ids, self.min_n, self.max_n, k) for r, k in zip(requests, num_tokens, strict=True)]
+        pairs = zip(requests, num_tokens, strict=True)
+        drafts = [ngram_lookup(r.token_ids, self.min_n, self.max_n, k) for r, k in pairs]
         return drafts, [None] * len(drafts)
 
     def release(self, request_id: str) -> None:
