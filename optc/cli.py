@@ -18,6 +18,12 @@ app = typer.Typer(
 )
 
 
+SPECULATIVE_HELP = (
+    "Speculative decoding: ngram[:K] (prompt lookup) or draft:PATH[:K] (a draft artifact with the same "
+    "tokenizer, e.g. an int4 build of the model); K = draft tokens per step, 1..16, default 4. Default: the "
+    "artifact's runtime.speculative, else off."
+)
+
 def _user_errors():
     from optc.artifact import ArtifactError
     from optc.frontend import SourceError
@@ -105,17 +111,20 @@ def run(
     as_json: bool = typer.Option(
         False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
     ),
+    speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Generate text from one prompt."""
     import time
 
     from optc.runtime import Engine, SamplingParams
+    from optc.runtime.speculative import SpeculativeConfig
 
     try:
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
-        engine = Engine.load(artifact, device=device, verify=not no_verify)
+        spec = SpeculativeConfig.parse(speculative) if speculative else None
+        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec)
         t0 = time.perf_counter()
         (completion,) = engine.generate([prompt], params, chat=chat)
         seconds = time.perf_counter() - t0
@@ -186,7 +195,9 @@ def bench(
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens per request (random token ids, "
                                   "seeded; ignored with --dataset)."),
     output_len: int = typer.Option(128, "--output-len", min=1, help="Generated tokens per request (EOS ignored)."),
-    dataset: Path | None = typer.Option(None, "--dataset", help="Text file: one prompt per non-empty line, cycled."),
+    dataset: Path | None = typer.Option(None, "--dataset", help="Prompts, cycled: a text file with one prompt per "
+                                        "non-empty line, or a .jsonl file of {\"prompt\": ..., \"output_len\": ...} "
+                                        "(output_len optional, default --output-len)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests in flight at once "
                                             "(default: the artifact's runtime.max_batch_size)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
@@ -196,14 +207,16 @@ def bench(
                                     "print the ratio."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (output_tokens_per_s, "
-                                 "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, ...)."),
+                                 "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, spec_acceptance_rate, "
+                                 "...)."),
+    speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Offline serving benchmark: throughput, TTFT/TPOT percentiles, peak memory and KV usage."""
     from optc.bench import BenchOptions, format_bench, run_bench
 
     try:
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
-                               compare_hf, None, seed, show_progress=not as_json)
+                               compare_hf, None, seed, show_progress=not as_json, speculative=speculative)
         result = run_bench(options)
     except _user_errors() as e:
         _fail(e)
