@@ -38,7 +38,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # Defaults measured with benchmarks/speculative.py on SmolLM2 (docs/PERF.md): one more query token
 # costs ~token_cost of a decode step at batch 1; draft tokens also cost the draft's own step.
 DEFAULT_MAX_BATCH_SIZE = 4
-DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.9}
+DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3}
 PRIOR_ACCEPTANCE = 0.6  # the acceptance rate assumed before a request has any measurement
 DECAY = 0.8  # weight of the past in a request's acceptance counts
 
