@@ -78,7 +78,7 @@ class DraftProposer:
             token_ids, q = _sample(logits, sampled)
             for j, i in enumerate(active):
                 drafts[i].append(token_ids[j])
-                if q is not None:
+                if q is not None and not requests[i].params.is_greedy:  # greedy drafts are one-hot
                     probs[i].append(q[j])
             active = [i for i in active if len(drafts[i]) < num_tokens[i]]
         return drafts, [torch.stack(p) if p else None for p in probs]
@@ -94,6 +94,9 @@ class DraftProposer:
         same = state.num_verified
         while same < end and state.token_ids[same] == token_ids[same]:
             same += 1
+        # the first forward needs one token to read logits at: when the draft already computed all of the
+        # request's tokens (it drafted beyond what the target verified and the bonus token matched), redo the last
+        same = min(same, len(token_ids) - 1)
         del state.token_ids[same:]
         state.num_computed_tokens = same
         state.num_verified = same
