@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pydoc_data.topics
 import statistics
 import time
@@ -123,20 +124,25 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="batch-1 prompts per workload")
     parser.add_argument("--workloads", default="grounded,open,batch32")
     parser.add_argument("--max-batch-size", type=int, help="override the speculative batch threshold")
+    parser.add_argument("--draft-k", type=int, default=2, help="fixed k of the draft config (adaptive off)")
+    parser.add_argument("--draft-workloads", default="grounded,open,batch32",
+                        help="workloads the draft runs (on the first batch only; compared with off on the same)")
+    parser.add_argument("--skip-costs", action="store_true", help="skip the forward-time table")
     parser.add_argument("--out", type=Path, default=Path("speculative.json"))
     args = parser.parse_args()
 
     extra = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}
     configs = {"off": None, "ngram": SpeculativeConfig("ngram", **extra)}
     if args.draft:
-        configs["draft"] = SpeculativeConfig("draft", draft=args.draft, **extra)
+        configs["draft"] = SpeculativeConfig("draft", args.draft_k, draft=args.draft, adaptive=False, **extra)
     load = {"max_num_seqs": 32, "kv_cache_memory": 256 << 20}
     engines = {name: Engine.load(args.target, speculative=c, verify=False, **load) for name, c in configs.items()}
     for engine in engines.values():  # warm-up
         engine.generate(["Hello"], SamplingParams(max_tokens=4), chat=True)
     print("target forward ms (rows: batch; columns: query tokens per request):", flush=True)
-    result = {"threads": torch.get_num_threads(), "costs": step_costs(engines), "workloads": {}}
-    if result["costs"]["draft_ms"]:
+    result = {"threads": torch.get_num_threads(), "load_before": os.getloadavg()[0], "workloads": {}}
+    result["costs"] = None if args.skip_costs else step_costs(engines)
+    if result["costs"] and result["costs"]["draft_ms"]:
         print(f"draft forward ms at B=1: {result['costs']['draft_ms']:.1f}", flush=True)
 
     for workload in args.workloads.split(","):
@@ -147,30 +153,42 @@ def main() -> None:
             batches = [[p] for p in prompts]
         rows = {}
         for name, engine in engines.items():
-            runs = [run(engine, batch, args.output_len) for batch in batches]
-            elapsed = sum(r["elapsed_s"] for r in runs)
-            num_output = sum(r["num_output_tokens"] for r in runs)
-            drafts = sum(r["num_drafts"] for r in runs)
-            rates = [r["spec_acceptance_rate"] for r in runs if r["spec_acceptance_rate"] is not None]
-            lengths = [r["spec_mean_acceptance_length"] for r in runs if r["spec_mean_acceptance_length"]]
-            rows[name] = {
-                "output_tokens_per_s": num_output / elapsed, "num_output_tokens": num_output,
-                "tpot_ms": statistics.mean(r["tpot_ms"] for r in runs), "num_drafts": drafts,
-                "spec_acceptance_rate": statistics.mean(rates) if rates else None,
-                "spec_mean_acceptance_length": statistics.mean(lengths) if lengths else None,
-                "same_tokens_as_off": [r["token_ids"] for r in runs] == rows["off"]["token_ids"] if rows else True,
-                "token_ids": [r["token_ids"] for r in runs],
-            }
+            if name == "draft" and workload not in args.draft_workloads.split(","):
+                continue
+            runs = [run(engine, batch, args.output_len) for batch in (batches[:1] if name == "draft" else batches)]
+            rows[name] = summarize(runs, rows.get("off"))
         result["workloads"][workload] = _without_tokens(rows)
-        base = rows["off"]["output_tokens_per_s"]
-        print(f"\n{workload}: {len(batches)} run(s) of {len(batches[0])} request(s), <= {args.output_len} tokens")
+        print(f"\n{workload}: {len(batches)} run(s) of {len(batches[0])} request(s), <= {args.output_len} tokens "
+              "(draft: the first run only, its ratio against off's first run)")
         print(f"  {'config':<7} {'tok/s':>7} {'ratio':>6} {'TPOT ms':>8} {'accept':>7} {'mean len':>8} same")
         for name, row in rows.items():
             rate, length = row["spec_acceptance_rate"], row["spec_mean_acceptance_length"]
-            print(f"  {name:<7} {row['output_tokens_per_s']:7.2f} {row['output_tokens_per_s'] / base:5.2f}x "
+            print(f"  {name:<7} {row['output_tokens_per_s']:7.2f} {row['ratio']:5.2f}x "
                   f"{row['tpot_ms']:8.1f} {'-' if rate is None else f'{rate:.0%}':>7} "
                   f"{'-' if length is None else f'{length:.2f}':>8} {row['same_tokens_as_off']}", flush=True)
         args.out.write_text(json.dumps(result, indent=1, default=lambda x: None))  # after every workload
+
+
+def summarize(runs: list[dict], off: dict | None) -> dict:
+    """One config's row over its runs; the ratio is against off over the same runs."""
+    elapsed = sum(r["elapsed_s"] for r in runs)
+    num_output = sum(r["num_output_tokens"] for r in runs)
+    drafted = [r for r in runs if r["num_drafts"]]
+    row = {
+        "output_tokens_per_s": num_output / elapsed, "num_output_tokens": num_output, "elapsed_s": elapsed,
+        "tpot_ms": statistics.mean(r["tpot_ms"] for r in runs), "num_drafts": sum(r["num_drafts"] for r in runs),
+        "spec_acceptance_rate": statistics.mean(r["spec_acceptance_rate"] for r in drafted) if drafted else None,
+        "spec_mean_acceptance_length":
+            statistics.mean(r["spec_mean_acceptance_length"] for r in drafted) if drafted else None,
+        "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+        "token_ids": [r["token_ids"] for r in runs],
+    }
+    if off is None:
+        return {**row, "ratio": 1.0, "same_tokens_as_off": True}
+    same = off["runs"][: len(runs)]
+    base = sum(r["num_output_tokens"] for r in same) / sum(r["elapsed_s"] for r in same)
+    return {**row, "ratio": row["output_tokens_per_s"] / base,
+            "same_tokens_as_off": row["token_ids"] == off["token_ids"][: len(runs)]}
 
 
 def _without_tokens(rows: dict) -> dict:
