@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from optc.artifact import Manifest
 from optc.errors import InputError
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import make_runner
@@ -68,21 +69,21 @@ class EngineConfig:
             raise InputError(f"num_blocks must be >= 2, got {self.num_blocks}")
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+    def from_manifest(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
         """Runtime settings of an artifact's manifest, then the caller's overrides."""
         allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(allowed)}")
-        runtime = manifest.get("runtime") or {}
+        runtime = manifest.runtime or {}
         values = {
-            "block_size": (manifest.get("kv_layout") or {}).get("block_size"),
+            "block_size": manifest.kv_layout.block_size,
             "max_num_seqs": runtime.get("max_batch_size"),
             "max_num_batched_tokens": runtime.get("max_num_batched_tokens"),
             "max_seq_len": runtime.get("max_seq_len"),
             "kv_cache_memory": runtime.get("kv_cache_memory"),
             "gpu_memory_utilization": runtime.get("gpu_memory_utilization"),
-            "cuda_graph_batch_sizes": tuple((manifest.get("cuda_graphs") or {}).get("batch_sizes") or ()) or None,
+            "cuda_graph_batch_sizes": tuple((manifest.cuda_graphs or {}).get("batch_sizes") or ()) or None,
         }
         values = {k: v for k, v in values.items() if v is not None}
         return cls(**{**values, **overrides})
@@ -151,15 +152,17 @@ class Engine:
         `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
-        from optc.runtime.loader import load
+        from optc.artifact import read
+        from optc.runtime.loader import load_model
         from optc.runtime.speculative import make_speculator
 
-        artifact = load(path, device, verify)  # positional: the loader calls it verify_hashes
+        artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        engine = cls(artifact.model, tokenizer, config)
+        model = load_model(artifact, device)
+        engine = cls(model, tokenizer, config)
         engine.speculator = make_speculator(
-            artifact, tokenizer, speculative, engine.kv_manager.num_blocks, config.block_size, verify)
+            artifact, model, tokenizer, speculative, engine.kv_manager.num_blocks, config.block_size, verify)
         return engine
 
     # -- public API -------------------------------------------------------------------------------

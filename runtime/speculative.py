@@ -111,36 +111,37 @@ class SpeculativeConfig:
 
 
 def make_speculator(
-    artifact: Any, tokenizer: Any, config: SpeculativeConfig | None, num_blocks: int, block_size: int,
+    artifact: Any, model: Any, tokenizer: Any, config: SpeculativeConfig | None, num_blocks: int, block_size: int,
     verify: bool = True,
 ) -> Speculator | None:
-    """The speculator of a loaded target artifact: `config`, else the manifest's runtime.speculative.
+    """The speculator of a target `model` read from `artifact`: `config`, else the manifest's runtime.speculative.
 
     A draft artifact loads on the target's device with a KV pool of the target's size in blocks; one
     whose vocabulary or tokenizer differs from the target's is refused (InputError naming both).
     """
     if config is None:
-        text = (artifact.manifest.get("runtime") or {}).get("speculative")
+        text = (artifact.manifest.runtime or {}).get("speculative")
         if not text:
             return None
         config = SpeculativeConfig.parse(text)
-    model = artifact.model
     if config.method is SpeculativeMethod.NGRAM:
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
     from transformers import AutoTokenizer
 
+    from optc.artifact import read
     from optc.runtime.draft import DraftProposer
-    from optc.runtime.loader import load
+    from optc.runtime.loader import load_model
 
-    draft = load(config.draft, str(model.device), verify)
+    draft = read(config.draft, verify=verify, device=model.device.type)
+    draft_model = load_model(draft, str(model.device))
     draft_vocab = AutoTokenizer.from_pretrained(draft.tokenizer_dir).get_vocab()
-    if draft.model.vocab_size != model.vocab_size or draft_vocab != tokenizer.get_vocab():
+    if draft_model.vocab_size != model.vocab_size or draft_vocab != tokenizer.get_vocab():
         raise InputError(
-            f"draft {config.draft} (vocab_size {draft.model.vocab_size}, tokenizer of {len(draft_vocab)} tokens) "
+            f"draft {config.draft} (vocab_size {draft_model.vocab_size}, tokenizer of {len(draft_vocab)} tokens) "
             f"does not share the vocabulary of target {artifact.path} (vocab_size {model.vocab_size}, tokenizer "
             f"of {len(tokenizer.get_vocab())} tokens); use a draft built from the same model family"
         )
-    return Speculator(config, DraftProposer(draft.model, num_blocks, block_size))
+    return Speculator(config, DraftProposer(draft_model, num_blocks, block_size))
 
 
 class Proposer(Protocol):
