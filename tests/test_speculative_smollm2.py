@@ -48,8 +48,10 @@ def plain(smollm2_f32_artifact) -> list[list[int]]:
     return out
 
 
-def spec(method: str, draft) -> SpeculativeConfig:
-    return SpeculativeConfig(method, 4, draft=draft if method == "draft" else None, max_batch_size=64)
+def spec(method: str, request) -> SpeculativeConfig:
+    """k = 4, speculating at any batch size; the int4 draft is built only for method draft."""
+    draft = request.getfixturevalue("smollm2_rtn_artifact") if method == "draft" else None
+    return SpeculativeConfig(method, 4, draft=draft, max_batch_size=64)
 
 
 @pytest.mark.slow
@@ -57,9 +59,9 @@ def spec(method: str, draft) -> SpeculativeConfig:
 @pytest.mark.parametrize(
     "config", [{}, {"num_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 8}], ids=["batch", "preempt"]
 )
-def test_smollm2_greedy_identical(smollm2_f32_artifact, smollm2_rtn_artifact, plain, method, config):
+def test_smollm2_greedy_identical(smollm2_f32_artifact, plain, method, config, request):
     assert len(PROMPTS) >= 20
-    engine = Engine.load(smollm2_f32_artifact, speculative=spec(method, smollm2_rtn_artifact), **config)
+    engine = Engine.load(smollm2_f32_artifact, speculative=spec(method, request), **config)
     step = 3 if config else 1  # a third of the prompts when the pool holds about two requests
     assert [c.token_ids for c in engine.generate(PROMPTS[::step], GREEDY, chat=True)] == plain[::step]
     stats = engine.stats()
@@ -73,8 +75,8 @@ def test_smollm2_greedy_identical(smollm2_f32_artifact, smollm2_rtn_artifact, pl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_smollm2_batch_one(smollm2_f32_artifact, smollm2_rtn_artifact, plain, method):
-    engine = Engine.load(smollm2_f32_artifact, speculative=spec(method, smollm2_rtn_artifact))
+def test_smollm2_batch_one(smollm2_f32_artifact, plain, method, request):
+    engine = Engine.load(smollm2_f32_artifact, speculative=spec(method, request))
     for i in (0, 5, 13, 20):  # grounded, grounded, code, open
         assert engine.generate([PROMPTS[i]], GREEDY, chat=True)[0].token_ids == plain[i]
     assert engine.stats().num_accepted_tokens > 0
