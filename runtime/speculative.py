@@ -230,6 +230,8 @@ class Speculator:
     def propose(self, running: Sequence[Request]) -> None:
         """Give each decoding request its draft tokens for this step (none in a large batch)."""
         self._draft_probs.clear()
+        for request in running:  # drafts of a request the last step's budget left out are stale
+            request.draft_token_ids = []
         if len(running) > self.config.max_batch_size:
             return
         requests, num_tokens = [], []
