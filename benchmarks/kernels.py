@@ -84,6 +84,9 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     tables, positions and lengths are always real."""
     from optc.formats import Format, FormatKind, linear_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
+    from optc.ops.elementwise import silu_mul_ref
+    from optc.ops.norm import add_rms_norm_ref, rms_norm_ref
+    from optc.ops.rope import rope_kv_store_ref
 
     m, rand = model, rand or torch.randn
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
@@ -93,19 +96,19 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     for t in BATCHES:
         x, r = data(2, t, m.hidden)
         yield "rms_norm", f"T={t}", (2 * t + 1) * m.hidden * e, bind(norm.rms_norm, x, w, 1e-5), \
-            bind(norm.rms_norm_ref, x, w, 1e-5)
+            bind(rms_norm_ref, x, w, 1e-5)
         yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
-            bind(norm.add_rms_norm_ref, x, r, w, 1e-5)
+            bind(add_rms_norm_ref, x, r, w, 1e-5)
         gu = data(t, 2 * m.inter)
         yield "silu_mul", f"T={t}", 3 * t * m.inter * e, bind(activation.silu_mul, gu), \
-            bind(activation.silu_mul_ref, gu)
+            bind(silu_mul_ref, gu)
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
         cache = data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
         byts = (2 * m.heads + 4 * m.kv_heads) * t * m.head_dim * e + t * m.head_dim * 4
         args = (q, k, v, pos, cos_sin, cache, slots)
-        yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope.rope_kv_store_ref, *args)
+        yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
         for ctx in CONTEXTS:
             byts = 2 * t * ctx * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
             yield ("paged_decode", f"B={t} ctx={ctx}", byts, *_decode(m, t, ctx, dev, data, paged_decode.paged_decode))

@@ -1,6 +1,6 @@
 """What the weight-only quantized linears (w4a16, w8a16) share: launch shapes, autotuning, the store
 epilogue and the launcher's tail. Each kernel file keeps its weight-tile load and dequantization,
-its asserts, its split heuristic and its reference.
+its asserts and its split heuristic; the reference of both is optc.formats.linear_ref.
 
 A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
 bias_ptr, out_ptr; sizes M, N, K, k_per_split; strides stride_xm, stride_om, stride_os; constexprs
@@ -8,9 +8,8 @@ HAS_BIAS, IS_SPLIT, FP32_DOT and BLOCK_M, BLOCK_N, BLOCK_K (from the config); it
 (M tile, N tile, split). Launch shapes, chosen by M: a split-K GEMV for M <= GEMV_MAX_M (decode;
 K split across programs so a small N still fills the GPU; fp32 partials summed here), autotuned
 apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the tl.dot
-ones, and a tiled GEMM for larger M (prefill). Nothing here has run on a CUDA device in the session
-that wrote it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that use it,
-and compiled for sm_90 (benchmarks/kernels.py --compile-only).
+ones, and a tiled GEMM for larger M (prefill). Tests check it through the kernels that use it, on
+the CPU under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ normalized partial output with its running max and sum, and a second kernel comb
 K/V tokens are gathered through the block table (`BLOCK_N` tokens per step, any number of cache
 blocks), so the kernel does not depend on the cache's block size. Softmax math is fp32 (exp2 with
 the scale folded into log2 e); P is cast to the cache dtype for the second dot; the output is cast
-on store. Semantics are paged_attention_ref's for requests whose query length is 1 (a request with
-seq_len 0 gets zeros).
+on store. Semantics are optc.ops.attention.paged_attention_ref's for requests whose query length
+is 1 (a request with seq_len 0 gets zeros).
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and `num_splits` heuristics are untuned.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._attend import attend
+from optc.kernels._attend import attend, check_paged_args
 from optc.kernels._dot import fp32_dot
-from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per inner step
@@ -163,11 +161,6 @@ def paged_decode(
             BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
         )
     return out
-
-
-def paged_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
-    """The specification: paged_attention_ref (query length 1 per request)."""
-    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def _num_splits(num_groups: int, max_seq_len: int) -> int:

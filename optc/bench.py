@@ -328,7 +328,9 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
         # compared with a dense LlamaForCausalLM holding the same weights, as random: sources are
         if kind == "random" or (kind == "gguf" and _is_dense(Path(options.artifact))):
             what = source.get("id") or Path(source["path"]).name
-            return _hf_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
+            from optc.models.llama import hf_model_from_artifact
+
+            return hf_model_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
         if kind == "hf_dir":
             path, kwargs = source["path"], {}
         elif kind == "hub":
@@ -348,41 +350,3 @@ def _is_dense(path: Path) -> bool:
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     return not any(graph.tensors[t].format.is_quantized for t in graph.used_tensors())
 
-
-def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
-    from transformers import LlamaForCausalLM
-
-    from optc.formats import FormatKind
-    from optc.frontend import hf_llama_config
-    from optc.ir import Graph
-    from optc.store import TensorStore
-
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-    quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
-    if quantized:
-        raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
-                         "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
-                         "(compare with the dense build)")
-    store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
-    state: dict[str, torch.Tensor] = {}
-    for node in graph.nodes:  # HF names: fused linears keep the original names as their outputs
-        for role, name in node.params.items():
-            weight = store.get(name).to(device, dtype)
-            if node.op == "linear" and node.attrs.get("split"):
-                state.update({f"{out}.{role}": w for out, w in
-                              zip(node.outputs, weight.split(node.attrs["split"], 0), strict=True)})
-            else:
-                state[name] = weight
-    config = hf_llama_config(graph.config, dtype=dtype)
-    with torch.device("meta"):  # no random init: the weights are assigned below
-        model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if graph.config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise InputError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer
-    return model.eval()

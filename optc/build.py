@@ -13,10 +13,10 @@ import torch
 
 import optc
 from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
-from optc.frontend import load_source
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
 from optc.recipe import Recipe, RecipeError, load_recipe
+from optc.sources import load_source
 
 
 @dataclass(frozen=True)
@@ -118,13 +118,13 @@ def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
 
 
 def _toolchain() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
+    try:  # the installed version, without importing triton (a CPU build never does)
+        versions["triton"] = version("triton")
+    except PackageNotFoundError:
         versions["triton"] = None
     return versions

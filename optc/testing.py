@@ -42,7 +42,8 @@ def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
     from transformers import LlamaForCausalLM
 
-    from optc.frontend import hf_llama_config, load_source
+    from optc.models.llama import hf_llama_config
+    from optc.sources import load_source
 
     src = load_source("random:tiny")
     hf = LlamaForCausalLM(hf_llama_config(src.graph.config))

@@ -14,10 +14,11 @@ How a capture stays valid for every replay:
 - The static batch's `max_seq_len` is the engine's context capacity, not the step's: the decode
   kernel turns it into a split count (a Python int) that the graph bakes in, so it must cover the
   longest context a replay can see. Block tables are as wide as that capacity.
-- Only graphs whose KV nodes are bound to Triton kernels are captured: the torch references sync
+- Only graphs whose KV nodes are bound to Triton kernels are captured: their torch references sync
   with the host (`int(seq_lens.max())` in paged_attention_ref, boolean-mask indexing in
-  kv_store_ref), which a capture cannot contain; `capture_blockers` names such nodes and the
-  runner refuses them (the engine then warns and runs eager). Rebuild with `select_kernels`.
+  kv_store_ref: `OpSpec.reference_syncs_host`), which a capture cannot contain; `capture_blockers`
+  names such nodes and the runner refuses them (the engine then warns and runs eager). Rebuild
+  with `select_kernels`.
 - Each bucket is run eagerly (warm-up) before its capture: Triton compiles per specialization and
   autotunes per key (the token count is part of both).
 - One private memory pool serves every graph, captured largest bucket first so smaller graphs
@@ -36,10 +37,10 @@ from typing import Any
 import torch
 
 from optc.ir import Graph
+from optc.ops import host_syncing_nodes
+from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.runtime.batch import ForwardBatch
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the cuda_graphs pass's default too
-SYNCING_REFERENCE_OPS = frozenset({"attention", "rope_kv_store"})
 NUM_WARMUP_RUNS = 2
 
 
@@ -65,7 +66,7 @@ class GraphConfig:
 
 def plan_batch_sizes(batch_sizes: Sequence[int] | None, max_num_seqs: int) -> tuple[int, ...]:
     """The manifest's buckets (None: the default ones) that a step of `max_num_seqs` can use."""
-    sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else batch_sizes
+    sizes = CUDA_GRAPH_BATCH_SIZES if batch_sizes is None else batch_sizes
     return tuple(sorted({int(b) for b in sizes if 1 <= b <= max_num_seqs}))
 
 
@@ -83,8 +84,7 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
 
 def capture_blockers(graph: Graph) -> list[str]:
     """KV nodes bound to torch references that sync with the host, which no graph can capture."""
-    return [f"{n.name} ({n.op})" for n in graph.nodes
-            if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+    return [f"{n.name} ({n.op})" for n in host_syncing_nodes(graph)]
 
 
 class StaticBatch:

@@ -33,7 +33,7 @@ class Model:
         self.vocab_size = c.vocab_size
         self.max_position_embeddings = c.max_position_embeddings
         self.eos_token_ids = list(c.eos_token_ids)
-        self.dtype = graph.tensors[graph.used_tensors()[0]].format.torch_dtype
+        self.dtype = DTYPES[c.dtype]
         self.kv_dtype = DTYPES[kv_dtype] if kv_dtype else self.dtype
         self.cos_sin = cos_sin_table(c, c.max_position_embeddings).to(self.device)
 

@@ -212,9 +212,10 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
 # --- `optc bench --compare-hf`: the transformers peer comes from the artifact's source -----------
 
 def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_path):
-    from optc.bench import BenchOptions, _hf_from_artifact, run_bench
+    from optc.bench import BenchOptions, run_bench
+    from optc.models.llama import hf_model_from_artifact
 
-    hf = _hf_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
+    hf = hf_model_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
     engine = Engine.load(artifacts["cpu"])
     ids = [(3 * j) % 250 + 1 for j in range(9)]
     with torch.inference_mode():
@@ -229,7 +230,7 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     recipe = tmp_path / "int4.yaml"
     recipe.write_text("model: random:tiny\ndtype: float32\npasses: [{quantize_rtn: {bits: 4, group_size: 32}}]\n")
     with pytest.raises(ValueError, match="holds int4_g weights and its source has no transformers checkpoint"):
-        _hf_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
+        hf_model_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
 
 
 def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):

@@ -1,9 +1,10 @@
 """Run a graph one decoder block at a time on calibration tokens: what the calibrated quantization
 passes (AWQ, GPTQ) share.
 
-A block is the run of consecutive nodes named `...layers.<i>....`; the nodes before the first block
-(the embedding) are its prefix. `BlockRunner` keeps only the values that cross a block boundary,
-so peak memory is about one block's activations and weights. All computation is fp32, whatever the
+A block is the run of consecutive nodes whose `layer` attribute is i (set by the model family's graph
+template, kept by the passes); the nodes before the first block (the embedding) are its prefix.
+`BlockRunner` keeps only the values that cross a block boundary, so peak memory is about one
+block's activations and weights. All computation is fp32, whatever the
 stored dtype: quantization statistics must not overflow (SmolLM2's residual channels reach
 ~25,000). Weights are the ops' torch references over `Param`s, so a block that uses quantized
 parts computes exactly what the artifact will.
@@ -13,7 +14,6 @@ Not here: choosing what to quantize and how (the passes), or writing the artifac
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +26,6 @@ from optc.ir import Graph, Node, TensorInfo
 from optc.ops import OPS, Param
 from optc.store import Entry, TensorStore
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NORMS = ("rms_norm", "add_rms_norm")
 
 
@@ -42,15 +41,15 @@ def split_blocks(graph: Graph) -> tuple[list[Node], list[Block]]:
     prefix: list[Node] = []
     groups: list[tuple[int, list[Node]]] = []
     for node in graph.nodes:
-        m = _LAYER.search(node.name)
-        if m is None:
+        layer = node.attrs.get("layer")
+        if layer is None:
             if groups:
                 break
             prefix.append(node)
-        elif groups and groups[-1][0] == int(m.group(1)):
+        elif groups and groups[-1][0] == layer:
             groups[-1][1].append(node)
         else:
-            groups.append((int(m.group(1)), [node]))
+            groups.append((layer, [node]))
     blocks = []
     for i, (index, nodes) in enumerate(groups):
         later = {v for _, ns in groups[i + 1:] for n in ns for v in n.inputs}
