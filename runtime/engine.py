@@ -27,6 +27,7 @@ import torch
 
 from optc.artifact import Manifest
 from optc.errors import InputError
+from optc.runtime import logprobs
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import make_runner
 from optc.runtime.detokenizer import IncrementalDetokenizer, find_stop
@@ -222,7 +223,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Run one model step; the requests that got a token in it."""
+        """Run one model step; the requests that got a token in it (or, with max_tokens 0, finished)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -236,33 +237,44 @@ class Engine:
             for cache in self.kv_caches:
                 cache[destination].copy_(cache[source])
         starts = [r.num_computed_tokens for r in out.requests]
-        pairs = zip(out.requests, out.num_new_tokens, strict=True)
-        num_logits = [1 + len(r.draft_token_ids) for r in out.requests]  # drafts: one logits row each
+        pairs = list(zip(out.requests, out.num_new_tokens, strict=True))
+        num_drafts = [len(r.draft_token_ids) for r in out.requests]
+        # drafts run only in decode (one row for logprobs): one more logits row per draft token
+        num_rows = [logprobs.num_logits_rows(r, r.num_computed_tokens, n - d) + d
+                    for (r, n), d in zip(pairs, num_drafts, strict=True)]
         batch = ForwardBatch.build(
-            [_query_tokens(r, n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_logits,
+            [_query_tokens(r, n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_rows,
         ).to(self.device)
-        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_logits), V) float32
+        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_rows), V) float32
         self.scheduler.update(out)
         self._num_steps += 1
-        ends = torch.tensor(num_logits).cumsum(0).tolist()  # request b's rows end at ends[b]
+        last_rows = logprobs.record_prompt_logprobs(out.requests, starts, num_rows, logits)
         ready = [b for b, r in enumerate(out.requests) if r.num_computed_tokens >= r.num_tokens]
-        plain = [b for b in ready if num_logits[b] == 1]
-        spec = [b for b in ready if num_logits[b] > 1]
+        now = time.perf_counter()
+        for request in [out.requests[b] for b in ready if out.requests[b].params.max_tokens == 0]:
+            request.finish_time = now  # max_tokens 0: the prompt is scored, nothing is generated
+            self.scheduler.finish(request.request_id, FinishReason.LENGTH)
+        done = [out.requests[b] for b in ready]
+        ready = [b for b in ready if out.requests[b].params.max_tokens > 0]
+        plain = [b for b in ready if num_drafts[b] == 0]
+        spec = [b for b in ready if num_drafts[b] > 0]
         new_tokens: dict[int, list[int]] = {}
+        first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token
         if plain:
             sampled = [out.requests[b] for b in plain]
             token_ids = sample(
-                logits[[ends[b] - 1 for b in plain]], [r.params for r in sampled], [r.generator for r in sampled]
+                logits[[last_rows[b] for b in plain]], [r.params for r in sampled], [r.generator for r in sampled]
             ).tolist()
             new_tokens.update((b, [t]) for b, t in zip(plain, token_ids, strict=True))
         if spec:
             verified = self.speculator.verify(
-                [out.requests[b] for b in spec], [logits[ends[b] - num_logits[b] : ends[b]] for b in spec])
+                [out.requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
             new_tokens.update(zip(spec, verified, strict=True))
-        now = time.perf_counter()
         for b in ready:
             request = out.requests[b]
-            for token_id in new_tokens[b]:  # stops apply to every token: nothing is emitted after one
+            for i, token_id in enumerate(new_tokens[b]):  # stops apply to every token: nothing after one
+                row = first_rows[b] + i
+                logprobs.record_logprobs([request], logits[row : row + 1], [token_id])
                 request.append_token(token_id)
                 self._num_generated_tokens += 1
                 if request.first_token_time is None:
@@ -270,10 +282,10 @@ class Engine:
                 self._check_stop(request, now)
                 if request.is_finished:
                     break
-            if num_logits[b] > 1 and not request.is_finished:  # roll back over the rejected drafts
+            if num_drafts[b] and not request.is_finished:  # roll back over the rejected drafts
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv_manager.truncate(request, request.num_tokens)
-        return [out.requests[b] for b in ready]
+        return done
 
     def stats(self) -> EngineStats:
         kv, scheduler = self.kv_manager, self.scheduler
