@@ -243,7 +243,7 @@ class Engine:
         num_rows = [logprobs.num_logits_rows(r, r.num_computed_tokens, n - d) + d
                     for (r, n), d in zip(pairs, num_drafts, strict=True)]
         batch = ForwardBatch.build(
-            [_query_tokens(r, n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_rows,
+            [r.query_token_ids(n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_rows,
         ).to(self.device)
         logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_rows), V) float32
         self.scheduler.update(out)
@@ -388,14 +388,6 @@ class Engine:
         self.scheduler.finish(request.request_id, reason)
         if self.speculator is not None:
             self.speculator.release(request.request_id)
-
-
-def _query_tokens(request: Request, num_tokens: int) -> list[int]:
-    """The request's next `num_tokens` uncomputed tokens: its own, then its draft tokens."""
-    start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
-    if end <= request.num_tokens:
-        return request.token_ids[start:end]
-    return request.token_ids[start:] + request.draft_token_ids[: end - request.num_tokens]
 
 
 def _completion(request: Request) -> Completion:

@@ -81,6 +81,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def query_token_ids(self, num_tokens: int) -> list[int]:
+        """The next `num_tokens` uncomputed tokens: its own, then its draft tokens."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + num_tokens
+        if end <= self.num_tokens:
+            return self.token_ids[start:end]
+        return self.token_ids[start:] + self.draft_token_ids[: end - self.num_tokens]
+
     def take_delta(self) -> str:
         """New output text that can no longer change (streaming): all of it once the request has
         finished, else up to the characters that could still start a stop string."""
