@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from optc.errors import InputError
 from optc.runtime import Engine, SamplingParams
+from optc.runtime.speculative import SpeculativeConfig
 
 PERCENTILES = (50, 90, 99)
 
@@ -39,7 +40,7 @@ class BenchOptions:
     num_requests: int = 64
     input_len: int = 128  # synthetic prompts only
     output_len: int = 128
-    dataset: Path | None = None  # a text file: one prompt per non-empty line (cycled)
+    dataset: Path | None = None  # one prompt per non-empty line (cycled); *.jsonl: {"prompt", "output_len"}
     max_num_seqs: int | None = None  # None = the artifact's max_batch_size
     device: str = "cpu"  # cpu | cuda
     eager: bool = False  # no CUDA graphs
@@ -48,6 +49,7 @@ class BenchOptions:
     seed: int = 0
     show_progress: bool = True
     verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
+    speculative: str | None = None  # ngram[:K] | draft:PATH[:K]; None = the artifact's runtime.speculative
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -79,6 +81,13 @@ class BenchResult:
     peak_memory_bytes: int
     kv_cache: dict[str, Any]  # num_blocks, block_size, peak_blocks_used, peak_usage, num_preemptions, hit rate
     num_steps: int
+    speculative: str | None = None  # ngram:K | draft:PATH:K; None: off
+    num_drafts: int = 0  # verifications of a request that had draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_position: list[int] = dataclasses.field(default_factory=list)
+    spec_acceptance_rate: float = 0.0  # accepted / drafted tokens
+    spec_mean_acceptance_length: float = 0.0  # 1 + accepted / drafts
     hf: dict[str, Any] | None = None  # the transformers run, with optc_over_hf
 
     def to_json(self) -> dict[str, Any]:
@@ -101,12 +110,13 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
     if options.max_num_seqs is not None:
         overrides["max_num_seqs"] = options.max_num_seqs
-    engine = Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
-    prompts = _prompts(options, engine)
-    longest = max(len(p) for p in prompts) + options.output_len
+    speculative = SpeculativeConfig.parse(options.speculative) if options.speculative else None
+    engine = Engine.load(options.artifact, device=options.device, verify=options.verify, speculative=speculative,
+                         **overrides)
+    prompts, output_lens = _prompts(options, engine)
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
     if longest > engine.max_model_len:
         raise InputError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
-    params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
     # warm-up at the run's prefill length, then decode steps of 2 rows and of 1 (the quantized
     # GEMMs autotune per bucket of M, the token count, and per linear shape), so Triton's compiles
     # and autotuning happen before the clock starts; on CUDA also the run's batch (its chunked
@@ -125,13 +135,15 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
     if is_cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
 
-    requests = [engine.add_request(p, params) for p in prompts]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, output_lens, strict=True)]
     start = time.perf_counter()
     peak_blocks = 0
     total = sum(r.params.max_tokens for r in requests)
     with tqdm(total=total, unit="tok", desc="optc bench", disable=not options.show_progress) as bar:
         while engine.has_unfinished():
-            bar.update(len(engine.step()))
+            engine.step()
+            bar.update(engine.stats().num_generated_tokens - bar.n - before.num_generated_tokens)
             peak_blocks = max(peak_blocks, engine.stats().num_kv_blocks_used)
     elapsed = time.perf_counter() - start
 
@@ -170,8 +182,28 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
             / max(1, stats.num_prefix_cache_query_tokens - before.num_prefix_cache_query_tokens),
         },
         num_steps=stats.num_steps - before.num_steps,
+        speculative=engine.speculator.config.describe() if engine.speculator else None,
+        **_speculative_counters(before, stats),
     )
     return result, prompts, engine.dtype
+
+
+def _speculative_counters(before: Any, after: Any) -> dict[str, Any]:
+    """The run's speculative-decoding counters (differences of EngineStats, so the warm-up is excluded)."""
+    drafts = after.num_drafts - before.num_drafts
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_position = [a - b for a, b in zip(after.num_accepted_tokens_per_position,
+                                          before.num_accepted_tokens_per_position or
+                                          [0] * len(after.num_accepted_tokens_per_position), strict=True)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_position": per_position,
+        "spec_acceptance_rate": accepted / max(1, drafted),
+        "spec_mean_acceptance_length": 1 + accepted / max(1, drafts),
+    }
 
 
 def format_bench(result: BenchResult) -> str:
@@ -187,6 +219,11 @@ def format_bench(result: BenchResult) -> str:
         f"memory      peak {result.peak_memory_bytes / 2**20:.0f} MiB   KV peak {kv['peak_usage']:.0%} of "
         f"{kv['num_blocks']} blocks, {kv['num_preemptions']} preemptions",
     ]
+    if result.speculative:
+        lines.append(
+            f"speculative {result.speculative}: acceptance {result.spec_acceptance_rate:.0%}, "
+            f"mean acceptance length {result.spec_mean_acceptance_length:.2f} over {result.num_drafts} drafts"
+        )
     if result.hf:
         hf = result.hf
         lines.append(
@@ -196,17 +233,35 @@ def format_bench(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def _prompts(options: BenchOptions, engine: Engine) -> list[list[int]]:
+def _prompts(options: BenchOptions, engine: Engine) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each request's prompt, and its output length."""
+    n = options.num_requests
     if options.dataset is None:
         g = torch.Generator().manual_seed(options.seed)
-        ids = torch.randint(0, engine.vocab_size, (options.num_requests, options.input_len), generator=g)
-        return ids.tolist()
-    if not Path(options.dataset).is_file():
-        raise InputError(f"--dataset {options.dataset} does not exist")
-    lines = [line for line in Path(options.dataset).read_text().splitlines() if line.strip()]
+        ids = torch.randint(0, engine.vocab_size, (n, options.input_len), generator=g)
+        return ids.tolist(), [options.output_len] * n
+    path = Path(options.dataset)
+    if not path.is_file():
+        raise InputError(f"--dataset {path} does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not lines:
-        raise InputError(f"dataset {options.dataset} has no non-empty lines")
-    return [list(engine.tokenizer(lines[i % len(lines)])["input_ids"]) for i in range(options.num_requests)]
+        raise InputError(f"dataset {path} has no non-empty lines")
+    if path.suffix != ".jsonl":
+        return [list(engine.tokenizer(lines[i % len(lines)])["input_ids"]) for i in range(n)], [options.output_len] * n
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise InputError(f"{path}:{number}: expected an object with a string \"prompt\" (and an \"output_len\")")
+        output_len = record.get("output_len", options.output_len)
+        if not isinstance(output_len, int) or output_len < 1:
+            raise InputError(f"{path}:{number}: output_len must be an integer >= 1, got {output_len!r}")
+        records.append((list(engine.tokenizer(record["prompt"])["input_ids"]), output_len))
+    chosen = [records[i % len(records)] for i in range(n)]
+    return [r[0] for r in chosen], [r[1] for r in chosen]
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

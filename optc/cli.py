@@ -27,6 +27,13 @@ app = typer.Typer(
 )
 
 
+SPECULATIVE_HELP = (
+    "Speculative decoding: ngram[:K] (prompt lookup) or draft:PATH[:K] (a draft artifact with the same "
+    "tokenizer, e.g. an int4 build of the model); K = draft tokens per step, 1..16, default 4. Default: the "
+    "artifact's runtime.speculative, else off."
+)
+
+
 @app.callback()
 def _main(
     show_traceback: bool = typer.Option(
@@ -124,17 +131,20 @@ def run(
     as_json: bool = typer.Option(
         False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
     ),
+    speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Generate text from one prompt."""
     import time
 
     from optc.runtime import Engine, SamplingParams
+    from optc.runtime.speculative import SpeculativeConfig
 
     with _user_errors():
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
-        engine = Engine.load(artifact, device=device, verify=not no_verify)
+        spec = SpeculativeConfig.parse(speculative) if speculative else None
+        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec)
         t0 = time.perf_counter()
         (completion,) = engine.generate([prompt], params, chat=chat)
         seconds = time.perf_counter() - t0
@@ -201,7 +211,9 @@ def bench(
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens per request (random token ids, "
                                   "seeded; ignored with --dataset)."),
     output_len: int = typer.Option(128, "--output-len", min=1, help="Generated tokens per request (EOS ignored)."),
-    dataset: Path | None = typer.Option(None, "--dataset", help="Text file: one prompt per non-empty line, cycled."),
+    dataset: Path | None = typer.Option(None, "--dataset", help="Prompts, cycled: a text file with one prompt per "
+                                        "non-empty line, or a .jsonl file of {\"prompt\": ..., \"output_len\": ...} "
+                                        "(output_len optional, default --output-len)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests in flight at once "
                                             "(default: the artifact's runtime.max_batch_size)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
@@ -211,7 +223,8 @@ def bench(
                                     "print the ratio."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (output_tokens_per_s, "
-                                 "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, ...)."),
+                                 "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, spec_acceptance_rate, "
+                                 "...)."),
     url: str | None = typer.Option(None, "--url", help="Load-test a running OpenAI-compatible server at this base "
                                    "URL (e.g. http://127.0.0.1:8000) instead of an artifact in-process: streaming "
                                    "requests, greedy, EOS ignored; key from env OPTC_API_KEY."),
@@ -219,6 +232,7 @@ def bench(
                                        "Poisson arrivals (inf = all at once)."),
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="With --url: requests in "
                                                "flight at most (default: no limit)."),
+    speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
 ) -> None:
     """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
     or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
@@ -241,7 +255,7 @@ def bench(
         return
     with _user_errors():
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
-                               compare_hf, None, seed, show_progress=not as_json)
+                               compare_hf, None, seed, show_progress=not as_json, speculative=speculative)
         result = run_bench(options)
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 

@@ -55,6 +55,10 @@ class Runtime:
     )
     kv_cache_memory: int | None = field(default=None, metadata={"min": 1, "help": "KV pool bytes on the CPU"})
     max_num_batched_tokens: int = field(default=2048, metadata={"min": 1, "help": "token budget per step"})
+    speculative: str | None = field(
+        default=None,
+        metadata={"help": "default speculative decoding: ngram[:K] or draft:PATH[:K] (K draft tokens, 1..16)"},
+    )
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,15 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), model: str |
         where["model"] = "--model"
     raw_passes = data.pop("passes", [])
     recipe = validate(Recipe, data, "", where)
+    if recipe.runtime.speculative is not None:
+        from optc.errors import InputError
+        from optc.runtime.speculative import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.parse(recipe.runtime.speculative)
+        except InputError as e:
+            key = "runtime.speculative"
+            raise RecipeError(f"{where.get(key, where.get('runtime', ''))}: {key}: {e}") from None
     return Recipe(**{**recipe.__dict__, "passes": resolve_passes(raw_passes, where)})
 
 

@@ -7,7 +7,10 @@ step = schedule -> one `model.forward` over all scheduled tokens -> advance comp
 sample for the requests that reached their last token -> detokenize the new tokens (incrementally,
 runtime/detokenizer.py) -> check stops. The engine owns the KV tensors; the scheduler and KV manager
 below it see only block ids; the pool's size comes from runtime/kv_sizing.py. Pure-decode steps
-replay CUDA graphs on a cuda device (runtime/cuda_graphs.py). No HTTP here.
+replay CUDA graphs on a cuda device (runtime/cuda_graphs.py). With speculative decoding
+(runtime/speculative.py) the step starts by giving decoding requests draft tokens, the forward scores
+each draft, and verification appends the accepted ones plus one token, each checked for stops, and
+rolls the computed count back over the rest. No HTTP here.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.request import FinishReason, Request
 from optc.runtime.sampler import SamplingParams, sample
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
+from optc.runtime.speculative import SpeculativeConfig, Speculator
 
 Prompt = str | Sequence[int]
 
@@ -103,10 +107,18 @@ class EngineStats:
     num_computed_tokens: int
     num_generated_tokens: int
     num_steps: int
+    num_drafts: int = 0  # verifications of a request that had draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i
+    spec_acceptance_rate: float = 0.0  # accepted / drafted tokens
+    spec_mean_acceptance_length: float = 0.0  # 1 + accepted / drafts: tokens per verification
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, speculator: Speculator | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -131,19 +143,29 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self.speculator = speculator
 
     @classmethod
-    def load(cls, path: str | Path, device: str = "cpu", verify: bool = True, **overrides: Any) -> Engine:
-        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's."""
+    def load(
+        cls, path: str | Path, device: str = "cpu", verify: bool = True,
+        speculative: SpeculativeConfig | None = None, **overrides: Any,
+    ) -> Engine:
+        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's;
+        `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
         from optc.artifact import read
         from optc.runtime.loader import load_model
+        from optc.runtime.speculative import make_speculator
 
         artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        return cls(load_model(artifact, device), tokenizer, config)
+        model = load_model(artifact, device)
+        engine = cls(model, tokenizer, config)
+        engine.speculator = make_speculator(
+            artifact, model, tokenizer, speculative, engine.kv_manager.num_blocks, config.block_size, verify)
+        return engine
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -194,6 +216,8 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -201,7 +225,11 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one model step; the requests that got a token in it (or, with max_tokens 0, finished)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        for request_id in out.preempted_ids if self.speculator is not None else ():
+            self.speculator.release(request_id)
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler scheduled nothing while requests wait (a bug)")
@@ -211,34 +239,53 @@ class Engine:
                 cache[destination].copy_(cache[source])
         starts = [r.num_computed_tokens for r in out.requests]
         pairs = list(zip(out.requests, out.num_new_tokens, strict=True))
-        num_rows = [logprobs.num_logits_rows(r, r.num_computed_tokens, n) for r, n in pairs]
+        num_drafts = [len(r.draft_token_ids) for r in out.requests]
+        # drafts run only in decode (one row for logprobs): one more logits row per draft token
+        num_rows = [logprobs.num_logits_rows(r, r.num_computed_tokens, n - d) + d
+                    for (r, n), d in zip(pairs, num_drafts, strict=True)]
         batch = (self.graph_runner or self.batch_builder).build(  # a replayed step: straight into the graph's buffers
-            [r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in pairs],
-            starts, out.block_ids, self.config.block_size, num_rows,
+            [r.query_token_ids(n) for r, n in pairs], starts, out.block_ids, self.config.block_size, num_rows,
         )
         logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_rows), V) float32
         self.scheduler.update(out)
         self._num_steps += 1
         last_rows = logprobs.record_prompt_logprobs(out.requests, starts, num_rows, logits)
-        rows = [b for b, r in enumerate(out.requests) if r.num_computed_tokens == r.num_tokens]
+        ready = [b for b, r in enumerate(out.requests) if r.num_computed_tokens >= r.num_tokens]
         now = time.perf_counter()
-        for request in [out.requests[b] for b in rows if out.requests[b].params.max_tokens == 0]:
+        for request in [out.requests[b] for b in ready if out.requests[b].params.max_tokens == 0]:
             request.finish_time = now  # max_tokens 0: the prompt is scored, nothing is generated
             self.scheduler.finish(request.request_id, FinishReason.LENGTH)
-        done = [out.requests[b] for b in rows]
-        sampled = [r for r in done if r.params.max_tokens > 0]
-        rows = [last_rows[b] for b in rows if out.requests[b].params.max_tokens > 0]
-        if not rows:
-            return done
-        selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
-        token_ids = sample(selected, [r.params for r in sampled], [r.generator for r in sampled]).tolist()
-        logprobs.record_logprobs(sampled, selected, token_ids)
-        for request, token_id in zip(sampled, token_ids, strict=True):
-            request.append_token(token_id)
-            self._num_generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            self._check_stop(request, now)
+        done = [out.requests[b] for b in ready]
+        ready = [b for b in ready if out.requests[b].params.max_tokens > 0]
+        plain = [b for b in ready if num_drafts[b] == 0]
+        spec = [b for b in ready if num_drafts[b] > 0]
+        new_tokens: dict[int, list[int]] = {}
+        first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token
+        if plain:
+            sampled = [out.requests[b] for b in plain]
+            rows = [last_rows[b] for b in plain]
+            selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
+            token_ids = sample(selected, [r.params for r in sampled], [r.generator for r in sampled]).tolist()
+            new_tokens.update((b, [t]) for b, t in zip(plain, token_ids, strict=True))
+        if spec:
+            verified = self.speculator.verify(
+                [out.requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
+            new_tokens.update(zip(spec, verified, strict=True))
+        for b in ready:
+            request = out.requests[b]
+            for i, token_id in enumerate(new_tokens[b]):  # stops apply to every token: nothing after one
+                row = first_rows[b] + i
+                logprobs.record_logprobs([request], logits[row : row + 1], [token_id])
+                request.append_token(token_id)
+                self._num_generated_tokens += 1
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                self._check_stop(request, now)
+                if request.is_finished:
+                    break
+            if num_drafts[b] and not request.is_finished:  # roll back over the rejected drafts
+                request.num_computed_tokens = request.num_tokens - 1
+                self.kv_manager.truncate(request, request.num_tokens)
         return done
 
     def stats(self) -> EngineStats:
@@ -259,6 +306,7 @@ class Engine:
             num_computed_tokens=scheduler.num_computed_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
+            **(self.speculator.stats.to_fields() if self.speculator is not None else {}),
         )
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -339,6 +387,8 @@ class Engine:
             return
         request.finish_time = now
         self.scheduler.finish(request.request_id, reason)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
 
 
 def _completion(request: Request) -> Completion:

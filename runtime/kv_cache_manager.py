@@ -126,6 +126,17 @@ class KVCacheManager:
             self.pool.cache_block(block_ids[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (a speculative rollback)."""
+        block_ids = self._block_ids.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not block_ids or keep >= len(block_ids):
+            return
+        self.pool.free(reversed(block_ids[keep:]))
+        del block_ids[keep:]
+        cached = self._num_cached_blocks.get(request.request_id, 0)
+        self._num_cached_blocks[request.request_id] = min(cached, keep)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""
         block_ids = self._block_ids.pop(request.request_id, [])

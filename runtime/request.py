@@ -42,6 +42,7 @@ class Request:
     detokenizer: IncrementalDetokenizer = field(default_factory=lambda: IncrementalDetokenizer(None))
     token_ids: list[int] = field(init=False)  # prompt, then output
     num_computed_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative, unverified: after token_ids
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
@@ -79,6 +80,13 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def query_token_ids(self, num_tokens: int) -> list[int]:
+        """The next `num_tokens` uncomputed tokens: its own, then its draft tokens."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + num_tokens
+        if end <= self.num_tokens:
+            return self.token_ids[start:end]
+        return self.token_ids[start:] + self.draft_token_ids[: end - self.num_tokens]
 
     def take_delta(self) -> str:
         """New output text that can no longer change (streaming): all of it once the request has

@@ -4,9 +4,12 @@ Scheduling model. Every request has tokens (prompt, then output) and a number of
 computed; a step moves each scheduled request's computed count towards its token count, by at most
 what is left of one per-step token budget (`max_num_batched_tokens`). There are no separate prefill
 and decode phases: a prompt longer than the budget is prefilled in chunks over several steps, a
-decode is a request one token behind, and speculative tokens would simply be more tokens to catch up
-on. Each step first serves the running requests in arrival order, so decodes and unfinished chunked
-prefills are never starved by new prompts; then, with whatever budget is left and while fewer than
+decode is a request one token behind, and a request's speculative draft tokens
+(`Request.draft_token_ids`, after its tokens) are simply more tokens to catch up on: the budget or a
+full KV pool trims them (drafts go before any preemption), and the engine rolls the computed count
+back over the ones verification rejects. Only blocks of verified tokens enter the prefix cache. Each
+step first serves the running requests in arrival order, so decodes and unfinished chunked prefills
+are never starved by new prompts; then, with whatever budget is left and while fewer than
 `max_num_seqs` requests run, admits waiting requests strictly first-come-first-served (the head of
 the queue blocks the ones behind it), each starting after its prefix-cache hit. When a running
 request cannot get blocks, the most recently admitted running request is preempted by recompute: its
@@ -89,8 +92,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + len(request.draft_token_ids) - request.num_computed_tokens, budget)
             block_ids = self.kv_manager.allocate_slots(request, num_new)
+            if block_ids is None and request.draft_token_ids:  # drop the drafts before preempting anyone
+                request.draft_token_ids.clear()
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                block_ids = self.kv_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -100,6 +107,7 @@ class Scheduler:
                 block_ids = self.kv_manager.allocate_slots(request, num_new)
             if block_ids is None:
                 break
+            del request.draft_token_ids[max(0, request.num_computed_tokens + num_new - request.num_tokens) :]
             self._add(out, request, num_new, block_ids)
             budget -= num_new
             i += 1
@@ -129,7 +137,8 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             self.num_computed_tokens += num_new
             self.num_computed_prompt_tokens += max(0, min(start + num_new, request.num_prompt_tokens) - start)
-            self.kv_manager.cache_blocks(request, request.num_computed_tokens)
+            # drafts are not in token_ids: only verified tokens are hashed and cached
+            self.kv_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
         """End a request (stop, length or abort) and free its blocks; None if it is not here."""
@@ -157,6 +166,7 @@ class Scheduler:
         self.kv_manager.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

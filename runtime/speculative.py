@@ -1,0 +1,326 @@
+"""Speculative decoding: its config, the n-gram proposer, and the `Speculator` the engine drives.
+
+Each step, before scheduling, the speculator gives every running request that is decoding (one
+token behind) up to k draft tokens (`Request.draft_token_ids`); the scheduler runs them as more
+query tokens of their request and the target returns logits at each of them plus one. After the
+forward, `verify` keeps the accepted prefix and one more token (runtime/verifier.py: rejection
+sampling, lossless) and the engine rolls the request's computed count back over the rejected ones.
+
+Proposers share one small interface: `propose(requests, num_tokens) -> (draft ids, draft probs)`,
+probabilities None for one-hot drafts, and `release(request_id)` when a request leaves or is
+preempted. `NgramProposer` (prompt lookup) is here; the draft-model proposer is runtime/draft.py.
+
+Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
+batch holds more than `max_batch_size` running requests does not speculate (a large batch already
+keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
+picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
+in 0..K that maximizes expected tokens per step over its relative cost,
+(1 + a + a^2 + ... + a^k) / (1 + token_cost * k). A request whose k drops to 0 drifts back to the
+prior rate while it does not speculate, so it probes again later.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from optc.errors import InputError
+from optc.runtime.request import Request
+from optc.runtime.verifier import rejection_sample, target_probs
+
+MAX_SPECULATIVE_TOKENS = 16
+# Defaults measured with benchmarks/speculative.py on SmolLM2 (docs/PERF.md): one more query token
+# costs ~token_cost of a decode step at batch 1; draft tokens also cost the draft's own step.
+DEFAULT_MAX_BATCH_SIZE = 4
+DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3}
+PRIOR_ACCEPTANCE = 0.6  # the acceptance rate assumed before a request has any measurement
+DECAY = 0.8  # weight of the past in a request's acceptance counts
+
+
+class SpeculativeMethod(enum.StrEnum):
+    NGRAM = "ngram"  # prompt lookup: continue an earlier occurrence of the tokens' suffix
+    DRAFT = "draft"  # a second, cheaper artifact with the same tokenizer
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod | str
+    num_speculative_tokens: int = 4  # k: drafts per request per step (the most; adaptive picks fewer)
+    draft: Path | str | None = None  # the draft artifact (method draft)
+    prompt_lookup_min: int = 2  # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # steps with more running requests do not speculate
+    adaptive: bool = True  # pick k per request from its acceptance rate
+    token_cost: float | None = None  # step cost of one speculative token / a decode step; None = measured default
+
+    def __post_init__(self) -> None:
+        allowed = ", ".join(m.value for m in SpeculativeMethod)
+        try:
+            object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        except ValueError:
+            raise InputError(f"unknown speculative method {self.method!r}; allowed: {allowed}") from None
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InputError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if self.method is SpeculativeMethod.DRAFT and self.draft is None:
+            raise InputError("speculative method draft needs a draft artifact: draft:PATH[:K]")
+        if self.method is SpeculativeMethod.NGRAM and self.draft is not None:
+            raise InputError(f"speculative method ngram takes no draft artifact, got {self.draft}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InputError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max}"
+            )
+        if self.max_batch_size < 1:
+            raise InputError(f"speculative max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.token_cost is not None and self.token_cost < 0:
+            raise InputError(f"speculative token_cost must be >= 0, got {self.token_cost}")
+
+    @property
+    def cost(self) -> float:
+        return self.token_cost if self.token_cost is not None else DEFAULT_TOKEN_COST[self.method.value]
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """`ngram`, `ngram:K`, `draft:PATH` or `draft:PATH:K` (the --speculative option)."""
+        method, _, rest = text.partition(":")
+        if method == SpeculativeMethod.NGRAM:
+            if rest and not rest.isdigit():
+                raise InputError(f"--speculative {text!r}: expected ngram[:K] with K an integer")
+            return cls(method, int(rest) if rest else 4)
+        if method == SpeculativeMethod.DRAFT:
+            path, _, k = rest.rpartition(":")
+            if not (path and k.isdigit()):
+                path, k = rest, ""
+            if not path:
+                raise InputError(f"--speculative {text!r}: expected draft:PATH[:K]")
+            return cls(method, int(k) if k else 4, draft=path)
+        return cls(method)  # raises: unknown method
+
+    def describe(self) -> str:
+        """The --speculative spelling of this config."""
+        if self.method is SpeculativeMethod.DRAFT:
+            return f"draft:{self.draft}:{self.num_speculative_tokens}"
+        return f"ngram:{self.num_speculative_tokens}"
+
+
+def make_speculator(
+    artifact: Any, model: Any, tokenizer: Any, config: SpeculativeConfig | None, num_blocks: int, block_size: int,
+    verify: bool = True,
+) -> Speculator | None:
+    """The speculator of a target `model` read from `artifact`: `config`, else the manifest's runtime.speculative.
+
+    A draft artifact loads on the target's device with a KV pool of the target's size in blocks; one
+    whose vocabulary or tokenizer differs from the target's is refused (InputError naming both).
+    """
+    if config is None:
+        text = (artifact.manifest.runtime or {}).get("speculative")
+        if not text:
+            return None
+        config = SpeculativeConfig.parse(text)
+    if config.method is SpeculativeMethod.NGRAM:
+        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    from transformers import AutoTokenizer
+
+    from optc.artifact import read
+    from optc.runtime.draft import DraftProposer
+    from optc.runtime.loader import load_model
+
+    draft = read(config.draft, verify=verify, device=model.device.type)
+    draft_model = load_model(draft, str(model.device))
+    draft_vocab = AutoTokenizer.from_pretrained(draft.tokenizer_dir).get_vocab()
+    if draft_model.vocab_size != model.vocab_size or draft_vocab != tokenizer.get_vocab():
+        raise InputError(
+            f"draft {config.draft} (vocab_size {draft_model.vocab_size}, tokenizer of {len(draft_vocab)} tokens) "
+            f"does not share the vocabulary of target {artifact.path} (vocab_size {model.vocab_size}, tokenizer "
+            f"of {len(tokenizer.get_vocab())} tokens); use a draft built from the same model family"
+        )
+    return Speculator(config, DraftProposer(draft_model, num_blocks, block_size))
+
+
+class Proposer(Protocol):
+    def propose(
+        self, requests: Sequence[Request], num_tokens: Sequence[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to num_tokens[i] draft ids for each request, and their (k_i, V) probabilities (None = one-hot)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget the request (finished, aborted or preempted)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix (prompt_lookup_max down to _min tokens) of a request's tokens
+    that occurred earlier in them proposes what followed its latest earlier occurrence. No model."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(
+        self, requests: Sequence[Request], num_tokens: Sequence[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        pairs = zip(requests, num_tokens, strict=True)
+        drafts = [ngram_lookup(r.token_ids, self.min_n, self.max_n, k) for r, k in pairs]
+        return drafts, [None] * len(drafts)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """What followed the latest earlier occurrence of the longest suffix of token_ids (n in max_n..min_n)."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # windows starting at 0 .. length - n - 1: every earlier n-gram, the suffix itself excluded
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + num_tokens].tolist()
+    return []
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 2 * PRIOR_ACCEPTANCE  # decayed counts, starting at the prior
+    tried: float = 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+
+@dataclass
+class SpeculativeStats:
+    num_drafts: int = 0  # verifications of a request with >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
+
+    def to_fields(self) -> dict[str, Any]:
+        """The EngineStats fields of speculative decoding."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_position": tuple(self.num_accepted_tokens_per_position),
+            "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / max(1, self.num_drafts),
+        }
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpeculativeStats(num_accepted_tokens_per_position=[0] * config.num_speculative_tokens)
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+        k = config.num_speculative_tokens
+        self._gain_denominators = [1.0 + config.cost * i for i in range(k + 1)]
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Give each decoding request its draft tokens for this step (none in a large batch)."""
+        self._draft_probs.clear()
+        for request in running:  # drafts of a request the last step's budget left out are stale
+            request.draft_token_ids = []
+        if len(running) > self.config.max_batch_size:
+            return
+        requests, num_tokens = [], []
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            params = request.params
+            room = min(params.max_tokens - request.num_output_tokens, request.max_num_tokens - request.num_tokens)
+            k = min(self._choose_k(request.request_id), room - 1)  # k + 1 tokens may be emitted
+            if k > 0:
+                requests.append(request)
+                num_tokens.append(k)
+        if not requests:
+            return
+        drafts, probs = self.proposer.propose(requests, num_tokens)
+        for request, draft, prob in zip(requests, drafts, probs, strict=True):
+            if draft:
+                request.draft_token_ids = list(draft)
+                self._draft_probs[request.request_id] = prob
+
+    def verify(self, requests: Sequence[Request], logits: Sequence[torch.Tensor]) -> list[list[int]]:
+        """The tokens each request emits: its accepted drafts, then one resampled or bonus token.
+
+        logits[i]: (len(drafts_i) + 1, V) float32, the target's logits after each query position.
+        """
+        k = max(len(r.draft_token_ids) for r in requests)
+        num_rows, vocab_size = len(requests), logits[0].shape[-1]
+        device = logits[0].device
+        row_params = [r.params for r in requests for _ in range(k + 1)]
+        padded = torch.zeros(num_rows, k + 1, vocab_size, device=device)
+        for i, rows in enumerate(logits):
+            padded[i, : len(rows)] = rows
+        p = target_probs(padded.view(-1, vocab_size), row_params).view(num_rows, k + 1, vocab_size)
+        draft_ids = torch.full((num_rows, k), -1, dtype=torch.int64)
+        num_drafts = torch.tensor([len(r.draft_token_ids) for r in requests])
+        probs = [self._draft_probs.get(r.request_id) for r in requests]
+        q = None
+        if any(x is not None for x in probs):
+            q = torch.zeros(num_rows, k, vocab_size, device=device)
+        u_accept, u_resample = torch.zeros(num_rows, k), torch.zeros(num_rows)
+        for i, request in enumerate(requests):
+            n = len(request.draft_token_ids)
+            draft_ids[i, :n] = torch.tensor(request.draft_token_ids)
+            if q is not None:
+                q[i, :n] = probs[i][:n] if probs[i] is not None else torch.zeros(n, vocab_size).scatter_(
+                    -1, draft_ids[i, :n, None], 1.0)
+            if request.generator is not None:  # greedy rows need no randomness (see verifier)
+                u = torch.rand(n + 1, generator=request.generator, device=request.generator.device).cpu()
+                u_accept[i, :n], u_resample[i] = u[:n], u[n]
+        token_ids, num_accepted = rejection_sample(
+            p, draft_ids.to(device), num_drafts.to(device), q, u_accept.to(device), u_resample.to(device))
+        token_ids, num_accepted = token_ids.tolist(), num_accepted.tolist()
+        out = []
+        for i, request in enumerate(requests):
+            n, a = len(request.draft_token_ids), num_accepted[i]
+            self._record(request.request_id, n, a)
+            out.append(token_ids[i][: a + 1])
+            request.draft_token_ids = []
+        return out
+
+    def release(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+        self._draft_probs.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def _choose_k(self, request_id: str) -> int:
+        k = self.config.num_speculative_tokens
+        if not self.config.adaptive:
+            return k
+        state = self._acceptance.setdefault(request_id, _Acceptance())
+        rate, best, best_gain, expected = state.rate, 0, 1.0, 1.0
+        for i in range(1, k + 1):
+            expected += rate**i
+            gain = expected / self._gain_denominators[i]
+            if gain > best_gain:
+                best, best_gain = i, gain
+        if best == 0:  # not speculating: drift back towards the prior so that it probes again
+            state.accepted = DECAY * state.accepted + (1 - DECAY) * 2 * PRIOR_ACCEPTANCE
+            state.tried = DECAY * state.tried + (1 - DECAY) * 2
+        return best
+
+    def _record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            stats.num_accepted_tokens_per_position[i] += 1
+        state = self._acceptance.setdefault(request_id, _Acceptance())
+        # accepted drafts are successes, the first rejected one a failure; later drafts were never tried
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.tried = DECAY * state.tried + num_accepted + (num_accepted < num_drafted)

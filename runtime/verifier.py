@@ -1,0 +1,108 @@
+"""Speculative verification: which drafted tokens a request keeps, as pure functions of the target's
+logits, the drafted tokens and their draft probabilities, the sampling params and random numbers.
+
+Rejection sampling (Leviathan et al. 2023, Chen et al. 2023). A request drafted x_1..x_k from the
+draft distributions q_1..q_k; the target's distributions at the same positions are p_1..p_{k+1}. For
+i = 1..k in order:
+
+    accept x_i if u_i < p_i(x_i) / q_i(x_i)          (u_i ~ U[0, 1): probability min(1, p/q))
+    else emit one token from norm(max(p_i - q_i, 0)) and stop;
+
+if all k are accepted, emit a bonus token from p_{k+1}. Every emitted token is then distributed as p
+exactly (lossless), whatever q is. A draft without probabilities (n-gram lookup, an argmax draft) has
+a one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i removed. Greedy
+requests use the one-hot p of the target's argmax, which makes the test "accept while the draft
+equals the argmax, then emit the argmax": no randomness, and the same tokens as plain decoding.
+
+Not here: proposing drafts (runtime/speculative.py, runtime/draft.py) or the KV rollback (engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from optc.runtime.sampler import SamplingParams, apply_top_k_top_p
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from. logits: (R, V) float32; returns (R, V) float32.
+
+    Greedy rows are one-hot at the argmax; the others are softmax(top-k/top-p(logits / temperature)),
+    the distribution `sampler.sample` draws from.
+    """
+    probs = torch.zeros_like(logits)
+    greedy = [r for r, p in enumerate(params) if p.is_greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        probs[index] = torch.zeros_like(probs[index]).scatter_(-1, logits[index].argmax(-1, keepdim=True), 1.0)
+    rows = [r for r, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        temperature = torch.tensor([params[r].temperature for r in rows], device=logits.device)
+        top_k = torch.tensor([params[r].top_k for r in rows], device=logits.device)
+        top_p = torch.tensor([params[r].top_p for r in rows], device=logits.device)
+        shaped = apply_top_k_top_p(logits[index] / temperature[:, None], top_k, top_p)
+        probs[index] = shaped.softmax(dim=-1)
+    return probs
+
+
+def rejection_sample(
+    p: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    u_accept: torch.Tensor,
+    u_resample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify N requests' drafts at once.
+
+    p: (N, K + 1, V) target probabilities; draft_token_ids: (N, K) int64; num_draft_tokens: (N,) the
+    valid drafts per row (k_n <= K, the rest is padding); q: (N, K, V) draft probabilities, or None for
+    one-hot drafts; u_accept: (N, K) and u_resample: (N,) uniforms in [0, 1).
+    Returns (token_ids (N, K + 1), num_accepted (N,)): row n emits token_ids[n, : num_accepted[n] + 1],
+    its accepted drafts followed by the resampled (or bonus) token.
+    """
+    num_rows, k, _ = q.shape if q is not None else (*draft_token_ids.shape, 0)
+    positions = torch.arange(k, device=p.device)
+    is_draft = positions[None, :] < num_draft_tokens[:, None]  # (N, K)
+    ids = draft_token_ids.clamp(min=0)[..., None]
+    p_x = p[:, :k].gather(-1, ids)[..., 0]  # (N, K): p_i(x_i)
+    q_x = q.gather(-1, ids)[..., 0] if q is not None else torch.ones_like(p_x)
+    # accept if u < p/q, written u * q < p so that q(x) = 0 (never drafted) cannot divide by zero
+    accepted = (u_accept * q_x < p_x) & is_draft
+    num_accepted = accepted.int().cumprod(dim=-1).sum(dim=-1)  # (N,): accepted drafts before the first rejection
+    # the row's final token comes from position a = num_accepted: norm(max(p_a - q_a, 0)) after a
+    # rejection (a < k_n), or p_{k_n + 1} itself when every draft was accepted (q is 0 past the drafts)
+    rows = torch.arange(num_rows, device=p.device)
+    p_final = p[rows, num_accepted]  # (N, V)
+    rejected = num_accepted < num_draft_tokens
+    at = num_accepted.clamp(max=max(k - 1, 0))
+    if k == 0:
+        residual = p_final
+    elif q is not None:
+        residual = torch.where(rejected[:, None], (p_final - q[rows, at]).clamp(min=0.0), p_final)
+    else:  # one-hot q: max(p - onehot(x), 0) is p with x removed
+        drop = torch.zeros_like(p_final, dtype=torch.bool).scatter_(-1, ids[rows, at], True) & rejected[:, None]
+        residual = p_final.masked_fill(drop, 0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # p == q leaves no residual mass; a rejection then has probability 0, so fall back to p
+    residual = torch.where(total > 0, residual, p_final)
+    final = _inverse_cdf(residual, u_resample)
+    token_ids = torch.cat([draft_token_ids.clamp(min=0), torch.zeros_like(final)[:, None]], dim=-1)
+    token_ids[rows, num_accepted] = final
+    return token_ids, num_accepted
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row with probability weights / row sum (weights >= 0); u: (N,) in [0, 1).
+
+    The first index whose cumulative weight exceeds u * total: a zero-weight index is never picked.
+    """
+    cdf = weights.cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # u * total can round up to total: then take the last index with weight
+    last = ((weights > 0) * torch.arange(weights.shape[-1], device=weights.device)).argmax(dim=-1)
+    return torch.minimum(index, last)
