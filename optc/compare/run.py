@@ -75,7 +75,9 @@ def run_compare(options: CompareOptions) -> CompareResult:
         records[m] = load_source(m).record
     cache_dir = Path(o.cache_dir) if o.cache_dir else default_cache_dir()
     built, failed = {}, []
-    for v in tqdm(expansion.variants, desc="builds", unit="variant", disable=not o.show_progress):
+    bar = tqdm(expansion.variants, desc="builds", unit="variant", disable=not o.show_progress)
+    for v in bar:
+        bar.set_postfix_str(v.name)
         try:
             built[v.name] = build_cached(cache_dir, v.recipe, records[v.recipe.model], quiet=True)
         except PassError as e:  # a variant whose passes cannot run is reported, not fatal
