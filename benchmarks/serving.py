@@ -128,7 +128,7 @@ def _run(label: str, options: BenchOptions) -> dict:
     the comparison): a first-contact bug on a new GPU must not lose the other measurements."""
     print(f"== {label}", flush=True)
     try:
-        result = run_bench(options)
+        result = run_bench(options).to_json()
     except Exception as exc:
         traceback.print_exc()
         result = {"label": label, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}

@@ -6,17 +6,22 @@
 interrupted or failed build leaves no half artifact and never touches an existing one (with
 `force`, the old directory is replaced only after the new one is whole). `manifest.json` is
 deterministic (same inputs, same bytes); timings and host details go to `report.json`.
-`read_manifest`/`verify_files`/`check_target` are what loaders call.
+
+`Manifest` is the typed contract of `manifest.json`; `read(path)` is the one way every reader
+(runtime loader, eval, bench, inspect, export, compare) opens an artifact: it checks the schema
+version, file sizes and hashes, the target against a device, and that graph and weights agree.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +30,123 @@ from safetensors.torch import save_file
 
 from optc.errors import UserError
 from optc.formats import part_name
-from optc.ir import Graph
+from optc.ir import Graph, ModelConfig
 from optc.store import TensorStore
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: model.dtype (the activation dtype) in the model config
 SHARD_BYTES = 2 * 1024**3
 MIN_CUDA_CAPABILITY = (8, 0)
 
 
 class ArtifactError(UserError, ValueError):
     """An artifact that cannot be written or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str  # "cpu" | "cuda"
+    min_compute_capability: tuple[int, int] | None = None  # cuda only
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    block_size: int = 16
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json: what an artifact is and how it was made (deterministic: no timings)."""
+
+    optc_version: str
+    source: dict[str, Any]  # kind, path or id, revision, sha256 of every file read
+    recipe: dict[str, Any]  # the resolved recipe
+    recipe_sha256: str
+    passes: list[dict[str, Any]]  # name, options, changed, stats, in order
+    model: ModelConfig
+    target: Target
+    kv_layout: KVLayout
+    toolchain: dict[str, str | None]
+    runtime: dict[str, Any]  # the recipe's runtime section: engine defaults
+    quantization: dict[str, Any] | None = None
+    cuda_graphs: dict[str, Any] | None = None  # {batch_sizes} planned by the cuda_graphs pass
+    quality: dict[str, Any] | None = None  # optc eval numbers, when the recipe asked for them
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {sha256, bytes}; set by write
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["model"] = self.model.to_json()
+        d["target"] = dataclasses.asdict(self.target)
+        if self.target.min_compute_capability is not None:
+            d["target"]["min_compute_capability"] = list(self.target.min_compute_capability)
+        d["kv_layout"] = dataclasses.asdict(self.kv_layout)
+        return d
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_json(d: dict[str, Any], where: str = "manifest.json") -> Manifest:
+        """A manifest from its JSON; ArtifactError naming `where` for another schema version or a
+        missing or unknown key."""
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ArtifactError(f"{where}: artifact schema version {version}, this optc reads version "
+                                f"{SCHEMA_VERSION}; rebuild it with this optc")
+        names = {f.name for f in dataclasses.fields(Manifest)}
+        required = {f.name for f in dataclasses.fields(Manifest)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        unknown, missing = sorted(set(d) - names), sorted(required - set(d))
+        if unknown or missing:
+            problems = [f"{what} keys {keys}" for what, keys in (("unknown", unknown), ("missing", missing)) if keys]
+            raise ArtifactError(f"{where}: {'; '.join(problems)}; rebuild the artifact with this optc")
+        try:
+            target = d["target"]
+            cc = target.get("min_compute_capability")
+            return Manifest(**{**d, "model": ModelConfig.from_json(d["model"]),
+                               "target": Target(target["device"], tuple(cc) if cc else None),
+                               "kv_layout": KVLayout(**d["kv_layout"])})
+        except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
+            raise ArtifactError(f"{where}: a damaged section ({type(e).__name__}: {e}); rebuild the artifact") \
+                from None
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An artifact opened by `read`: nothing is loaded but the JSON (weights are read lazily)."""
+
+    path: Path
+    manifest: Manifest
+    graph: Graph
+    store: TensorStore
+    tokenizer_dir: Path
+
+
+def read(path: str | Path, verify: bool = True, device: str | None = None) -> Artifact:
+    """Open an artifact: schema version, every file present with its size (and, with `verify`, its
+    sha256), the target against `device` when given, and the graph against the weights."""
+    from optc.ops import VerifyError
+    from optc.ops import verify as verify_graph
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"artifact {path} does not exist; build it with `optc build RECIPE --out {path}`")
+    manifest = read_manifest(path)
+    if device is not None:
+        check_target(manifest, device)
+    verify_files(path, manifest, hashes=verify)
+    try:
+        graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"{path / 'graph.json'} cannot be read ({type(e).__name__}: {e}); rebuild the artifact") \
+            from None
+    store = TensorStore.from_safetensors(sorted(path / f for f in manifest.files if f.startswith("weights-")))
+    try:
+        verify_graph(graph, store)
+    except VerifyError as e:
+        raise ArtifactError(f"{path}: the graph and weights disagree ({e}); rebuild the artifact") from None
+    return Artifact(path, manifest, graph, store, path / "tokenizer")
 
 
 def weight_keys(graph: Graph) -> list[str]:
@@ -50,7 +162,7 @@ def write(
     out: Path,
     graph: Graph,
     store: TensorStore,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     report: dict[str, Any],
     save_tokenizer: Callable[[Path], None],
     force: bool = False,
@@ -79,8 +191,7 @@ def write(
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             rel = f.relative_to(tmp).as_posix()
             files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
-        manifest = {**manifest, "schema_version": SCHEMA_VERSION, "files": files}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        (tmp / "manifest.json").write_text(dataclasses.replace(manifest, files=files).dumps())
         now = time.perf_counter()
         report = {**report, "write_seconds": round(now - t0, 3),
                   "total_seconds": round(now - (started if started is not None else t0), 3),
@@ -99,7 +210,7 @@ def write(
     return out
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> Manifest:
     path = Path(path)
     mpath = path / "manifest.json"
     if not mpath.is_file():
@@ -108,18 +219,14 @@ def read_manifest(path: Path) -> dict:
         manifest = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{mpath} is not valid JSON ({e}); rebuild the artifact") from None
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ArtifactError(
-            f"{mpath}: artifact schema version {version}, this optc reads version "
-            f"{SCHEMA_VERSION}; rebuild it with this optc"
-        )
-    return manifest
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{mpath} is not a JSON object; rebuild the artifact")
+    return Manifest.from_json(manifest, str(mpath))
 
 
-def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
+def verify_files(path: Path, manifest: Manifest, hashes: bool = True) -> None:
     """Check every file the manifest lists: present, same size, and (unless `hashes` is off) same sha256."""
-    for rel, meta in manifest["files"].items():
+    for rel, meta in manifest.files.items():
         f = Path(path) / rel
         if not f.is_file():
             raise ArtifactError(f"{f} is missing from the artifact; rebuild it")
@@ -135,15 +242,15 @@ def verify_files(path: Path, manifest: dict, hashes: bool = True) -> None:
             )
 
 
-def check_target(manifest: dict, device: str) -> None:
+def check_target(manifest: Manifest, device: str) -> None:
     """Refuse a device the artifact was not built for, with what to do instead."""
-    target = manifest["target"]["device"]
+    target = manifest.target.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ArtifactError("--device cuda was asked for, but this machine has no CUDA GPU; use --device cpu")
     if target == "cuda" and not device.startswith("cuda"):
         if os.environ.get("TRITON_INTERPRET") == "1":
             return  # the Triton interpreter runs cuda-targeted kernels on the CPU (tests only)
-        cc = ".".join(map(str, manifest["target"].get("min_compute_capability") or MIN_CUDA_CAPABILITY))
+        cc = ".".join(map(str, manifest.target.min_compute_capability or MIN_CUDA_CAPABILITY))
         has_gpu = (
             "this machine's GPU is not selected (use --device cuda)"
             if torch.cuda.is_available()
@@ -154,7 +261,7 @@ def check_target(manifest: dict, device: str) -> None:
             f"rebuild with `--set target=cpu` to run on the CPU"
         )
     if target == "cuda":
-        need = tuple(manifest["target"].get("min_compute_capability") or MIN_CUDA_CAPABILITY)
+        need = tuple(manifest.target.min_compute_capability or MIN_CUDA_CAPABILITY)
         have = torch.cuda.get_device_capability(torch.device(device))
         if have < need:
             raise ArtifactError(

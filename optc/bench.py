@@ -6,7 +6,8 @@ ignored) and is served by the engine's scheduler. Reported: output and total tok
 TPOT percentiles, peak memory (RSS on CPU, `torch.cuda.max_memory_allocated` on CUDA) and KV-pool
 usage. With `compare_hf` the same token ids also run through transformers `generate` (static cache;
 `torch.compile` on CUDA) in batches of `max_num_seqs`, after the engine is freed, and the throughput
-ratio is reported. The transformers model is the artifact's source (manifest `source`): the HF
+ratio is reported. The engine is read through its public API and `EngineStats` only. The
+transformers model is the artifact's source (manifest `source`): the HF
 folder or hub id, the GGUF file (dequantized by transformers), or for `random:` sources a
 LlamaForCausalLM rebuilt from the artifact's own weights (fused linears split back; dense artifacts
 only). `hf_model_dir` names another checkpoint instead. This measures; it asserts nothing.
@@ -14,6 +15,7 @@ only). `hf_model_dir` names another checkpoint instead. This measures; it assert
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import resource
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from optc.errors import InputError
 from optc.runtime import Engine, SamplingParams
 
 PERCENTILES = (50, 90, 99)
@@ -47,25 +50,53 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+            raise InputError(f"device must be cpu or cuda, got {self.device!r}")
         for name in ("num_requests", "input_len", "output_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def run_bench(options: BenchOptions) -> dict[str, Any]:
+@dataclass(frozen=True)
+class BenchResult:
+    """One `run_bench`: throughput, latency percentiles (ms; p50, p90, p99, mean), memory, KV use."""
+
+    artifact: str
+    device: str
+    num_requests: int
+    mean_input_len: float
+    output_len: int
+    max_num_seqs: int
+    eager: bool
+    cuda_graphs: list[int] | None  # decode batch sizes replayed as CUDA graphs; None: eager
+    elapsed_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    peak_memory_bytes: int
+    kv_cache: dict[str, Any]  # num_blocks, block_size, peak_blocks_used, peak_usage, num_preemptions, hit rate
+    num_steps: int
+    hf: dict[str, Any] | None = None  # the transformers run, with optc_over_hf
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_bench(options: BenchOptions) -> BenchResult:
     result, prompts, dtype = _run_optc(options)  # the engine and its KV pool are freed on return
     if options.compare_hf or options.hf_model_dir is not None:
         gc.collect()
-        if result["device"].startswith("cuda"):
+        if result.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        hf = _run_hf(options, prompts, torch.device(result["device"]), dtype, result["max_num_seqs"])
-        hf["optc_over_hf"] = result["output_tokens_per_s"] / hf["output_tokens_per_s"]
-        result["hf"] = hf
+        hf = _run_hf(options, prompts, torch.device(result.device), dtype, result.max_num_seqs)
+        hf["optc_over_hf"] = result.output_tokens_per_s / hf["output_tokens_per_s"]
+        result = dataclasses.replace(result, hf=hf)
     return result
 
 
-def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], torch.dtype]:
+def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torch.dtype]:
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
     if options.max_num_seqs is not None:
         overrides["max_num_seqs"] = options.max_num_seqs
@@ -73,7 +104,7 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
     prompts = _prompts(options, engine)
     longest = max(len(p) for p in prompts) + options.output_len
     if longest > engine.max_model_len:
-        raise ValueError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
+        raise InputError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
     params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
     # warm-up at the run's prefill length, then decode steps of 2 rows and of 1 (the quantized
     # GEMMs autotune M == 1, 2..16 and larger M apart, keyed by the linears' shapes, not by the
@@ -95,7 +126,7 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
     with tqdm(total=total, unit="tok", desc="optc bench", disable=not options.show_progress) as bar:
         while engine.has_unfinished():
             bar.update(len(engine.step()))
-            peak_blocks = max(peak_blocks, engine.kv_manager.num_used_blocks)
+            peak_blocks = max(peak_blocks, engine.stats().num_kv_blocks_used)
     elapsed = time.perf_counter() - start
 
     num_prompt = sum(r.num_prompt_tokens for r in requests)
@@ -106,24 +137,24 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
         for r in requests if r.num_output_tokens > 1
     ]
     stats = engine.stats()
-    result: dict[str, Any] = {
-        "artifact": str(options.artifact),
-        "device": str(engine.device),
-        "num_requests": len(requests),
-        "mean_input_len": num_prompt / len(requests),
-        "output_len": options.output_len,
-        "max_num_seqs": engine.config.max_num_seqs,
-        "eager": options.eager,
-        "cuda_graphs": list(engine.graph_runner.config.batch_sizes) if engine.graph_runner else None,
-        "elapsed_s": elapsed,
-        "num_prompt_tokens": num_prompt,
-        "num_output_tokens": num_output,
-        "output_tokens_per_s": num_output / elapsed,
-        "total_tokens_per_s": (num_prompt + num_output) / elapsed,
-        "ttft_ms": _percentiles(ttft),
-        "tpot_ms": _percentiles(tpot),
-        "peak_memory_bytes": _peak_memory(engine.device),
-        "kv_cache": {
+    result = BenchResult(
+        artifact=str(options.artifact),
+        device=str(engine.device),
+        num_requests=len(requests),
+        mean_input_len=num_prompt / len(requests),
+        output_len=options.output_len,
+        max_num_seqs=engine.config.max_num_seqs,
+        eager=options.eager,
+        cuda_graphs=list(engine.cuda_graph_batch_sizes) if engine.cuda_graph_batch_sizes else None,
+        elapsed_s=elapsed,
+        num_prompt_tokens=num_prompt,
+        num_output_tokens=num_output,
+        output_tokens_per_s=num_output / elapsed,
+        total_tokens_per_s=(num_prompt + num_output) / elapsed,
+        ttft_ms=_percentiles(ttft),
+        tpot_ms=_percentiles(tpot),
+        peak_memory_bytes=_peak_memory(engine.device),
+        kv_cache={
             "num_blocks": stats.num_kv_blocks,
             "block_size": engine.config.block_size,
             "peak_blocks_used": peak_blocks,
@@ -132,27 +163,26 @@ def _run_optc(options: BenchOptions) -> tuple[dict[str, Any], list[list[int]], t
             "prefix_cache_hit_rate": (stats.num_prefix_cache_hit_tokens - before.num_prefix_cache_hit_tokens)
             / max(1, stats.num_prefix_cache_query_tokens - before.num_prefix_cache_query_tokens),
         },
-        "num_steps": stats.num_steps - before.num_steps,
-        "hf": None,
-    }
-    return result, prompts, engine.model.dtype
+        num_steps=stats.num_steps - before.num_steps,
+    )
+    return result, prompts, engine.dtype
 
 
-def format_bench(result: dict[str, Any]) -> str:
+def format_bench(result: BenchResult) -> str:
     """A few human-readable lines of a `run_bench` result."""
-    kv, ttft, tpot = result["kv_cache"], result["ttft_ms"], result["tpot_ms"]
+    kv, ttft, tpot = result.kv_cache, result.ttft_ms, result.tpot_ms
     lines = [
-        f"{result['num_requests']} requests, {result['mean_input_len']:.0f} in / {result['output_len']} out "
-        f"tokens, max_num_seqs {result['max_num_seqs']}, {result['device']}, {result['elapsed_s']:.2f} s",
-        f"throughput  output {result['output_tokens_per_s']:.1f} tok/s   "
-        f"total {result['total_tokens_per_s']:.1f} tok/s",
+        f"{result.num_requests} requests, {result.mean_input_len:.0f} in / {result.output_len} out "
+        f"tokens, max_num_seqs {result.max_num_seqs}, {result.device}, {result.elapsed_s:.2f} s",
+        f"throughput  output {result.output_tokens_per_s:.1f} tok/s   "
+        f"total {result.total_tokens_per_s:.1f} tok/s",
         f"TTFT ms     p50 {ttft['p50']:.1f}   p90 {ttft['p90']:.1f}   p99 {ttft['p99']:.1f}",
         f"TPOT ms     p50 {tpot['p50']:.2f}   p90 {tpot['p90']:.2f}   p99 {tpot['p99']:.2f}",
-        f"memory      peak {result['peak_memory_bytes'] / 2**20:.0f} MiB   KV peak {kv['peak_usage']:.0%} of "
+        f"memory      peak {result.peak_memory_bytes / 2**20:.0f} MiB   KV peak {kv['peak_usage']:.0%} of "
         f"{kv['num_blocks']} blocks, {kv['num_preemptions']} preemptions",
     ]
-    if result["hf"]:
-        hf = result["hf"]
+    if result.hf:
+        hf = result.hf
         lines.append(
             f"transformers output {hf['output_tokens_per_s']:.1f} tok/s   optc / hf = {hf['optc_over_hf']:.2f}x"
             f"   ({hf['model']})"
@@ -163,11 +193,13 @@ def format_bench(result: dict[str, Any]) -> str:
 def _prompts(options: BenchOptions, engine: Engine) -> list[list[int]]:
     if options.dataset is None:
         g = torch.Generator().manual_seed(options.seed)
-        ids = torch.randint(0, engine.model.vocab_size, (options.num_requests, options.input_len), generator=g)
+        ids = torch.randint(0, engine.vocab_size, (options.num_requests, options.input_len), generator=g)
         return ids.tolist()
+    if not Path(options.dataset).is_file():
+        raise InputError(f"--dataset {options.dataset} does not exist")
     lines = [line for line in Path(options.dataset).read_text().splitlines() if line.strip()]
     if not lines:
-        raise ValueError(f"dataset {options.dataset} has no non-empty lines")
+        raise InputError(f"dataset {options.dataset} has no non-empty lines")
     return [list(engine.tokenizer(lines[i % len(lines)])["input_ids"]) for i in range(options.num_requests)]
 
 
@@ -231,10 +263,12 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
     """The transformers model to compare with, and a few words saying what it is."""
     from transformers import AutoModelForCausalLM
 
+    from optc.artifact import read_manifest
+
     if options.hf_model_dir is not None:
         path, kwargs = str(options.hf_model_dir), {}
     else:
-        source = json.loads((Path(options.artifact) / "manifest.json").read_text())["source"]
+        source = read_manifest(Path(options.artifact)).source
         kind = source.get("kind")
         # transformers keeps a GGUF's weights packed (its own quantized path); a dense artifact of one is
         # compared with a dense LlamaForCausalLM holding the same weights, as random: sources are
@@ -248,7 +282,7 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
         elif kind == "gguf":
             path, kwargs = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
         else:
-            raise ValueError(f"--compare-hf: the artifact's source kind {kind!r} has no transformers "
+            raise InputError(f"--compare-hf: the artifact's source kind {kind!r} has no transformers "
                              "model; pass --hf-model-dir DIR")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device).eval(), f"{path}{' / ' + kwargs['gguf_file'] if 'gguf_file' in kwargs else ''}"
@@ -273,7 +307,7 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
     if quantized:
-        raise ValueError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
+        raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
                          "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
                          "(compare with the dense build)")
     store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
@@ -293,7 +327,7 @@ def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> A
     if graph.config.tie_word_embeddings:
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
-        raise ValueError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
+        raise InputError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]})")
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import optc
-from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, write
+from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
 from optc.frontend import load_source
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
@@ -58,29 +58,29 @@ def build(options: BuildOptions) -> Path:
         manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
         graph, store, records, sections = manager.run(source.graph, source.store, ctx)
     verify(graph, store)
-    manifest = {
-        "optc_version": optc.__version__,
-        "source": source.record,
-        "recipe": recipe.to_json(),
-        "recipe_sha256": recipe.sha256(),
-        "passes": [{"name": r.name, "options": r.options, "changed": r.changed, "stats": r.stats} for r in records],
-        "model": graph.config.to_json(),
-        "quantization": sections.get("quantization") or source.quantization,
-        "kv_layout": sections.get("kv_layout") or {"block_size": 16, "dtype": recipe.dtype},
-        "cuda_graphs": sections.get("cuda_graphs"),
-        "target": {
-            "device": recipe.target.value,
-            "min_compute_capability": list(MIN_CUDA_CAPABILITY) if recipe.target.value == "cuda" else None,
-        },
-        "toolchain": _toolchain(),
-        "runtime": recipe.to_json()["runtime"],
-        "quality": None,
-    }
     if recipe.eval:
         from optc.eval import evaluate_build
 
         say("measuring quality (optc eval)")
-        manifest["quality"] = evaluate_build(graph, store, source)
+        quality = evaluate_build(graph, store, source)
+    else:
+        quality = None
+    cuda = recipe.target.value == "cuda"
+    manifest = Manifest(
+        optc_version=optc.__version__,
+        source=source.record,
+        recipe=recipe.to_json(),
+        recipe_sha256=recipe.sha256(),
+        passes=[{"name": r.name, "options": r.options, "changed": r.changed, "stats": r.stats} for r in records],
+        model=graph.config,
+        target=Target(recipe.target.value, MIN_CUDA_CAPABILITY if cuda else None),
+        kv_layout=KVLayout(**(sections.get("kv_layout") or {"block_size": 16, "dtype": recipe.dtype})),
+        toolchain=_toolchain(),
+        runtime=recipe.to_json()["runtime"],
+        quantization=sections.get("quantization") or source.quantization,
+        cuda_graphs=sections.get("cuda_graphs"),
+        quality=quality,
+    )
     report = {
         "host": platform.node(),
         "python": platform.python_version(),

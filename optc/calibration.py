@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from optc.errors import InputError
+
 HELDOUT_FRACTION = 0.1
 SOURCES_HELP = ("builtin:pydoc, builtin:pydoc-heldout, a .txt file, a .jsonl file with a 'text' field, "
                 "or hf:NAME[:CONFIG][:SPLIT]")
@@ -37,7 +39,7 @@ def pydoc_text(part: str = "calibration") -> str:
         return text[:cut]
     if part == "heldout":
         return text[cut + 2:]
-    raise ValueError(f"unknown pydoc part {part!r}; allowed: 'calibration', 'heldout'")
+    raise InputError(f"unknown pydoc part {part!r}; allowed: 'calibration', 'heldout'")
 
 
 def load_text(source: str) -> str:
@@ -47,14 +49,14 @@ def load_text(source: str) -> str:
     if source == "builtin:pydoc-heldout":
         return pydoc_text("heldout")
     if source.startswith("builtin:"):
-        raise ValueError(f"unknown builtin text source {source!r}; allowed: {SOURCES_HELP}")
+        raise InputError(f"unknown builtin text source {source!r}; allowed: {SOURCES_HELP}")
     if source.startswith("hf:"):
         return _hf_text(source)
     path = Path(source)
     if path.suffix not in (".txt", ".jsonl"):
-        raise ValueError(f"text source {source!r} is not recognized; allowed: {SOURCES_HELP}")
+        raise InputError(f"text source {source!r} is not recognized; allowed: {SOURCES_HELP}")
     if not path.is_file():
-        raise FileNotFoundError(f"text source {str(path)!r} does not exist; allowed: {SOURCES_HELP}")
+        raise InputError(f"text source {str(path)!r} does not exist; allowed: {SOURCES_HELP}")
     if path.suffix == ".txt":
         return path.read_text(encoding="utf-8")
     texts = []
@@ -63,7 +65,7 @@ def load_text(source: str) -> str:
             continue
         record = json.loads(line)
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{num}: every .jsonl line must be an object with a string 'text' field")
+            raise InputError(f"{path}:{num}: every .jsonl line must be an object with a string 'text' field")
         texts.append(record["text"])
     return "\n\n".join(texts)
 
@@ -83,12 +85,12 @@ def calibration_batch(source: str, tokenizer, samples: int, seq_len: int,
     [0, num_tokens - seq_len] drawn from torch.Generator seeded with `seed` (windows may overlap).
     """
     if samples < 1 or seq_len < 1:
-        raise ValueError(f"samples and seq_len must be positive, got {samples} and {seq_len}")
+        raise InputError(f"samples and seq_len must be positive, got {samples} and {seq_len}")
     text = load_text(source)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     ids = torch.tensor(encode(tokenizer, text), dtype=torch.int64)
     if ids.numel() < samples * seq_len:
-        raise ValueError(f"text source {source!r} has {ids.numel()} tokens, fewer than samples × seq_len = "
+        raise InputError(f"text source {source!r} has {ids.numel()} tokens, fewer than samples × seq_len = "
                          f"{samples} × {seq_len} = {samples * seq_len}; use fewer samples, shorter windows "
                          "or more text")
     gen = torch.Generator().manual_seed(seed)
@@ -99,19 +101,19 @@ def calibration_batch(source: str, tokenizer, samples: int, seq_len: int,
 def _hf_text(source: str) -> str:
     fields = source[len("hf:"):].split(":")
     if not fields[0] or len(fields) > 3:
-        raise ValueError(f"bad dataset source {source!r}; expected hf:NAME[:CONFIG][:SPLIT]")
+        raise InputError(f"bad dataset source {source!r}; expected hf:NAME[:CONFIG][:SPLIT]")
     name, config, split = (fields + [None, None])[:3]
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"text source {source!r} needs the `datasets` package (pip install datasets); "
+        raise InputError(f"text source {source!r} needs the `datasets` package (pip install datasets); "
                          f"or use one of: {SOURCES_HELP}") from None
     try:
         ds = datasets.load_dataset(name, config or None, split=split or "train")
     except Exception as e:  # the hub raises many types: connection, offline mode, missing dataset
-        raise ValueError(f"could not load dataset {name!r} from the Hugging Face hub "
+        raise InputError(f"could not load dataset {name!r} from the Hugging Face hub "
                          f"({type(e).__name__}: {e}); is the hub reachable? "
                          f"Otherwise use one of: {SOURCES_HELP}") from None
     if "text" not in ds.column_names:
-        raise ValueError(f"dataset {name!r} has no 'text' column; columns: {ds.column_names}")
+        raise InputError(f"dataset {name!r} has no 'text' column; columns: {ds.column_names}")
     return "\n\n".join(t for t in ds["text"] if t)

@@ -1,14 +1,22 @@
 """The `optc` command line: thin typer wrappers; each command parses options and calls one library
-function. User errors (bad recipe, bad source, bad artifact, bad prompt) print one line and exit 2.
+function. A user error (`optc.errors.UserError`: bad recipe, source, artifact, option or prompt)
+prints one line and exits 2; any other exception is a bug and shows its traceback (exit 1).
+`--traceback` (or OPTC_TRACEBACK=1) shows the traceback of user errors too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
+
+from optc.errors import UserError
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -18,19 +26,28 @@ app = typer.Typer(
 )
 
 
-def _user_errors():
-    from optc.artifact import ArtifactError
-    from optc.frontend import SourceError
-    from optc.passmanager import PassError
-    from optc.schema import RecipeError
+@app.callback()
+def _main(
+    show_traceback: bool = typer.Option(
+        False, "--traceback", help="Show the full traceback of user errors too (also: OPTC_TRACEBACK=1)."
+    ),
+) -> None:
+    """optc: compile LLM checkpoints into optimized, self-describing inference artifacts."""
+    if show_traceback:  # the flag lives in this process's environment: every command of the run sees it
+        os.environ["OPTC_TRACEBACK"] = "1"
 
-    return (RecipeError, SourceError, ArtifactError, PassError, ValueError, FileNotFoundError)
 
-
-def _fail(e: Exception) -> None:
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(2)
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """One line and exit 2 for a UserError (with its traceback under --traceback); bugs propagate."""
+    try:
+        yield
+    except UserError as e:
+        if os.environ.get("OPTC_TRACEBACK") == "1":
+            traceback.print_exc()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -62,10 +79,8 @@ def build(
     from optc.build import BuildOptions
     from optc.build import build as run_build
 
-    try:
+    with _user_errors():
         path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet))
-    except _user_errors() as e:
-        _fail(e)
     typer.echo(str(path))
 
 
@@ -77,10 +92,8 @@ def inspect(
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.inspect import summarize
 
-    try:
+    with _user_errors():
         summary = summarize(artifact)
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -111,7 +124,7 @@ def run(
 
     from optc.runtime import Engine, SamplingParams
 
-    try:
+    with _user_errors():
         params = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
@@ -119,8 +132,6 @@ def run(
         t0 = time.perf_counter()
         (completion,) = engine.generate([prompt], params, chat=chat)
         seconds = time.perf_counter() - t0
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(
             json.dumps(
@@ -165,12 +176,10 @@ def eval_(
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.eval import evaluate
 
-    try:
+    with _user_errors():
         result = evaluate(
             artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None
         )
-    except _user_errors() as e:
-        _fail(e)
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))
         return
@@ -201,13 +210,11 @@ def bench(
     """Offline serving benchmark: throughput, TTFT/TPOT percentiles, peak memory and KV usage."""
     from optc.bench import BenchOptions, format_bench, run_bench
 
-    try:
+    with _user_errors():
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json)
         result = run_bench(options)
-    except _user_errors() as e:
-        _fail(e)
-    typer.echo(json.dumps(result, indent=1, sort_keys=True) if as_json else format_bench(result))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 
 
 @app.command()

@@ -11,3 +11,7 @@ from __future__ import annotations
 
 class UserError(Exception):
     """Something the user can fix; the message says what and how."""
+
+
+class InputError(UserError, ValueError):
+    """A value the user gave that cannot be used: an option, a request's field, a data file's content."""

@@ -14,7 +14,6 @@ A model is an artifact directory, a model source string (anything `optc build` a
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from optc.calibration import encode, load_text
+from optc.errors import InputError
 from optc.execute import Executor, bind_params, run_dense
 from optc.ir import Graph
 from optc.store import TensorStore
@@ -67,7 +67,7 @@ def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_to
     ids = torch.tensor(encode(loaded[0].tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
     num_windows = ids.numel() // window
     if num_windows == 0:
-        raise ValueError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
+        raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
                          f"of {window}")
     windows = ids[: num_windows * window].view(num_windows, window)
     runs = [_runner(m) for m in loaded]
@@ -122,14 +122,10 @@ def load_model(model) -> Loaded:
         return Loaded(*model)
     path = Path(str(model))
     if (path / "manifest.json").is_file():
-        from optc.artifact import read_manifest, verify_files
+        from optc.artifact import read
 
-        manifest = read_manifest(path)
-        verify_files(path, manifest)  # sizes and sha256, as the runtime loader checks them
-        graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-        store = TensorStore.from_safetensors(sorted(path / f for f in manifest["files"]
-                                                    if f.endswith(".safetensors")))
-        return Loaded(graph, store, _tokenizer(path / "tokenizer"))
+        artifact = read(path)  # sizes and sha256, graph against weights, as the runtime loads it
+        return Loaded(artifact.graph, artifact.store, _tokenizer(artifact.tokenizer_dir))
     from optc.frontend import load_source
 
     source = load_source(str(model))

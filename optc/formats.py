@@ -27,6 +27,8 @@ from enum import StrEnum
 
 import torch
 
+from optc.errors import InputError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INT4_PACKING = "k8_lsb"
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -98,10 +100,10 @@ class Format:
         if self.kind is FormatKind.DENSE:
             return
         if len(shape) != 2:
-            raise ValueError(f"{what}: {self.kind.value} needs a 2-D weight, got shape {list(shape)}")
+            raise InputError(f"{what}: {self.kind.value} needs a 2-D weight, got shape {list(shape)}")
         k = shape[1]
         if self.kind is FormatKind.INT4_G and (k % self.group_size or k % 8):
-            raise ValueError(
+            raise InputError(
                 f"{what}: input dimension {k} is not a multiple of group size {self.group_size} "
                 f"(allowed group sizes dividing {k}: "
                 f"{[g for g in INT4_GROUP_SIZES if k % g == 0] or 'none'})"

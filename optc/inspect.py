@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-from optc.artifact import read_manifest
-from optc.ir import Graph
+from optc.artifact import read
 
 
 def summarize(path: str | Path) -> dict:
-    path = Path(path)
-    m = read_manifest(path)
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    """The artifact at `path` (sizes checked, hashes not: inspect reads no weights) as plain data."""
+    artifact = read(path, verify=False)
+    m, graph = artifact.manifest.to_json(), artifact.graph
     formats = Counter(
         info.format.kind.value
         + ("" if not info.format.is_quantized else f"/g{info.format.group_size}" if info.format.group_size else "")
@@ -21,7 +19,7 @@ def summarize(path: str | Path) -> dict:
     )
     weight_bytes = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("weights-"))
     return {
-        "path": str(path),
+        "path": str(artifact.path),
         "source": m["source"],
         "recipe": m["recipe"],
         "recipe_sha256": m["recipe_sha256"],

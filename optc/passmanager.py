@@ -6,8 +6,10 @@ PassResult`, `ensures(graph)`. Passes return new objects rather than mutating th
 second run of the same pass reports `changed=False`.
 
 The manager runs the recipe's ordered list, times each pass, verifies after each on request, dumps
-the IR after each (`dump_ir`), prints a progress line per pass, and on failure raises a PassError
-that names the failing pass and the ones before it.
+the IR after each (`dump_ir`), prints a progress line per pass, and on failure names the failing
+pass and the ones before it: a user error (`UserError`, e.g. a group size that does not divide a
+weight) becomes a PassError (a UserError too) whose message says where; any other exception is a
+bug and propagates as it is, with the same words added as a note to its traceback.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from optc.artifact import peak_rss_bytes
+from optc.errors import UserError
 from optc.ir import Graph
 from optc.ops import verify
 from optc.store import TensorStore
 
 
-class PassError(RuntimeError):
-    pass
+class PassError(UserError):
+    """A user error raised inside a pass, with the pass named."""
 
 
 @dataclass
@@ -123,9 +126,11 @@ class PassManager:
                     verify(result.graph, result.store)
             except Exception as e:
                 before = ", ".join(n for n, _ in self.specs[:i]) or "none"
-                raise PassError(
-                    f"pass {name!r} (#{i + 1} of {total}; passes before it: {before}) failed: {type(e).__name__}: {e}"
-                ) from e
+                where = f"pass {name!r} (#{i + 1} of {total}; passes before it: {before}) failed"
+                if isinstance(e, UserError):
+                    raise PassError(f"{where}: {e}") from e
+                e.add_note(where)
+                raise
             seconds = time.perf_counter() - t0
             graph, store = result.graph, result.store
             manifest.update(result.manifest)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from optc.errors import InputError
 from optc.formats import part_name
 from optc.ir import Graph, TensorInfo
 from optc.passmanager import PassContext, PassResult
@@ -79,7 +80,7 @@ def refuse_requantizing(graph: Graph, pass_name: str, options) -> None:
         fmt = graph.tensors[name].format
         if fmt.is_quantized and (fmt.bits, fmt.group_size, fmt.zero_point) != want:
             have = f"{fmt.kind.value} bits={fmt.bits} group_size={fmt.group_size} zero_point={fmt.zero_point}"
-            raise ValueError(f"{name} is already quantized ({have}); {pass_name} would quantize it again to bits="
+            raise InputError(f"{name} is already quantized ({have}); {pass_name} would quantize it again to bits="
                              f"{want[0]} group_size={want[1]} zero_point={want[2]}: keep one quantization pass")
 
 

@@ -4,9 +4,10 @@
 completion through the scheduler (continuous batching) and returns them in input order; `stream`
 yields text deltas of one prompt; `add_request`/`step`/`abort` are the pieces a server drives. One
 step = schedule -> one `model.forward` over all scheduled tokens -> advance computed counts ->
-sample for the requests that reached their last token -> check stops. The engine owns the KV tensors;
-the scheduler and KV manager below it see only block ids. Pure-decode steps replay CUDA graphs on a
-cuda device (runtime/cuda_graphs.py). No HTTP here, no speculative decoding yet.
+sample for the requests that reached their last token -> detokenize the new tokens (incrementally,
+runtime/detokenizer.py) -> check stops. The engine owns the KV tensors; the scheduler and KV manager
+below it see only block ids; the pool's size comes from runtime/kv_sizing.py. Pure-decode steps
+replay CUDA graphs on a cuda device (runtime/cuda_graphs.py). No HTTP here.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from typing import Any
 
 import torch
 
+from optc.artifact import Manifest
+from optc.errors import InputError
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import make_runner
+from optc.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from optc.runtime.kv_cache_manager import KVCacheManager
+from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.request import FinishReason, Request
-from optc.runtime.sampler import SamplingParams, find_stop_string, sample
+from optc.runtime.sampler import SamplingParams, sample
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
-
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # upper bound of the CPU default pool, bytes
 
 Prompt = str | Sequence[int]
 
@@ -57,26 +60,26 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+            raise InputError(f"num_blocks must be >= 2, got {self.num_blocks}")
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], **overrides: Any) -> EngineConfig:
+    def from_manifest(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
         """Runtime settings of an artifact's manifest, then the caller's overrides."""
         allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - allowed)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(allowed)}")
-        runtime = manifest.get("runtime") or {}
+        runtime = manifest.runtime or {}
         values = {
-            "block_size": (manifest.get("kv_layout") or {}).get("block_size"),
+            "block_size": manifest.kv_layout.block_size,
             "max_num_seqs": runtime.get("max_batch_size"),
             "max_num_batched_tokens": runtime.get("max_num_batched_tokens"),
             "max_seq_len": runtime.get("max_seq_len"),
             "kv_cache_memory": runtime.get("kv_cache_memory"),
             "gpu_memory_utilization": runtime.get("gpu_memory_utilization"),
-            "cuda_graph_batch_sizes": tuple((manifest.get("cuda_graphs") or {}).get("batch_sizes") or ()) or None,
+            "cuda_graph_batch_sizes": tuple((manifest.cuda_graphs or {}).get("batch_sizes") or ()) or None,
         }
         values = {k: v for k, v in values.items() if v is not None}
         return cls(**{**values, **overrides})
@@ -108,7 +111,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = torch.device(model.device)
         self.max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
-        num_blocks = config.num_blocks or self._num_blocks_from_memory()
+        num_blocks = config.num_blocks or num_kv_blocks(model, config, self.max_model_len)
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.graph_runner = make_runner(  # None on the CPU or with enforce_eager: eager steps
@@ -117,6 +120,9 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
+        self.vocab_size = model.vocab_size
+        self.dtype = model.dtype
+        self.cuda_graph_batch_sizes = self.graph_runner.config.batch_sizes if self.graph_runner else None
         self._eos_token_ids = frozenset(model.eos_token_ids)
         self._seeds = random.Random(config.seed)
         self._next_request_id = 0
@@ -129,12 +135,13 @@ class Engine:
         """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's."""
         from transformers import AutoTokenizer
 
-        from optc.runtime.loader import load
+        from optc.artifact import read
+        from optc.runtime.loader import load_model
 
-        artifact = load(path, device, verify)  # positional: the loader calls it verify_hashes
+        artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        return cls(artifact.model, tokenizer, config)
+        return cls(load_model(artifact, device), tokenizer, config)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -146,7 +153,7 @@ class Engine:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            raise InputError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         requests = [self._make_request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
         for request in requests:
             self._add(request)
@@ -163,12 +170,12 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[str]:
         """Yield text deltas of one prompt as it generates; closing the iterator aborts it."""
-        request = self._make_request(prompt, params or SamplingParams(), chat, is_streaming=True)
+        request = self._make_request(prompt, params or SamplingParams(), chat)
         self._add(request)
         try:
             while not request.is_finished:
                 self.step()
-                delta = _take_delta(request)
+                delta = request.take_delta()
                 if delta:
                     yield delta
         finally:
@@ -176,10 +183,10 @@ class Engine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
-        request_id: str | None = None, is_streaming: bool = False,
+        request_id: str | None = None,
     ) -> Request:
-        """Validate, tokenize and queue one prompt (ValueError if it can never be served)."""
-        request = self._make_request(prompt, params or SamplingParams(), chat, request_id, is_streaming)
+        """Validate, tokenize and queue one prompt (InputError if it can never be served)."""
+        request = self._make_request(prompt, params or SamplingParams(), chat, request_id)
         self._add(request)
         return request
 
@@ -250,30 +257,29 @@ class Engine:
     # -- helpers ----------------------------------------------------------------------------------
 
     def _make_request(
-        self, prompt: Prompt, params: SamplingParams, chat: bool,
-        request_id: str | None = None, is_streaming: bool = False,
+        self, prompt: Prompt, params: SamplingParams, chat: bool, request_id: str | None = None,
     ) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         prompt_ids = self._tokenize(prompt, chat)
         capacity = self.kv_manager.num_token_capacity
         if not prompt_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
+            raise InputError("the prompt is empty (0 tokens)")
         if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
+            raise InputError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                 f"(max_position_embeddings={self.model.max_position_embeddings}, "
                 f"max_seq_len={self.config.max_seq_len})"
             )
         if len(prompt_ids) > capacity:
-            raise ValueError(
+            raise InputError(
                 f"the prompt has {len(prompt_ids)} tokens but the KV pool holds at most {capacity} "
                 f"({self.kv_manager.num_blocks - 1} blocks of {self.config.block_size}); "
                 "raise kv_cache_memory"
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise ValueError(
+            raise InputError(
                 f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.model.vocab_size})"
             )
         if request_id is None:
@@ -284,7 +290,8 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         return Request(
             request_id, prompt_ids, params, max_num_tokens=min(self.max_model_len, capacity),
-            generator=generator, arrival_time=time.perf_counter(), is_streaming=is_streaming,
+            generator=generator, arrival_time=time.perf_counter(),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
         )
 
     def _add(self, request: Request) -> None:
@@ -294,10 +301,10 @@ class Engine:
     def _tokenize(self, prompt: Prompt, chat: bool) -> list[int]:
         if not isinstance(prompt, str):
             if chat:
-                raise ValueError("chat=True needs text prompts, got token ids")
+                raise InputError("chat=True needs text prompts, got token ids")
             return [int(t) for t in prompt]
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer; pass token ids")
+            raise InputError("this engine has no tokenizer; pass token ids")
         if not chat:
             return list(self.tokenizer(prompt)["input_ids"])
         ids = self.tokenizer.apply_chat_template(
@@ -316,60 +323,15 @@ class Engine:
             reason = FinishReason.STOP
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_num_tokens:
             reason = FinishReason.LENGTH
-        if params.stop or request.is_streaming:
-            request.text = self._decode(request.output_token_ids)
-            cut = find_stop_string(request.text, params.stop)
-            if cut is not None:
-                request.text, reason = request.text[:cut], FinishReason.STOP
+        delta = request.detokenizer.step(request.output_token_ids, final=reason is not None)
+        request.text += delta
+        cut = find_stop(request.text, len(delta), params.stop)
+        if cut is not None:
+            request.text, reason = request.text[:cut], FinishReason.STOP
         if reason is None:
             return
-        if not (params.stop or request.is_streaming):
-            request.text = self._decode(request.output_token_ids)
         request.finish_time = now
         self.scheduler.finish(request.request_id, reason)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _num_blocks_from_memory(self) -> int:
-        config, model = self.config, self.model
-        bytes_per_block = model.kv_bytes_per_block(config.block_size)
-        if config.kv_cache_memory is not None:
-            budget = config.kv_cache_memory
-        elif self.device.type == "cuda":
-            activation_bytes = self._profile_activation_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes
-        else:
-            blocks_per_request = -(-self.max_model_len // config.block_size)
-            wanted = config.max_num_seqs * blocks_per_request * bytes_per_block
-            budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, wanted)
-        num_blocks = budget // bytes_per_block + 1
-        if num_blocks < 2:
-            raise ValueError(
-                f"the KV pool budget of {budget} bytes is less than one block ({bytes_per_block} bytes); "
-                "raise kv_cache_memory or gpu_memory_utilization"
-            )
-        return int(num_blocks)
-
-    def _profile_activation_bytes(self) -> int:
-        """Peak CUDA memory of one full-budget step, run on a throwaway 1-block cache (every token
-        written to block 0), so the KV pool leaves room for it."""
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        size = self.config.block_size
-        caches = self.model.allocate_kv_caches(1, size)
-        batch = ForwardBatch.build([[0] * num_tokens], [0], [[0] * -(-num_tokens // size)], size)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        self.model.forward(batch.to(self.device), caches)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches
-        torch.cuda.empty_cache()
-        return int(peak)
 
 
 def _completion(request: Request) -> Completion:
@@ -379,16 +341,3 @@ def _completion(request: Request) -> Completion:
         finish_reason=str(request.finish_reason),
         prompt_token_ids=list(request.prompt_token_ids),
     )
-
-
-def _take_delta(request: Request) -> str:
-    """New text of a streaming request that can no longer change (not a stop-string prefix, no
-    half-decoded UTF-8 character); everything once the request has finished."""
-    text, end = request.text, len(request.text)
-    if not request.is_finished:
-        end -= max((len(s) for s in request.params.stop), default=1) - 1
-        while end > request.num_emitted_chars and text[end - 1] == "\ufffd":
-            end -= 1
-    delta = text[request.num_emitted_chars : max(end, request.num_emitted_chars)]
-    request.num_emitted_chars += len(delta)
-    return delta

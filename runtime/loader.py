@@ -1,46 +1,21 @@
-"""Load an artifact: check it (schema, sizes, sha256, target), bind its graph, and return a Model.
+"""Bind an opened artifact's graph to kernels on a device: the runtime's Model.
 
-Only JSON and safetensors are read; nothing is unpickled. The runtime never imports the frontend or
-the passes.
+The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
+`optc.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
+imports the frontend or the passes.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
-from optc.artifact import ArtifactError, check_target, read_manifest, verify_files
+from optc.artifact import Artifact
 from optc.ir import Graph
-from optc.ops import VerifyError, verify
 from optc.runtime.model import Model
-from optc.store import TensorStore
 
 
-@dataclass
-class Artifact:
-    model: Model
-    tokenizer_dir: Path
-    manifest: dict
-    path: Path
-
-
-def load(path: str | Path, device: str = "cpu", verify_hashes: bool = True) -> Artifact:
-    path = Path(path)
-    if not path.is_dir():
-        raise ArtifactError(f"artifact {path} does not exist; build it with `optc build RECIPE --out {path}`")
-    manifest = read_manifest(path)
-    check_target(manifest, device)
-    verify_files(path, manifest, hashes=verify_hashes)
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-    files = sorted(path.glob("weights-*.safetensors"))
-    store = TensorStore.from_safetensors(files)
-    try:
-        verify(graph, store)
-    except VerifyError as e:
-        raise ArtifactError(f"{path}: the graph and weights disagree ({e}); rebuild the artifact") from None
-    model = Model(graph, store, device, kv_dtype=manifest["kv_layout"].get("dtype"), impls=_impls(graph))
-    return Artifact(model, path / "tokenizer", manifest, path)
+def load_model(artifact: Artifact, device: str = "cpu") -> Model:
+    """The artifact's graph bound to the kernels its nodes name, with its weights on `device`."""
+    return Model(artifact.graph, artifact.store, device, kv_dtype=artifact.manifest.kv_layout.dtype,
+                 impls=_impls(artifact.graph))
 
 
 def _impls(graph: Graph) -> dict:

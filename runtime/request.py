@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from optc.runtime.detokenizer import IncrementalDetokenizer, held_back
 from optc.runtime.sampler import SamplingParams
 
 
@@ -38,7 +39,7 @@ class Request:
     max_num_tokens: int  # prompt + output never exceed this (context or KV pool size)
     generator: torch.Generator | None = None  # None for greedy requests
     arrival_time: float = 0.0
-    is_streaming: bool = False  # detokenize every step
+    detokenizer: IncrementalDetokenizer = field(default_factory=lambda: IncrementalDetokenizer(None))
     token_ids: list[int] = field(init=False)  # prompt, then output
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -48,8 +49,8 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    text: str = ""  # detokenized output, cut before a stop string
-    num_emitted_chars: int = 0  # streaming: text already handed out
+    text: str = ""  # detokenized output so far (current after every step), cut before a stop string
+    num_emitted_chars: int = 0  # streaming: text already handed out by take_delta
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -76,3 +77,11 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def take_delta(self) -> str:
+        """New output text that can no longer change (streaming): all of it once the request has
+        finished, else up to the characters that could still start a stop string."""
+        end = len(self.text) if self.is_finished else len(self.text) - held_back(self.text, self.params.stop)
+        delta = self.text[self.num_emitted_chars : max(end, self.num_emitted_chars)]
+        self.num_emitted_chars += len(delta)
+        return delta

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from optc.errors import InputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,15 +31,15 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+            raise InputError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+            raise InputError(f"stop strings must be non-empty strings, got {stop!r}")
 
     @property
     def is_greedy(self) -> bool:

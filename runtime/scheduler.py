@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from optc.errors import InputError
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.request import FinishReason, Request, RequestStatus
 
@@ -33,9 +34,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise InputError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise InputError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
 @dataclass

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from optc.artifact import ArtifactError, check_target, read_manifest
-from optc.runtime.loader import load
+from optc.artifact import ArtifactError, Target, check_target, read, read_manifest
 from optc.testing import build_artifact
 
 
@@ -22,7 +21,8 @@ def test_same_recipe_twice_gives_identical_bytes(tmp_path, recipes):
 
 
 def test_manifest_describes_the_build(tiny_artifact):
-    m = read_manifest(tiny_artifact)
+    m = read_manifest(tiny_artifact).to_json()
+    assert json.loads((tiny_artifact / "manifest.json").read_text()) == m
     assert m["source"] == {"kind": "random", "id": "random:tiny", "seed": 0}
     assert [p["name"] for p in m["passes"]] == ["cast", "fuse_qkv", "fuse_gate_up"]
     assert m["recipe"]["dtype"] == "float32" and len(m["recipe_sha256"]) == 64
@@ -62,28 +62,41 @@ def test_load_checks_schema_and_hashes(tmp_path, tiny_artifact):
     shutil.copytree(tiny_artifact, out)
     (out / "graph.json").write_text((out / "graph.json").read_text().replace('"eps": 1e-05', '"eps": 2e-05'))
     with pytest.raises(ArtifactError, match="graph.json.*sha256"):
-        load(out)
-    load(out, verify_hashes=False)  # --no-verify skips the hash check (sizes are equal here)
+        read(out)
+    read(out, verify=False)  # --no-verify skips the hash check (sizes are equal here)
     m = json.loads((out / "manifest.json").read_text())
     m["schema_version"] = 99
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="schema version 99.*rebuild"):
-        load(out)
+        read(out)
+    m["schema_version"] = 2
+    m["flavor"] = "x"
+    del m["toolchain"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"manifest.json: unknown keys \['flavor'\]; missing keys \['toolchain'\]"):
+        read(out)
     with pytest.raises(ArtifactError, match="not an optc artifact"):
-        load(tmp_path)
+        read(tmp_path)
+    with pytest.raises(ArtifactError, match="does not exist"):
+        read(tmp_path / "nothing")
 
 
-def test_target_check_messages(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cuda = {"target": {"device": "cuda", "min_compute_capability": [8, 0]}}
+def test_target_check_messages(monkeypatch, tiny_artifact):
+    from dataclasses import replace
+
     import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    manifest = read_manifest(tiny_artifact)
+    cuda = replace(manifest, target=Target("cuda", (8, 0)))
+    cpu = replace(manifest, target=Target("cpu"))
 
     if not torch.cuda.is_available():
         with pytest.raises(ArtifactError, match=
             r"built for cuda \(compute capability >= 8.0\); this machine has no GPU"):
             check_target(cuda, "cpu")
         with pytest.raises(ArtifactError, match="no CUDA GPU; use --device cpu"):
-            check_target({"target": {"device": "cpu"}}, "cuda")
-    check_target({"target": {"device": "cpu"}}, "cpu")
+            check_target(cpu, "cuda")
+    check_target(cpu, "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     check_target(cuda, "cpu")  # the interpreter runs cuda-bound kernels on the CPU

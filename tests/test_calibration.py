@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from optc.calibration import calibration_batch, encode, load_text, pydoc_text
+from optc.errors import InputError
 
 
 def _word_tokenizer(text):
@@ -65,7 +66,7 @@ def test_jsonl_and_transformers_style_tokenizer(tmp_path):
 
 def test_errors_say_what_is_allowed(tmp_path):
     missing = tmp_path / "nope.txt"
-    with pytest.raises(FileNotFoundError, match=r"nope.txt' does not exist; allowed: builtin:pydoc"):
+    with pytest.raises(InputError, match=r"nope.txt' does not exist; allowed: builtin:pydoc"):
         load_text(str(missing))
     with pytest.raises(ValueError, match="is not recognized; allowed"):
         load_text("corpus.csv")

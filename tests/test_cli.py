@@ -190,3 +190,43 @@ def test_eval_and_bench_commands(tiny_artifact):
     assert res["num_output_tokens"] == 12 and res["output_tokens_per_s"] > 0
     assert set(res["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and res["peak_memory_bytes"] > 0
     assert_user_error(optc("bench", tiny_artifact, "--device", "tpu"), "tpu")
+
+
+def _cli(*args: str, env: dict | None = None):
+    """The real `optc` entry point in a subprocess, as a user runs it (tracebacks go to stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from optc.cli import main; sys.argv = ['optc', *sys.argv[1:]]; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_user_errors_are_one_line_unless_a_traceback_is_asked_for(tmp_path):
+    missing = tmp_path / "nothing"
+    plain = _cli("inspect", missing, env={"OPTC_TRACEBACK": "0"})
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    assert plain.stderr.strip().splitlines() == [f"error: artifact {missing} does not exist; build it with "
+                                                 f"`optc build RECIPE --out {missing}`"]
+    for traced in (_cli("--traceback", "inspect", missing), _cli("inspect", missing, env={"OPTC_TRACEBACK": "1"})):
+        assert traced.returncode == 2
+        assert "Traceback (most recent call last)" in traced.stderr and "ArtifactError" in traced.stderr
+        assert traced.stderr.strip().splitlines()[-1].startswith("error: artifact")
+
+
+def test_a_bug_shows_its_traceback_and_exits_1(tmp_path, tiny_artifact, monkeypatch):
+    broken = tmp_path / "a"
+    shutil.copytree(tiny_artifact, broken)
+    m = json.loads((broken / "manifest.json").read_text())
+    m["model"]["num_kv_heads"] = 0  # a damaged artifact is the user's to fix (rebuild): one line
+    (broken / "manifest.json").write_text(json.dumps(m))
+    assert_user_error(optc("inspect", broken), "manifest.json: a damaged section", "rebuild")
+
+    def bug(path):
+        raise KeyError("synthetic bug")
+
+    monkeypatch.setattr("optc.inspect.summarize", bug)
+    r = optc("inspect", tiny_artifact)
+    assert r.exit_code == 1 and isinstance(r.exception, KeyError), r.output  # not turned into a user error
+    assert "error:" not in r.output

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from optc.artifact import read
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import (
@@ -26,11 +27,16 @@ from optc.runtime.cuda_graphs import (
     make_runner,
     plan_batch_sizes,
 )
-from optc.runtime.loader import load
+from optc.runtime.loader import load_model
 from optc.testing import assert_close, build_artifact
 
 PROMPTS = [[(i * 13 + j * 7) % 250 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens
 PASSES = "fuse_qkv, fuse_gate_up, kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels"
+
+
+def load(path):
+    """The artifact's Model on the CPU (cuda-targeted ones run there under the Triton interpreter)."""
+    return load_model(read(path, device="cpu"))
 
 
 class EagerReplays(CudaGraphRunner):
@@ -116,7 +122,7 @@ def test_static_batch_fills_rows_and_resets_padding():
 
 
 def test_capture_refuses_syncing_references_and_eager_paths(artifacts):
-    cpu_model, cuda_model = load(artifacts["cpu"]).model, load(artifacts["cuda"]).model
+    cpu_model, cuda_model = load(artifacts["cpu"]), load(artifacts["cuda"])
     assert capture_blockers(cpu_model.graph) == [
         f"model.layers.{i}.self_attn.{op} ({op})" for i in (0, 1) for op in ("rope_kv_store", "attention")]
     assert capture_blockers(cuda_model.graph) == []
@@ -138,7 +144,7 @@ def test_capture_refuses_syncing_references_and_eager_paths(artifacts):
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_padded_static_batch_equals_eager_and_writes_no_padding(artifacts, target):
-    model = load(artifacts[target]).model
+    model = load(artifacts[target])
     size, lengths = 16, [3, 20, 40]
     blocks = [[1 + 4 * b + i for i in range(-(-(n + 1) // size))] for b, n in enumerate(lengths)]
     caches = model.allocate_kv_caches(16, size)
@@ -217,8 +223,8 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     assert_close(logits, expected, rtol=1e-5, what="optc vs rebuilt transformers logits")
     result = run_bench(BenchOptions(artifacts["cpu"], num_requests=3, input_len=6, output_len=3, max_num_seqs=2,
                                     compare_hf=True, show_progress=False))
-    assert result["hf"]["model"] == "dense, rebuilt from random:tiny" and result["hf"]["num_output_tokens"] == 9
-    assert result["cuda_graphs"] is None  # the CPU runs eager
+    assert result.hf["model"] == "dense, rebuilt from random:tiny" and result.hf["num_output_tokens"] == 9
+    assert result.cuda_graphs is None  # the CPU runs eager
 
     recipe = tmp_path / "int4.yaml"
     recipe.write_text("model: random:tiny\ndtype: float32\npasses: [{quantize_rtn: {bits: 4, group_size: 32}}]\n")
@@ -240,4 +246,4 @@ def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):
     artifact = build_artifact(tmp_path / "a", None, "dtype=float32", model=str(tmp_path / "hf"))
     result = run_bench(BenchOptions(artifact, num_requests=2, input_len=5, output_len=2, compare_hf=True,
                                     show_progress=False))
-    assert result["hf"]["model"] == str((tmp_path / "hf").resolve()) and result["hf"]["num_output_tokens"] == 4
+    assert result.hf["model"] == str((tmp_path / "hf").resolve()) and result.hf["num_output_tokens"] == 4

@@ -248,12 +248,14 @@ def test_text_and_chat_prompts_use_the_tokenizer(make_engine):
     assert chat.prompt_token_ids == [0, *tokenizer("hello")["input_ids"], 0]
 
 
-def test_config_from_manifest_and_kv_pool_sizing():
-    manifest = {
-        "runtime": {"max_batch_size": 8, "max_seq_len": 128, "gpu_memory_utilization": 0.5,
-                    "kv_cache_memory": None, "max_num_batched_tokens": None},
-        "kv_layout": {"block_size": 16, "dtype": "float32"},
-    }
+def test_config_from_manifest_and_kv_pool_sizing(tiny_artifact):
+    from dataclasses import replace
+
+    from optc.artifact import read_manifest
+
+    manifest = replace(read_manifest(tiny_artifact),
+                       runtime={"max_batch_size": 8, "max_seq_len": 128, "gpu_memory_utilization": 0.5,
+                                "kv_cache_memory": None, "max_num_batched_tokens": None})
     config = EngineConfig.from_manifest(manifest, max_num_seqs=2)
     assert (config.block_size, config.max_num_seqs, config.max_seq_len) == (16, 2, 128)
     assert (config.gpu_memory_utilization, config.max_num_batched_tokens) == (0.5, 2048)
@@ -344,18 +346,18 @@ def test_bench_reports_throughput_latency_and_the_hf_ratio(tiny_artifact, tmp_pa
     options = BenchOptions(tiny_artifact, num_requests=5, input_len=20, output_len=4, max_num_seqs=2,
                            show_progress=False)
     result = run_bench(options)
-    assert (result["num_prompt_tokens"], result["num_output_tokens"]) == (100, 20)
-    assert result["max_num_seqs"] == 2 and result["kv_cache"]["peak_blocks_used"] >= 2
+    assert (result.num_prompt_tokens, result.num_output_tokens) == (100, 20)
+    assert result.max_num_seqs == 2 and result.kv_cache["peak_blocks_used"] >= 2
     for key in ("output_tokens_per_s", "total_tokens_per_s", "peak_memory_bytes"):
-        assert result[key] > 0
-    assert set(result["ttft_ms"]) == set(result["tpot_ms"]) == {"p50", "p90", "p99", "mean"}
-    assert result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"]
-    assert "tok/s" in format_bench(result) and result["hf"] is None
+        assert getattr(result, key) > 0
+    assert set(result.ttft_ms) == set(result.tpot_ms) == {"p50", "p90", "p99", "mean"}
+    assert result.ttft_ms["p50"] <= result.ttft_ms["p99"]
+    assert "tok/s" in format_bench(result) and result.hf is None
 
     dataset = tmp_path / "prompts.txt"
     dataset.write_text("hello there\n\nsecond prompt\n")
     result = run_bench(BenchOptions(tiny_artifact, num_requests=3, output_len=2, dataset=dataset, show_progress=False))
-    assert result["num_prompt_tokens"] == 11 + 13 + 11
+    assert result.num_prompt_tokens == 11 + 13 + 11
 
     # one prompt three times, one request at a time: the 2nd and 3rd hit the 1st's full blocks; the
     # warm-up (prompts of one repeated token, at the workload's length) counts in neither the hit rate
@@ -363,17 +365,17 @@ def test_bench_reports_throughput_latency_and_the_hf_ratio(tiny_artifact, tmp_pa
     dataset.write_text("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat, again\n")
     result = run_bench(BenchOptions(tiny_artifact, num_requests=3, output_len=2, dataset=dataset, max_num_seqs=1,
                                     show_progress=False))
-    length, block = result["num_prompt_tokens"] // 3, result["kv_cache"]["block_size"]
+    length, block = result.num_prompt_tokens // 3, result.kv_cache["block_size"]
     assert length % block and length > 2 * block
-    assert result["kv_cache"]["prefix_cache_hit_rate"] == pytest.approx(2 * (length // block) * block / (3 * length))
-    assert result["num_steps"] == 3 * 2  # per request: the prefill (and first token), then one decode
+    assert result.kv_cache["prefix_cache_hit_rate"] == pytest.approx(2 * (length // block) * block / (3 * length))
+    assert result.num_steps == 3 * 2  # per request: the prefill (and first token), then one decode
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     result = run_bench(BenchOptions(tiny_artifact, num_requests=3, input_len=6, output_len=3, max_num_seqs=2,
                                     hf_model_dir=tmp_path / "hf", show_progress=False))
-    assert result["hf"]["num_output_tokens"] == 9
-    assert result["hf"]["optc_over_hf"] == pytest.approx(
-        result["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
+    assert result.hf["num_output_tokens"] == 9
+    assert result.hf["optc_over_hf"] == pytest.approx(
+        result.output_tokens_per_s / result.hf["output_tokens_per_s"]
     )

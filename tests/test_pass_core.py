@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -87,13 +89,24 @@ def test_cast_numerics_within_bf16_rounding(tiny):
 
 
 def test_failing_pass_is_named_with_those_before_it(tiny, monkeypatch):
+    from optc.errors import InputError, UserError
     from optc.passes.fuse_gate_up import FuseGateUp
 
-    def boom(self, graph, store, ctx):
-        raise RuntimeError("synthetic failure")
+    def user_error(self, graph, store, ctx):
+        raise InputError("synthetic bad option")
 
-    monkeypatch.setattr(FuseGateUp, "run", boom)
+    monkeypatch.setattr(FuseGateUp, "run", user_error)
     pm = PassManager([("cast", {}), ("fuse_qkv", {}), ("fuse_gate_up", {})])
-    expected = r"pass 'fuse_gate_up' \(#3 of 3; passes before it: cast, fuse_qkv\).*synthetic"
-    with pytest.raises(PassError, match=expected):
+    where = r"pass 'fuse_gate_up' \(#3 of 3; passes before it: cast, fuse_qkv\) failed"
+    with pytest.raises(PassError, match=where + ": synthetic bad option") as caught:
         pm.run(tiny.graph, tiny.store, PassContext())
+    assert isinstance(caught.value, UserError)
+
+    def bug(self, graph, store, ctx):
+        raise KeyError("synthetic bug")
+
+    monkeypatch.setattr(FuseGateUp, "run", bug)
+    with pytest.raises(KeyError, match="synthetic bug") as caught:  # a bug stays a bug, with the pass named
+        pm.run(tiny.graph, tiny.store, PassContext())
+    assert not isinstance(caught.value, UserError)
+    assert any(re.fullmatch(where, note) for note in caught.value.__notes__)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optc.errors import InputError
 from optc.execute import dense_step
 from optc.formats import DENSE_F32, Format, part_name
 from optc.ir import Graph, Node, TensorInfo
@@ -193,7 +194,7 @@ def start_calibration(graph: Graph, store: TensorStore, ctx, pass_name: str) -> 
 def calibration_tokens(ctx, pass_name: str) -> torch.Tensor:
     """The PassContext's calibration windows (samples, seq_len), or an error that says how to get them."""
     if ctx.calibration_tokens is None:
-        raise ValueError(f"{pass_name} needs calibration data: set `calibration:` in the recipe "
+        raise InputError(f"{pass_name} needs calibration data: set `calibration:` in the recipe "
                          "(source, samples, seq_len, seed)")
     return ctx.calibration_tokens()
 

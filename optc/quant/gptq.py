@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optc.errors import InputError
 from optc.formats import Format, FormatKind
 from optc.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
 
@@ -72,7 +73,7 @@ class Gptq:
         n, k = self.weight.shape
         g = k if fmt.kind is FormatKind.INT8_WO else fmt.group_size
         if block_size % g and fmt.kind is FormatKind.INT4_G:
-            raise ValueError(f"{self.name}: block_size {block_size} must be a multiple of group size {g}")
+            raise InputError(f"{self.name}: block_size {block_size} must be a multiple of group size {g}")
         w = self.weight.float().clone()
         h = self.hessian.clone()
         dead = torch.diagonal(h) == 0  # inputs that were always zero: their weights do not matter
@@ -123,6 +124,6 @@ def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:
     h.diagonal().add_(damp * torch.diagonal(h).mean())
     lower, info = torch.linalg.cholesky_ex(h)
     if int(info) != 0:
-        raise ValueError(f"{name}: the Hessian is not positive definite after dampening {damp}; "
+        raise InputError(f"{name}: the Hessian is not positive definite after dampening {damp}; "
                          "use a larger damp or more calibration samples")
     return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from optc.errors import InputError
 from optc.formats import INT4_GROUP_SIZES, INT4_PACKING, Format, FormatKind, pack_int4
 
 MIN_SCALE = 1e-5  # as AutoAWQ: a group of zeros still gets a usable, non-zero scale
@@ -28,20 +29,20 @@ def make_format(bits: int, group_size: int | None = None, zero_point: bool = Fal
     """The weight-only format for `bits` (8: int8_wo per channel; 4: int4_g with `group_size`)."""
     if bits == 8:
         if zero_point:
-            raise ValueError("int8 weight-only quantization is symmetric: zero_point must be false")
+            raise InputError("int8 weight-only quantization is symmetric: zero_point must be false")
         return Format(kind=FormatKind.INT8_WO, dtype=dtype, bits=8)
     if bits == 4:
         if group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+            raise InputError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
         return Format(kind=FormatKind.INT4_G, dtype=dtype, bits=4, group_size=group_size,
                       zero_point=zero_point, packing=INT4_PACKING)
-    raise ValueError(f"unsupported bits {bits}; supported: {SUPPORTED_BITS}")
+    raise InputError(f"unsupported bits {bits}; supported: {SUPPORTED_BITS}")
 
 
 def check_quantizable(shape: tuple[int, ...], fmt: Format, name: str) -> None:
     """Raise a ValueError naming `name` and the offending dimension when `fmt` cannot hold `shape`."""
     if not fmt.is_quantized:
-        raise ValueError(f"{name}: format {fmt.kind.value} is not a quantized format")
+        raise InputError(f"{name}: format {fmt.kind.value} is not a quantized format")
     fmt.check_shape(tuple(shape), name)
 
 

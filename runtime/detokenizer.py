@@ -1,0 +1,80 @@
+"""Incremental detokenization: each step decodes only a request's newest tokens.
+
+A request's output text grows by a delta per step. Decoding the whole output every step would cost
+O(output length) per token (O(n²) per request), so each request keeps two offsets into its output
+token ids, as vLLM's detokenizer does:
+
+    prefix = decode(ids[prefix_offset:read_offset])   # text already emitted, decoded again as context
+    full   = decode(ids[prefix_offset:])
+    delta  = full[len(prefix):]                        # when full grew and does not end mid-character
+
+and then moves `prefix_offset, read_offset = read_offset, len(ids)`. Decoding a short window with one
+token of context keeps tokenizers that treat a sequence's first token specially (SentencePiece's
+leading space) right, because that token is in both decodes. A delta ending in U+FFFD is a character
+whose bytes are split over tokens: nothing is emitted until the next token completes it (or the
+window reaches `MAX_PENDING_TOKENS`, for text that really holds U+FFFD). The concatenated deltas
+equal `decode(ids)`, for byte-level BPE tokenizers exactly.
+
+Stop strings are searched in the new text only (plus the `max(len(stop)) - 1` characters before it),
+so they too cost O(new text) per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+MAX_PENDING_TOKENS = 16  # a window this wide that still ends in U+FFFD is emitted as it is
+
+
+class IncrementalDetokenizer:
+    """The text of one request's output token ids, extended as tokens arrive."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.num_decoded_tokens = 0  # tokens passed to tokenizer.decode so far (a cost counter)
+
+    def step(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """The text that the output `token_ids` (all of them, not only the new ones) add since the last
+        call; `final` (the request ends) emits a split character as it is, as a one-shot decode would."""
+        if self.tokenizer is None or len(token_ids) == self.read_offset:
+            return ""
+        prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(token_ids[self.prefix_offset :])
+        pending = len(token_ids) - self.prefix_offset
+        is_split = full.endswith(REPLACEMENT) and pending < MAX_PENDING_TOKENS and not final
+        if len(full) <= len(prefix) or is_split:
+            return ""  # nothing new yet, or a character that the next token completes
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return full[len(prefix) :]
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        self.num_decoded_tokens += len(token_ids)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=self.skip_special_tokens)
+
+
+def find_stop(text: str, num_new_chars: int, stop: Sequence[str]) -> int | None:
+    """Index of the earliest stop string that ends in the last `num_new_chars` characters of `text`
+    (a stop string ending earlier was found in an earlier step), or None."""
+    if not stop:
+        return None
+    start = max(0, len(text) - num_new_chars - max(len(s) for s in stop) + 1)
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many trailing characters of `text` could still be the start of a stop string."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest

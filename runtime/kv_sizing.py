@@ -1,0 +1,59 @@
+"""How many KV blocks the engine allocates: from an explicit byte budget, from free GPU memory after
+profiling one full-budget step, or (on the CPU) from what the configured requests can use.
+
+The pool always has the null block (block 0) on top of the budget's blocks. Not here: allocating
+the caches (the model does) or handing blocks out (the BlockPool does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optc.errors import UserError
+from optc.runtime.batch import ForwardBatch
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # upper bound of the CPU default pool, bytes
+
+
+def num_kv_blocks(model: Any, config: Any, max_model_len: int) -> int:
+    """Blocks of the KV pool (null block included) for an EngineConfig `config` on `model.device`."""
+    bytes_per_block = model.kv_bytes_per_block(config.block_size)
+    device = torch.device(model.device)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        activation_bytes = profile_activation_bytes(model, config, max_model_len)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes
+    else:
+        blocks_per_request = -(-max_model_len // config.block_size)
+        wanted = config.max_num_seqs * blocks_per_request * bytes_per_block
+        budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, wanted)
+    num_blocks = budget // bytes_per_block + 1
+    if num_blocks < 2:
+        raise UserError(
+            f"the KV pool budget of {budget} bytes is less than one block ({bytes_per_block} bytes); "
+            "raise kv_cache_memory or gpu_memory_utilization"
+        )
+    return int(num_blocks)
+
+
+def profile_activation_bytes(model: Any, config: Any, max_model_len: int) -> int:
+    """Peak CUDA memory of one full-budget step, run on a throwaway 1-block cache (every token
+    written to block 0), so the KV pool leaves room for it."""
+    device = torch.device(model.device)
+    num_tokens = min(config.max_num_batched_tokens, max_model_len)
+    size = config.block_size
+    caches = model.allocate_kv_caches(1, size)
+    batch = ForwardBatch.build([[0] * num_tokens], [0], [[0] * -(-num_tokens // size)], size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    model.forward(batch.to(device), caches)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del caches
+    torch.cuda.empty_cache()
+    return int(peak)
