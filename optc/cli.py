@@ -261,24 +261,21 @@ def compare(
     """Compare pass ablations of a recipe: build each variant (cached), measure quality, speed, size and build
     time with intervals, mark the Pareto front, write compare.json, compare.md, PNG plots and report.html."""
     from optc.compare import CompareOptions, Mode, SpeedSettings, run_compare
-    from optc.errors import UserError
 
-    try:
+    with _user_errors():
         if leave_one_out + add_one + (variants is not None) > 1:
-            raise ValueError("give one of --leave-one-out, --add-one, --variants FILE")
+            raise UserError("give one of --leave-one-out, --add-one, --variants FILE")
         mode = Mode.ADD_ONE if add_one else Mode.FILE if variants is not None else Mode.LEAVE_ONE_OUT
         try:
             sizes = tuple(sorted({int(b) for b in batch_sizes.split(",") if b.strip()}))
         except ValueError:
             sizes = ()
         if not sizes or min(sizes) < 1:
-            raise ValueError(f"--batch-sizes {batch_sizes!r}: expected comma-separated integers >= 1, e.g. 1,4")
+            raise UserError(f"--batch-sizes {batch_sizes!r}: expected comma-separated integers >= 1, e.g. 1,4")
         speed = SpeedSettings(sizes, num_requests, input_len, output_len, repeats, device)
         result = run_compare(CompareOptions(recipe, mode, variants, model, tuple(set_), reference, data, eval_tokens,
                                             window, speed, out, cache_dir, baseline, max_ppl_increase,
                                             min_speed_ratio, show_progress=not quiet))
-    except (*_user_errors(), UserError) as e:
-        _fail(e)
     typer.echo(f"wrote {', '.join(str(f) for f in result.files[:2])} and {len(result.files) - 2} more in {out}")
     for line in result.regressions:
         typer.echo(f"regression: {line}", err=True)

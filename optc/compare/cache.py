@@ -2,7 +2,8 @@
 
 The key is the sha256 of the resolved recipe's hash (`Recipe.sha256()`, what the manifest records
 as `recipe_sha256`), the source record without its local path (kind, id, revision, seed, the sha256
-of every source file: the manifest's `source`) and the optc version. An entry is a finished artifact
+of every source file: the manifest's `source`), the optc version and the artifact schema version
+(a newer optc reads no older artifact, so it rebuilds them). An entry is a finished artifact
 folder `<key[:20]>/` (written atomically by `optc build`) and `<key[:20]>.json` with the key and the
 build's wall time; a hit is re-checked against the artifact's manifest, so an edited or foreign
 folder is rebuilt, never trusted. A second run of the same comparison builds nothing.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optc
+from optc.artifact import SCHEMA_VERSION
 from optc.recipe import Recipe
 
 KEY_CHARS = 20
@@ -38,7 +40,8 @@ class CachedBuild:
 
 def cache_key(recipe: Recipe, source_record: dict) -> str:
     source = {k: v for k, v in source_record.items() if k != "path"}
-    blob = {"recipe_sha256": recipe.sha256(), "source": source, "optc_version": optc.__version__}
+    blob = {"recipe_sha256": recipe.sha256(), "source": source, "optc_version": optc.__version__,
+            "artifact_schema": SCHEMA_VERSION}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
