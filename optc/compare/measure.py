@@ -108,6 +108,7 @@ def environment(device: str) -> dict[str, Any]:
         "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
         "cpu_count": os.cpu_count(), "optc": optc.__version__, "torch": torch.__version__,
         "transformers": transformers.__version__, "device": device,
+        "torch_threads": torch.get_num_threads(),
     }
     try:
         import triton

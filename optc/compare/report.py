@@ -77,7 +77,11 @@ def markdown(report: dict) -> str:
         lines += ["", "Skipped:"] + [f"- `{s['name']}`: {s['reason']}" for s in report["skipped"]]
     e = report["environment"]
     gpu = f", {e['gpu']}" if e.get("gpu") else ""
-    lines += ["", f"Measured on {e['device']} ({e['cpu_count']} CPUs, {e['platform']}{gpu}), "
+    load = e.get("load_average_1min")
+    load_text = f"; 1-minute load average {load['start']:.1f} at the start, {load['end']:.1f} at the end" \
+        if load else ""
+    lines += ["", f"Measured on {e['device']} ({e['cpu_count']} CPUs, {e.get('torch_threads', '?')} torch threads, "
+              f"{e['platform']}{gpu}{load_text}), "
               f"python {e['python']}, torch {e['torch']}, transformers {e['transformers']}, "
               f"triton {e['triton']}, optc {e['optc']}; the whole comparison took {report.get('seconds', 0):.0f} s."]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ report.html into `out`. With a gate baseline, the result lists every regression.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
 
     o = options
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]  # the machine may be shared: say how busy it was
     base = load_recipe(o.recipe, list(o.overrides), o.model)
     if base.model is None:
         raise UserError(f"{o.recipe}: no model to build: set `model:` in the recipe or pass --model")
@@ -108,7 +110,8 @@ def run_compare(options: CompareOptions) -> CompareResult:
         "baseline_variant": expansion.baseline, "reference": reference,
         "settings": {"data": o.data, "eval_tokens": o.eval_tokens, "window": o.window,
                      "num_bootstrap": V.NUM_BOOTSTRAP, **asdict(o.speed)},
-        "environment": environment(o.speed.device),
+        "environment": {**environment(o.speed.device),
+                        "load_average_1min": {"start": load_start, "end": os.getloadavg()[0]}},
         "skipped": [asdict(s) for s in expansion.skipped] + failed,
         "variants": rows,
     }
