@@ -81,7 +81,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
     for v in bar:
         bar.set_postfix_str(v.name)
         try:
-            built[v.name] = build_cached(cache_dir, v.recipe, records[v.recipe.model], quiet=True)
+            built[v.name] = build_cached(cache_dir, v.recipe, records[v.recipe.model], quiet=not o.show_progress)
         except PassError as e:  # a variant whose passes cannot run is reported, not fatal
             if v.name == expansion.baseline:
                 raise
