@@ -85,8 +85,20 @@ def bench_repeat(artifact: str, settings: SpeedSettings) -> dict:
     if settings.device == "cuda":
         peak = max(r["peak_memory_bytes"] for r in runs.values())
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        peak = _peak_rss_bytes()
     return {"batch_sizes": runs, "peak_memory_bytes": int(peak)}
+
+
+def _peak_rss_bytes() -> int:
+    """This process's RSS high-water mark. VmHWM, not ru_maxrss: Linux carries ru_maxrss across the
+    fork + exec of a spawned child, so a child would report its parent's peak (the loaded eval models)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def artifact_sizes(artifact: Path) -> dict[str, int]:
