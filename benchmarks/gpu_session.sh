@@ -1,32 +1,192 @@
 #!/usr/bin/env bash
-# What a GPU session checks and measures, in stages of at most 10 minutes each, one device call per
-# stage (see /work/.library/device). A machine stays warm only 30 s after a call, so make the calls
-# back to back; each stage installs optc itself, so a fresh machine also works (it rebuilds artifacts).
-#   run(command="bash benchmarks/gpu_session.sh check", timeout_s=600)  # gpu tests + kernel benchmark
-#   run(command="bash benchmarks/gpu_session.sh bf16", timeout_s=600)   # serving: 8B bf16, CUDA graphs,
-#                                                                       # eager, transformers + compile
-#   run(command="bash benchmarks/gpu_session.sh int4", timeout_s=600)   # serving: 8B int4 RTN g128
-# Installs optc into the device image (torch, triton, transformers are there; gguf is not needed for
-# random: models). Logs and JSON go to $OUT (fetched back by the device tool); every step has its own
-# timeout so the logs come back even when a step runs long. Record every number in docs/PERF.md.
+# The GPU session plan: what a session with a lent H100/H200 checks and measures, as stages of one
+# device call each (see /work/.library/device: 10 minutes a command, 30 minutes of device time a
+# session, a machine that starts bare with a cold Triton cache and no network, warm 30 s after a call).
+#
+#   bash benchmarks/gpu_session.sh --dry-run [STAGE ...]   # every stage's commands, limits and estimate
+#   run(command="bash benchmarks/gpu_session.sh smoke", timeout_s=600)   # then the next stage, at once
+#
+# Stages, in the order to run them (the first four fit one session's 30 minutes with the starts;
+# a later session goes on where the previous one stopped):
+#   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda), first
+#   kernel-tests   the kernels' GPU tests, except every-autotune-config
+#   bf16-b1        serving 8B bf16 at batch 1: CUDA graphs, then eager
+#   int4-b1        serving 8B int4 (RTN g128) at batch 1
+#   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
+#   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
+#   kernels-w8a16  benchmarks/kernels.py: int8 linears
+#   awq-8b         `optc build recipes/llama-awq.yaml` on random:llama-3-8b with --device cuda (timed)
+#   bf16-b64       serving 8B bf16 at batch 64: CUDA graphs, then eager
+#   int4-b64       serving 8B int4 at batch 64
+#   autotune-all   the GPU test that runs every autotune config
+#   hf-b1, hf-b64  transformers (torch.compile, static cache) against optc bf16, last: the slowest compile
+#   fake           the plan's self-test (no GPU): writes a row every 0.2 s; tests kill it midway
+#
+# What every stage does, so that a stage killed at any moment still returns what it measured:
+# - prints free disk first, and removes the temporary folders a killed artifact build leaves behind;
+# - installs optc with no index and no pip version check (no network there); a missing package fails
+#   at once with its name;
+# - runs each step under `timeout -s INT` (pytest prints its summary on SIGINT; Python scripts stop at
+#   the row in progress), output tee'd to $OUT/STAGE.log as it comes;
+# - benchmark rows are appended to $OUT/STAGE.jsonl the moment each is measured (flushed and synced),
+#   and the stage's last step prints the table rebuilt from those lines (benchmarks/results.py);
+# - pytest runs verbose, with per-test durations and a per-test timeout (pytest-timeout);
+# - TRITON_CACHE_AUTOTUNING=1 keeps autotune timings on disk (~/.triton/cache) where the Triton
+#   there supports it, so a stage on the same warm machine reuses an earlier stage's picks;
+#   the quantized GEMMs' autotuning itself uses short benchmark runs (kernels/_splitk.py).
+# Estimates below are for a cold machine (empty Triton cache, no artifacts): Triton compiles ~1.5 s
+# each for sm_90 (kernels.py --compile-only on a 2-core VM: see docs/PERF.md), 8B random build ~2.5 min
+# (2 min 14 s on 2 vCPUs), a 15 GB artifact load ~0.5 min without the sha256 (--skip-verify-built),
+# ~1 min with it. Each stage's bound (every step's timeout plus a 10 s kill grace) stays under 570 s,
+# so the stage ends, and prints its table, before the device tool's 600 s limit.
 set -uo pipefail
-stage=${1:-check}
-case "$stage" in check|bf16|int4) ;; *) echo "unknown stage '$stage': check, bf16 or int4" >&2; exit 2 ;; esac
-OUT=${OUT:-build/gpu-session}
+cd "$(dirname "$0")/.."
+
+STAGES="smoke kernel-tests bf16-b1 int4-b1 kernels-small kernels-w4a16 kernels-w8a16 awq-8b bf16-b64 int4-b64
+        autotune-all hf-b1 hf-b64 fake"
+GRACE=10            # seconds a step gets after SIGINT before SIGKILL
+MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
+PY=${PYTHON:-python3}
+OUT=${OUT:-build/gpu-session/out}
+ROWS=build/gpu-session/rows   # every stage's rows, kept on the machine for tables across stages
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+
+DRY=0
+BOUND=0
+STAGE=
+LOG=/dev/null
+
+step() {  # step SECONDS CMD ...: CMD under `timeout -s INT`, its output tee'd to the stage log
+  local secs=$1
+  shift
+  BOUND=$((BOUND + secs + GRACE))
+  if ((DRY)); then
+    printf '    [%3ss] %s\n' "$secs" "$*"
+    return 0
+  fi
+  echo "== $* (limit ${secs} s)" | tee -ia "$LOG"
+  local start=$SECONDS
+  timeout -s INT -k "$GRACE" "$secs" "$@" 2>&1 | tee -ia "$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "== exit $rc after $((SECONDS - start)) s$( ((rc == 124 || rc == 130)) && echo ' (time limit: SIGINT)')" \
+    | tee -ia "$LOG"
+  return "$rc"
+}
+
+estimate() {  # estimate MINUTES WHY: the stage's expected time on a cold machine
+  EST=$1
+  EST_WHY=$2
+}
+
+setup() {  # disk, stale temporaries, the install and the packages it needs
+  if ((DRY)); then
+    echo "    df -h . /tmp; rm -rf build/bench-serving/.*.tmp-* (a killed build's temporaries)"
+  else
+    df -h . /tmp 2>&1 | tee -ia "$LOG"
+    rm -rf build/bench-serving/.*.tmp-*
+  fi
+  step 40 "$PY" -m pip install -q --no-index --disable-pip-version-check --no-deps --no-build-isolation -e . \
+    || exit 1
+  step 40 "$PY" benchmarks/gpu_preflight.py || exit 1
+  step 10 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,clocks.max.mem --format=csv
+}
+
+PYTEST=("$PY" -m pytest -v -m gpu -p no:cacheprovider -o "addopts=--import-mode=importlib -ra" --durations=20)
+
+pytest_stage() {  # pytest_stage SECONDS PER_TEST_SECONDS ARGS ...
+  local secs=$1 per=$2
+  shift 2
+  step "$secs" "${PYTEST[@]}" --timeout="$per" "$@"
+}
+
+kernels_stage() {  # kernels_stage SECONDS PREFIXES
+  step "$1" "$PY" benchmarks/kernels.py --only "$2" --warmup 5 --repeats 30 --jsonl "$OUT/$STAGE.jsonl"
+  table "$OUT/$STAGE.jsonl"
+}
+
+serving_stage() {  # serving_stage SECONDS SERVING_ARGS ...
+  local secs=$1
+  shift
+  step "$secs" "$PY" benchmarks/serving.py --device cuda --quiet --skip-verify-built --jsonl "$OUT/$STAGE.jsonl" "$@"
+  if ((!DRY)); then mkdir -p "$ROWS" && cp "$OUT/$STAGE.jsonl" "$ROWS/" 2>/dev/null; fi
+  table "$ROWS"/*.jsonl  # this stage's rows and earlier stages' on this machine (int4 rows get HF ratios)
+}
+
+table() {  # the table rebuilt from JSON lines (also after a step that was killed)
+  step 30 "$PY" benchmarks/results.py table "$@"
+}
+
+stage() {  # define (and, unless --dry-run, run) stage $1
+  STAGE=$1
+  BOUND=0
+  case "$STAGE" in
+    smoke)
+      estimate 5 "setup 0.5 + ~60 compiles (graph capture, 4 tiny models) 2 + transformers refs 1 + runs 1 + 4 tiny AWQ/GPTQ builds 0.5"
+      setup
+      pytest_stage 330 150 tests/test_cuda_graphs.py tests/test_gpu.py tests/test_build_device.py ;;
+    kernel-tests)
+      estimate 5 "setup 0.5 + ~140 compiles of the kernels' GPU tests 3.5 + runs 1"
+      setup
+      pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
+        tests/test_kernels_linear.py -k "not every_autotune" ;;
+    autotune-all)
+      estimate 4 "setup 0.5 + ~110 compiles (every w4a16/w8a16 config at two shapes) 3 + runs 0.5"
+      setup
+      pytest_stage 390 300 tests/test_kernels_linear.py -k every_autotune ;;
+    kernels-small)
+      estimate 2.5 "setup 0.5 + copy bandwidth + ~40 compiles 1 + 24 timed cases 0.5"
+      setup
+      kernels_stage 330 rms_norm,add_rms_norm,silu_mul,rope_kv_store,paged_decode,paged_prefill ;;
+    kernels-w4a16 | kernels-w8a16)
+      estimate 5 "setup 0.5 + ~75 compiles 2 + ~400 autotune runs at ~40 ms (short do_bench) 0.3 + 16 cases 1"
+      setup
+      kernels_stage 390 "${STAGE#kernels-}" ;;
+    bf16-b1 | bf16-b64 | int4-b1 | int4-b64)
+      local config=${STAGE%-b*} batch=${STAGE#*-b}
+      if [[ $config == bf16 ]]; then
+        estimate 6.5 "setup 0.5 + 8B build 2.5 + 2 loads without sha256 1 + compiles, KV profile, capture 1.5 + runs 1"
+      else
+        estimate 7 "setup 0.5 + 8B RTN build 3 + load 0.3 + w4a16 compiles and autotune per M bucket 2 + runs 1"
+      fi
+      setup
+      serving_stage 390 --configs "$config" --batch-sizes "$batch" --no-compare-hf ;;
+    awq-8b)
+      estimate 6.5 "setup 0.5 + random 8B init 1.5 + AWQ on the GPU, 32 blocks x 64K tokens ~3 (target: <= 5) + write 5 GB 0.5"
+      setup
+      step 390 optc build recipes/llama-awq.yaml --model random:llama-3-8b --device cuda --force \
+        --out build/bench-serving/llama-3-8b-awq ;;
+    hf-b1 | hf-b64)
+      estimate 7.5 "setup 0.5 + 8B build 2.5 (none if bf16 ran on this machine) + optc run 1.5 + transformers load 0.5 + torch.compile 2 + run 0.5"
+      setup
+      serving_stage 390 --configs bf16 --batch-sizes "${STAGE#hf-b}" --no-eager ;;
+    fake)
+      estimate 0.1 "no GPU: a row every 0.2 s until its limit (tests kill it midway)"
+      step "${FAKE_SECONDS:-60}" "$PY" benchmarks/results.py fake --jsonl "$OUT/$STAGE.jsonl" --rows 100000 --interval 0.2
+      table "$OUT/$STAGE.jsonl" ;;
+    *)
+      echo "unknown stage '$STAGE'; stages: $STAGES" >&2
+      exit 2 ;;
+  esac
+}
+
+if [[ ${1:-} == --dry-run ]]; then
+  shift
+  DRY=1
+  total=0
+  for name in ${@:-$STAGES}; do
+    echo "stage $name:"
+    stage "$name"
+    total=$(awk -v a="$total" -v b="$EST" 'BEGIN { print a + b }')
+    echo "  estimate: ~$EST min on a cold machine ($EST_WHY); bound: $BOUND s of steps (limit $MAX_BOUND);" \
+      "running total ~$total min"
+    ((BOUND <= MAX_BOUND)) || { echo "stage $name: its steps can run $BOUND s, over $MAX_BOUND" >&2; exit 1; }
+  done
+  exit 0
+fi
+[[ $# == 1 ]] || { echo "usage: $0 STAGE | --dry-run [STAGE ...]; stages: $STAGES" >&2; exit 2; }
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.csv"
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
-  | tee "$OUT/versions.txt"
-case "$stage" in
-  check)
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib -ra" tests \
-      2>&1 | tee "$OUT/pytest-gpu.log"
-    timeout 240 python3 benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
-    echo "== summary"; tail -3 "$OUT/pytest-gpu.log"; tail -40 "$OUT/kernels.log" ;;
-  bf16|int4)
-    timeout 570 python3 benchmarks/serving.py --device cuda --configs "$stage" --quiet \
-      $([ "$stage" = int4 ] && echo --no-compare-hf) --json "$OUT/serving-$stage.json" 2>&1 | tee "$OUT/serving-$stage.log"
-    echo "== summary"; tail -12 "$OUT/serving-$stage.log" ;;
-esac
+LOG="$OUT/$1.log"
+DRY=1 stage "$1" >/dev/null  # unknown stages fail here, before anything runs
+echo "== stage $1: estimate ~$EST min ($EST_WHY); bound $BOUND s; $(date -u +%FT%TZ)" | tee -ia "$LOG"
+stage "$1"
+echo "== stage $1 done $(date -u +%FT%TZ)" | tee -ia "$LOG"

@@ -1,6 +1,6 @@
 """Kernel benchmarks at Llama-3-8B (or SmolLM2) decode shapes: each Triton kernel next to its torch equivalent.
 
-    python benchmarks/kernels.py [--json out.json] [--repeats 50]
+    python benchmarks/kernels.py [--jsonl rows.jsonl] [--json out.json] [--repeats 50] [--only w4a16,w8a16]
     python benchmarks/kernels.py --compile-only [--arch 90] [--all-configs]    # no GPU needed
 
 Per kernel and shape it prints the median time (CUDA events, after warmup), the bytes the kernel
@@ -11,6 +11,10 @@ gather the paged KV + F.scaled_dot_product_attention for decode, eager torch for
 uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Each row also
 checks the Triton output against the torch one (max error relative to the largest |value|) and
 marks it past MAX_REL_ERR; a case that raises is reported and the others still run. Needs CUDA.
+Each row is appended to `--jsonl` the moment it is measured (benchmarks/results.py), so a run killed
+at a time limit keeps its finished rows; the table is printed from the rows (`python
+benchmarks/results.py table FILE.jsonl` rebuilds it). `--only` runs the kernels whose names start
+with one of the given prefixes, so the cases can be split across time-limited calls.
 Prefill rows (linears at M=512, paged_prefill) are compute-bound: their GB/s is not their limit.
 
 --compile-only needs no GPU: each case's Triton launches compile for the GPU of --arch (Triton's
@@ -31,6 +35,7 @@ from functools import partial as bind
 
 import torch
 import torch.nn.functional as F
+from results import Rows
 
 BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
 MAX_REL_ERR = 3e-2  # bf16 outputs against the torch path: a larger error marks the row (and exit 1)
@@ -84,6 +89,9 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     tables, positions and lengths are always real."""
     from optc.formats import Format, FormatKind, linear_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
+    from optc.ops.elementwise import silu_mul_ref
+    from optc.ops.norm import add_rms_norm_ref, rms_norm_ref
+    from optc.ops.rope import rope_kv_store_ref
 
     m, rand = model, rand or torch.randn
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
@@ -93,19 +101,19 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     for t in BATCHES:
         x, r = data(2, t, m.hidden)
         yield "rms_norm", f"T={t}", (2 * t + 1) * m.hidden * e, bind(norm.rms_norm, x, w, 1e-5), \
-            bind(norm.rms_norm_ref, x, w, 1e-5)
+            bind(rms_norm_ref, x, w, 1e-5)
         yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
-            bind(norm.add_rms_norm_ref, x, r, w, 1e-5)
+            bind(add_rms_norm_ref, x, r, w, 1e-5)
         gu = data(t, 2 * m.inter)
         yield "silu_mul", f"T={t}", 3 * t * m.inter * e, bind(activation.silu_mul, gu), \
-            bind(activation.silu_mul_ref, gu)
+            bind(silu_mul_ref, gu)
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
         cache = data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
         byts = (2 * m.heads + 4 * m.kv_heads) * t * m.head_dim * e + t * m.head_dim * 4
         args = (q, k, v, pos, cos_sin, cache, slots)
-        yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope.rope_kv_store_ref, *args)
+        yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
         for ctx in CONTEXTS:
             byts = 2 * t * ctx * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
             yield ("paged_decode", f"B={t} ctx={ctx}", byts, *_decode(m, t, ctx, dev, data, paged_decode.paged_decode))
@@ -214,7 +222,10 @@ def _print_compile_report(report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results to this file")
+    ap.add_argument("--json", help="write the results to this file (at the end)")
+    ap.add_argument("--jsonl", help="append each row here as one JSON line the moment it is measured (survives a kill)")
+    ap.add_argument("--only", default="",
+                    help="comma-separated kernel name prefixes to run (e.g. w4a16,w8a16; default: every kernel)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
     ap.add_argument("--repeats", type=int, default=50, help="timed runs; the median is reported (default 50)")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b",
@@ -243,34 +254,52 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     peak = copy_bandwidth(args.warmup, args.repeats)
-    print(f"device: {torch.cuda.get_device_name()}; device-to-device copy: {peak / 1e9:.0f} GB/s; "
-          f"{args.model} shapes")
-    print(f"{'kernel':<14} {'shape':<26} {'MB':>8} {'triton us':>10} {'GB/s':>7} {'%copy':>6} "
-          f"{'torch us':>10} {'GB/s':>7} {'speedup':>8} {'rel err':>8}")
-    rows = []
-    failures = 0
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; device-to-device copy: {peak / 1e9:.0f} GB/s; {args.model} shapes", flush=True)
+    out, rows, only = Rows(args.jsonl), [], tuple(p for p in args.only.split(",") if p)
     for kernel, shape, byts, tri, ref in _cases(MODELS[args.model]):
+        if only and not kernel.startswith(only):
+            continue
+        row = {"table": "kernels", "device": device, "model": args.model, "copy_gbps": peak / 1e9,
+               "kernel": kernel, "shape": shape}
         try:  # a kernel that fails on first contact with the device costs its row, not the table
             err = _error(tri(), ref())
             t_ms, r_ms = time_ms(tri, args.warmup, args.repeats), time_ms(ref, args.warmup, args.repeats)
+            row |= {"bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3, "triton_gbps": byts / t_ms / 1e6,
+                    "torch_gbps": byts / r_ms / 1e6, "fraction_of_copy": byts / (t_ms * 1e-3) / peak,
+                    "speedup": r_ms / t_ms, "max_rel_err": err}
         except Exception as exc:
-            failures += 1
-            rows.append({"kernel": kernel, "shape": shape, "error": f"{type(exc).__name__}: {exc}"})
-            print(f"{kernel:<14} {shape:<26} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:100]}")
-            continue
-        row = {"kernel": kernel, "shape": shape, "bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3,
-               "triton_gbps": byts / t_ms / 1e6, "torch_gbps": byts / r_ms / 1e6,
-               "fraction_of_copy": byts / (t_ms * 1e-3) / peak, "speedup": r_ms / t_ms, "max_rel_err": err}
+            row["error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
-        failures += err > MAX_REL_ERR
-        print(f"{kernel:<14} {shape:<26} {byts / 1e6:8.2f} {row['triton_us']:10.1f} {row['triton_gbps']:7.0f} "
-              f"{row['fraction_of_copy']:6.1%} {row['torch_us']:10.1f} {row['torch_gbps']:7.0f} {row['speedup']:7.2f}x "
-              f"{err:8.1e}{'!' if err > MAX_REL_ERR else ''}")
+        out.append(row)
+        print(kernels_table([row], head=False), flush=True)
+    print(kernels_table(rows))
+    failures = sum("error" in r or r["max_rel_err"] > MAX_REL_ERR for r in rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": peak / 1e9,
                        "results": rows}, f, indent=1)
     return 1 if failures else 0
+
+
+def kernels_table(rows: list[dict], head: bool = True) -> str:
+    """The benchmark's table of `rows` (one run's, or rows rebuilt from --jsonl files)."""
+    lines = []
+    if head:
+        devices = sorted({(r["device"], round(r["copy_gbps"])) for r in rows})
+        lines += [f"device: {d}; device-to-device copy: {g} GB/s" for d, g in devices]
+        lines.append(f"{'kernel':<14} {'shape':<26} {'MB':>8} {'triton us':>10} {'GB/s':>7} {'%copy':>6} "
+                     f"{'torch us':>10} {'GB/s':>7} {'speedup':>8} {'rel err':>8}")
+    for r in rows:
+        kernel, shape = r["kernel"], r["shape"]
+        if "error" in r:
+            lines.append(f"{kernel:<14} {shape:<26} FAILED {r['error'].splitlines()[0][:100]}")
+            continue
+        err = r["max_rel_err"]
+        lines.append(f"{kernel:<14} {shape:<26} {r['bytes'] / 1e6:8.2f} {r['triton_us']:10.1f} {r['triton_gbps']:7.0f} "
+                     f"{r['fraction_of_copy']:6.1%} {r['torch_us']:10.1f} {r['torch_gbps']:7.0f} "
+                     f"{r['speedup']:7.2f}x {err:8.1e}{'!' if err > MAX_REL_ERR else ''}")
+    return "\n".join(lines)
 
 
 def _error(out, ref) -> float:

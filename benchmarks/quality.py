@@ -18,8 +18,8 @@ import torch
 
 from optc.calibration import calibration_batch
 from optc.eval import Loaded, evaluate
-from optc.frontend import load_source
 from optc.passmanager import PassContext, PassManager
+from optc.sources import load_source
 from optc.testing import smollm2_hf_checkpoint
 
 CONFIGS = {

@@ -14,8 +14,14 @@ The int4 rows are compared with that bf16 transformers run (the same weights bef
 when both run in one process. `--configs`, `--batch-sizes` and `--no-eager` pick a subset, so the
 runs fit in device calls of 10 minutes (benchmarks/gpu_session.sh).
 
-Artifacts are built once under `--work` and reused. Prints a table and writes the results (with
-load average, threads and versions) as JSON. Measures only; asserts nothing.
+Artifacts are built once under `--work` and reused; `--skip-verify-built` loads an artifact this run
+has just built without re-hashing its files (15 GB of sha256 for the 8B bf16 build; every other load
+is verified). Each row is appended to `--jsonl` the moment it is measured (benchmarks/results.py), so
+a run killed at a time limit keeps what it finished; the table is printed from the rows, and
+`python benchmarks/results.py table FILE.jsonl ...` rebuilds it from any number of runs (int4 and
+eager rows then get their optc/HF ratio from a bf16 transformers row of the same batch size, whichever
+run measured it). `--json` writes every row with the environment (load average, threads, versions)
+at the end. Measures only; asserts nothing.
 
     python benchmarks/serving.py --device cpu --threads 1 --json build/serving-cpu.json
 """
@@ -32,6 +38,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from results import Rows
 
 from optc.bench import BenchOptions, run_bench
 
@@ -47,7 +54,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench-serving", help="artifacts are built here")
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--json", type=Path, default=None, help="write the results here (at the end)")
+    p.add_argument("--jsonl", type=Path, default=None,
+                   help="append each row here as one JSON line the moment it is measured (survives a kill)")
+    p.add_argument("--skip-verify-built", action="store_true",
+                   help="load an artifact this run has just built without re-hashing its files (default: "
+                        "every load verifies sha256)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-dtype", choices=("float32", "bfloat16"), default=DEFAULT_CPU_DTYPE)
     p.add_argument("--no-compare-hf", action="store_true", help="skip transformers")
@@ -60,9 +72,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     env = {"host": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(args.device),
            "threads": torch.get_num_threads(), "load_before": os.getloadavg(), "torch": torch.__version__}
-    runs = _cpu(args) if args.device == "cpu" else _cuda(args)
+    rows = Rows(args.jsonl)
+    runs = _cpu(args, rows) if args.device == "cpu" else _cuda(args, rows)
     env["load_after"] = os.getloadavg()
-    print(_table(runs))
+    print(serving_table(runs))
     load = f"load {env['load_before'][0]:.2f} -> {env['load_after'][0]:.2f}"
     print(f"\n{env['device']}, {env['threads']} threads, {load}")
     if args.json:
@@ -71,19 +84,22 @@ def main() -> None:
         print(f"wrote {args.json}")
 
 
-def _cpu(args) -> list[dict]:
-    artifact = _artifact(args.work / f"smollm2-{args.cpu_dtype}", REPO / "recipes" / "smollm2-bf16.yaml",
-                         f"dtype={args.cpu_dtype}")
+def _cpu(args, rows: Rows) -> list[dict]:
+    artifact, built = _artifact(args.work / f"smollm2-{args.cpu_dtype}", REPO / "recipes" / "smollm2-bf16.yaml",
+                                f"dtype={args.cpu_dtype}")
     base = BenchOptions(artifact, num_requests=32, input_len=128, output_len=64, device="cpu",
-                        compare_hf=not args.no_compare_hf, show_progress=not args.quiet)
+                        compare_hf=not args.no_compare_hf, show_progress=not args.quiet,
+                        verify=not (built and args.skip_verify_built))
     batched = _run(f"smollm2 {args.cpu_dtype}, continuous batching", replace(base, max_num_seqs=32))
     serial = _run(f"smollm2 {args.cpu_dtype}, one at a time", replace(base, max_num_seqs=1, compare_hf=False))
     if "error" not in batched and "error" not in serial:
         batched["speedup_over_serial"] = batched["output_tokens_per_s"] / serial["output_tokens_per_s"]
+    for run in (batched, serial):
+        rows.append(run)
     return [batched, serial]
 
 
-def _cuda(args) -> list[dict]:
+def _cuda(args, rows: Rows) -> list[dict]:
     recipes = {"bf16": "", "int4": "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "}
     names = args.configs.split(",")
     unknown = sorted(set(names) - set(recipes))
@@ -98,29 +114,31 @@ def _cuda(args) -> list[dict]:
         recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
                           f"passes: [{CUDA_PASSES.format(quant=quant)}]\n"
                           "runtime: {max_batch_size: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
-        artifact = _artifact(args.work / f"llama-3-8b-{name}", recipe)
+        artifact, built = _artifact(args.work / f"llama-3-8b-{name}", recipe)
         for batch in batch_sizes:
             base = BenchOptions(artifact, num_requests=4 if batch == 1 else batch, input_len=128, output_len=128,
-                                max_num_seqs=batch, device="cuda", show_progress=not args.quiet)
+                                max_num_seqs=batch, device="cuda", show_progress=not args.quiet,
+                                verify=not (built and args.skip_verify_built))
             compare = name == "bf16" and not args.no_compare_hf
             runs.append(_run(f"llama-3-8b {name}, batch {batch}", replace(base, compare_hf=compare)))
+            rows.append(runs[-1])
             if name == "bf16" and not args.no_eager:
                 runs.append(_run(f"llama-3-8b {name}, batch {batch}, eager", replace(base, eager=True)))
-    hf = {r["max_num_seqs"]: r["hf"] for r in runs if r.get("hf")}
-    for r in runs:  # int4 and eager rows: against the bf16 transformers run of the same batch size
-        if "error" not in r and r["hf"] is None and r["max_num_seqs"] in hf:
-            r["hf"] = {**hf[r["max_num_seqs"]], "optc_over_hf": r["output_tokens_per_s"]
-                       / hf[r["max_num_seqs"]]["output_tokens_per_s"], "reused": True}
+                rows.append(runs[-1])
     return runs
 
 
-def _artifact(out: Path, recipe: Path, *overrides: str) -> Path:
+def _artifact(out: Path, recipe: Path, *overrides: str) -> tuple[Path, bool]:
+    """The artifact at `out`, built from `recipe` unless one is there; and whether this call built it."""
     if (out / "manifest.json").is_file():
-        return out
+        return out, False
     from optc.testing import build_artifact
 
     print(f"building {out} ...", flush=True)
-    return build_artifact(out, recipe, *overrides)
+    start = time.perf_counter()
+    build_artifact(out, recipe, *overrides)
+    print(f"built {out} in {time.perf_counter() - start:.0f} s", flush=True)
+    return out, True
 
 
 def _run(label: str, options: BenchOptions) -> dict:
@@ -131,7 +149,7 @@ def _run(label: str, options: BenchOptions) -> dict:
         result = run_bench(options).to_json()
     except Exception as exc:
         traceback.print_exc()
-        result = {"label": label, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        result = {"table": "serving", "label": label, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     if "error" in result:  # outside the except block, whose traceback holds the failed run's memory
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -140,12 +158,17 @@ def _run(label: str, options: BenchOptions) -> dict:
         print(f"== {label}, again without transformers", flush=True)
         retry = _run(label, replace(options, compare_hf=False))
         return {**retry, "hf_error": result["error"]}
+    result["table"] = "serving"
     result["label"] = label
     result["options"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}
     return result
 
 
-def _table(runs: list[dict]) -> str:
+def serving_table(runs: list[dict]) -> str:
+    """The table of `runs` (rows of one or several runs). A row without its own transformers run takes
+    the optc/HF ratio from a bf16 row's transformers run of the same batch size (the same weights
+    before quantization), marked `*`."""
+    hf = {r["max_num_seqs"]: r["hf"] for r in runs if "error" not in r and r.get("hf")}
     head = (f"{'run':<44} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'peak MiB':>9} "
             f"{'graphs':>7} {'HF tok/s':>9} {'optc/HF':>8}")
     lines = [head, "-" * len(head)]
@@ -154,12 +177,16 @@ def _table(runs: list[dict]) -> str:
         if "error" in r:
             lines.append(f"{r['label']:<44} FAILED {r['error'][:120]}")
             continue
-        hf = r["hf"] or {"output_tokens_per_s": nan, "optc_over_hf": nan}
+        own = r.get("hf")
+        other = hf.get(r["max_num_seqs"])
+        ratio = (own["optc_over_hf"] if own else r["output_tokens_per_s"] / other["output_tokens_per_s"] if other
+                 else nan)
+        hf_tps = (own or other or {"output_tokens_per_s": nan})["output_tokens_per_s"]
         lines.append(
             f"{r['label']:<44} {r['output_tokens_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
             f"{r['tpot_ms']['p50']:>12.2f} {r['peak_memory_bytes'] / 2**20:>9.0f} "
             f"{'yes' if r.get('cuda_graphs') else 'no':>7} "
-            f"{hf['output_tokens_per_s']:>9.1f} {hf['optc_over_hf']:>8.2f}"
+            f"{hf_tps:>9.1f} {ratio:>8.2f}{'' if own or not other else '*'}"
         )
     for r in runs:
         if "speedup_over_serial" in r:

@@ -1,5 +1,6 @@
-"""The inner step both paged attention kernels share: one tile of keys, read through the block
-table, folded into a flash-attention online softmax.
+"""What both paged attention kernels share: the inner step (one tile of keys, read through the
+block table, folded into a flash-attention online softmax) and the launchers' checks of the
+cache layout (optc.ops.attention describes it).
 
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
 it (decode passes the request's last position: every key in the context). Scores are in log2
@@ -10,6 +11,7 @@ dot. The caller divides `acc` by `l_i` at the end.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,3 +43,28 @@ def attend(
     v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
     return m_new, l_i, acc
+
+
+def check_paged_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> tuple[int, int, int, int, int, int]:
+    """The Triton launchers' checks of the layout above; returns (num_requests, num_heads,
+    num_kv_heads, head_dim, block_size, group)."""
+    # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D)
+    num_requests = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    assert q.dim() == 3 and q.stride(2) == 1, f"q must be (T, H_q, D) with contiguous D, got {list(q.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, (
+        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, {head_dim})"
+    )
+    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
+    assert num_heads % num_kv_heads == 0, f"H_q {num_heads} is not a multiple of H_kv {num_kv_heads}"
+    assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
+    assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
+    return num_requests, num_heads, num_kv_heads, head_dim, block_size, num_heads // num_kv_heads

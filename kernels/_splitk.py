@@ -1,20 +1,24 @@
 """What the weight-only quantized linears (w4a16, w8a16) share: launch shapes, autotuning, the store
 epilogue and the launcher's tail. Each kernel file keeps its weight-tile load and dequantization,
-its asserts, its split heuristic and its reference.
+its asserts and its split heuristic; the reference of both is optc.formats.linear_ref.
 
 A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
-bias_ptr, out_ptr; sizes M, N, K, k_per_split; strides stride_xm, stride_om, stride_os; constexprs
-HAS_BIAS, IS_SPLIT, FP32_DOT and BLOCK_M, BLOCK_N, BLOCK_K (from the config); its program ids are
-(M tile, N tile, split). Launch shapes, chosen by M: a split-K GEMV for M <= GEMV_MAX_M (decode;
-K split across programs so a small N still fills the GPU; fp32 partials summed here), autotuned
-apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the tl.dot
-ones, and a tiled GEMM for larger M (prefill). Nothing here has run on a CUDA device in the session
-that wrote it; it is checked under TRITON_INTERPRET=1 on the CPU through the kernels that use it,
-and compiled for sm_90 (benchmarks/kernels.py --compile-only).
+bias_ptr, out_ptr; sizes M, M_BUCKET, N, K, k_per_split; strides stride_xm, stride_om, stride_os;
+constexprs HAS_BIAS, IS_SPLIT, FP32_DOT and BLOCK_M, BLOCK_N, BLOCK_K (from the config); its program
+ids are (M tile, N tile, split). M_BUCKET is never read by the kernel (declare it in
+`do_not_specialize`): it is in the autotune key, so each bucket of M (`m_bucket`) is tuned apart and
+a tile picked for a 2,048-token prefill is never reused for a 64-row decode. Launch shapes, chosen by
+M: a split-K GEMV for M <= GEMV_MAX_M (decode; K split across programs so a small N still fills the
+GPU; the fp32 partials summed by `_reduce_kernel`, with the bias and the cast, in one launch),
+autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the
+tl.dot ones, and a tiled GEMM for larger M (prefill). Autotuning times each config with short runs
+(AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS). Tests check it through the kernels that use it, on the CPU
+under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -27,6 +31,15 @@ from optc.kernels._dot import fp32_dot, interpreting
 
 GEMV_MAX_M = 16
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
+MAX_M_BUCKET = 256  # larger M share one autotune choice (prefill is compute-bound at any M past it)
+# Triton's default timing (25 ms warm-up, 100 ms of repetitions per config) makes ~400 tunings take a
+# minute on a cold GPU; a decode GEMV runs in microseconds, so these still time hundreds of launches
+AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS = 5, 25
+
+
+def m_bucket(m: int) -> int:
+    """The autotune bucket of M rows: the next power of two, capped at MAX_M_BUCKET."""
+    return min(triton.next_power_of_2(m), MAX_M_BUCKET)
 
 
 def config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
@@ -51,18 +64,25 @@ def autotune(kernel, m1_configs: list[triton.Config], gemv_configs: list[triton.
     first survivor runs without timing under the Triton interpreter (which cannot time kernels)
     and when the environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests use it
     where they check formats, not speed); otherwise Triton times every survivor once per shape and
-    keeps the fastest. M == 1 has its own autotuner, so a dot-free config that wins at one row is
-    never reused for more."""
+    keeps the fastest, per M bucket (`m_bucket`) and shape. M == 1 has its own autotuner, so a
+    dot-free config that wins at one row is never reused for more."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}  # `launch` passes every argument by name
         ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
         return ok[:1] if interpreting() or os.environ.get("OPTC_AUTOTUNE", "1") == "0" else ok
 
-    by = {"early_config_prune": prune}
-    return Kernels(triton.autotune(m1_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
-                   triton.autotune(gemv_configs, key=["N", "K", "k_per_split"], prune_configs_by=by)(kernel),
-                   triton.autotune(gemm_configs, key=["N", "K"], prune_configs_by=by)(kernel))
+    kw = {"prune_configs_by": {"early_config_prune": prune}}
+    if "do_bench" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
+        kw["do_bench"] = _short_bench
+    key = ["M_BUCKET", "N", "K", "k_per_split"]
+    return Kernels(triton.autotune(m1_configs, key=key, **kw)(kernel),
+                   triton.autotune(gemv_configs, key=key, **kw)(kernel),
+                   triton.autotune(gemm_configs, key=["M_BUCKET", "N", "K"], **kw)(kernel))
+
+
+def _short_bench(kernel_call, quantiles):
+    return triton.testing.do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=quantiles)
 
 
 @triton.jit
@@ -99,7 +119,7 @@ def store_tile(
     # acc: (BLOCK_M, BLOCK_N) fp32 for rows offs_m, columns offs_n
     mask_n = offs_n < N
     mask_mn = (offs_m < M)[:, None] & mask_n[None, :]
-    if IS_SPLIT:  # fp32 partial sums; `launch` reduces them and adds the bias
+    if IS_SPLIT:  # fp32 partial sums; `_reduce_kernel` sums them and adds the bias
         out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out, acc, mask=mask_mn)
     else:
@@ -107,6 +127,35 @@ def store_tile(
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, N, num_splits, stride_ps, stride_pm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # out[m, n] = cast(sum_s part[s, m, n] + bias[n]): one program per (row, N block), fp32 throughout
+    row, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    part = part_ptr + row.to(tl.int64) * stride_pm + offs_s[:, None] * stride_ps + offs_n[None, :]
+    acc = tl.sum(tl.load(part, mask=(offs_s < num_splits)[:, None] & mask_n[None, :], other=0.0), axis=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """out (M, N) = (part (S, M, N) fp32 summed over S, + bias in fp32), cast to out's dtype: one launch."""
+    num_splits, m, n = part.shape
+    block_s = triton.next_power_of_2(num_splits)
+    block_n = max(16, min(triton.next_power_of_2(n), 4096 // block_s))  # at most 4096 partials a program
+    _reduce_kernel[(m, triton.cdiv(n, block_n))](
+        part, bias if bias is not None else part, out, n, num_splits, part.stride(0), part.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_S=block_s, BLOCK_N=block_n, num_warps=4,
+    )
+    return out
 
 
 def launch(
@@ -134,11 +183,10 @@ def launch(
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
     kernels.for_rows(m)[grid](
         x_ptr=x2, bias_ptr=bias if bias is not None else x2, out_ptr=dest,  # x2: never read without a bias
-        M=m, N=n, K=k, k_per_split=k_per_split,
+        M=m, M_BUCKET=m_bucket(m), N=n, K=k, k_per_split=k_per_split,
         stride_xm=x2.stride(0), stride_om=dest.stride(-2), stride_os=dest.stride(0) if is_split else 0,
         HAS_BIAS=bias is not None, IS_SPLIT=is_split, FP32_DOT=fp32_dot(x), **weight,
     )
     if is_split:
-        y = dest.sum(0)
-        out.copy_(y if bias is None else y + bias.float())
+        reduce_splits(dest, bias, out)
     return out.view(*x.shape[:-1], n)

@@ -1,12 +1,11 @@
-"""SwiGLU activation on the fused gate-up output: Triton kernel and its torch reference.
+"""SwiGLU activation on the fused gate-up output: Triton kernel for optc.ops.elementwise.silu_mul_ref.
 
 `silu_mul(x)` takes x: (T, 2 * I) = [gate | up]; `silu_mul(gate, up)` takes the two halves as
 separate (T, I) views, e.g. two strided column slices of one (T, 2I) tensor (only the last dim must
 be contiguous). Numerical policy (matches the reference in x's dtype, as transformers does):
 silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up in fp32 and rounded.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -58,8 +57,3 @@ def silu_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     )
     return out
 
-
-def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    # x: (T, 2 * I) = [gate | up] -> (T, I) = silu(gate) * up, in x's dtype (as transformers does)
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

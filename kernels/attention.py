@@ -1,132 +1,44 @@
-"""Paged attention over the GQA-aware KV cache, and the KV store.
+"""The attention op's Triton launcher: the KV store, then decode or prefill attention over the paged,
+GQA-aware KV cache (optc.ops.attention describes the layout and the reference, `attention_ref`).
 
-KV cache per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V. K/V are
-stored once per KV head, never repeated per query head. A token at slot s lives in block
-s // block_size, offset s % block_size; slot -1 is not stored (padding). Block tables are padded
-with block 0, the reserved null block.
-
-Attention is causal over each request's whole context: query i of request b (at position
-seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
+A batch whose requests each bring one query token runs `paged_decode` (splits long contexts across
+programs); any other batch (prefill, chunked prefill, mixed) runs `paged_prefill`.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # k, v: (T, H_kv, D) -> kv_cache[slot // bs, 0 | 1, slot % bs] in place
-    block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+from optc.kernels.paged_decode import paged_decode
+from optc.kernels.paged_prefill import paged_prefill
+from optc.kernels.rope import kv_store
 
 
-def paged_attention_ref(
+def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """All requests at once: queries and K/V padded per request, one causal mask (no Python loop)."""
-    # q: (T, H_q, D) -> (T, H_q, D)
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    num_requests = seq_lens.shape[0]
-    dev = q.device
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    max_query = int(query_lens.max()) if num_requests else 0
-    if num_tokens == 0 or max_query == 0:
-        return torch.empty_like(q)
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    kv = kv_cache[block_tables[:, :num_blocks].long()].float()  # (B, nb, 2, bs, H_kv, D)
-    k = kv[:, :, 0].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
-    v = kv[:, :, 1].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)
-    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
-    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()  # index within its request
-    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=torch.float32)
-    qp[request, row] = q.float()
-    # (B, H_kv, group * Lq, D): the query heads of one KV head share its K/V (read once per group)
-    qh = qp.view(num_requests, max_query, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qh = qh.reshape(num_requests, num_kv_heads, group * max_query, head_dim)
-    scores = (qh @ k.transpose(-1, -2)) * scale  # (B, H_kv, group * Lq, L)
-    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
-    masked = torch.arange(k.shape[2], device=dev)[None, None, :] > query_pos[:, :, None]  # (B, Lq, L)
-    scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))
-    out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
-    return out[request, row].to(q.dtype)
+    """optc.ops.attention.attention_ref: stores k, v (None: stored already), then attends.
 
-
-def paged_attention_sdpa(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The torch-bound runtime path: `paged_attention_ref`'s math through SDPA on the gathered cache.
-
-    SDPA reads K/V in the cache dtype and accumulates in fp32 inside, so no fp32 copy of the gathered
-    cache is made (on the CPU that copy was half of a decode step). Agrees with the reference to the
-    rounding of the output dtype; the tests hold it to that.
+    `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
+    device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
+    kernel's split count is baked into the graph.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_requests = seq_lens.shape[0]
-    dev = q.device
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    max_query = int(query_lens.max()) if num_requests else 0
-    if num_tokens == 0 or max_query == 0:
-        return torch.empty_like(q)
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    length = num_blocks * block_size
-    # index_select copies whole blocks as contiguous rows: much faster on the CPU than advanced indexing
-    table = block_tables[:, :num_blocks].reshape(-1).long()
-    k, v = (kv_cache[:, i].index_select(0, table).view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)
-            for i in (0, 1))  # (B, H_kv, L, D)
-    if num_tokens == num_requests and max_query == 1:  # a decode step: one query per request, no padding
-        allowed = torch.arange(length, device=dev)[None, :] < seq_lens.long()[:, None]  # (B, L)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.to(kv_cache.dtype)[:, :, None], k, v, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True)
-        return out[:, :, 0].to(q.dtype)
-    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
-    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()
-    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=kv_cache.dtype)
-    qp[request, row] = q.to(kv_cache.dtype)
-    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
-    allowed = torch.arange(length, device=dev)[None, None, :] <= query_pos[:, :, None]  # (B, Lq, L)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qp.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, H_q, Lq, D)
-    return out.transpose(1, 2)[request, row].to(q.dtype)
-
-
-def check_paged_args(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> tuple[int, int, int, int, int, int]:
-    """The Triton launchers' checks of the layout above; returns (num_requests, num_heads,
-    num_kv_heads, head_dim, block_size, group)."""
-    # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D)
-    num_requests = seq_lens.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    assert q.dim() == 3 and q.stride(2) == 1, f"q must be (T, H_q, D) with contiguous D, got {list(q.shape)}"
-    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[4] == head_dim, (
-        f"kv_cache {list(kv_cache.shape)} must be (num_blocks, 2, block_size, H_kv, {head_dim})"
-    )
-    assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
-    assert num_heads % num_kv_heads == 0, f"H_q {num_heads} is not a multiple of H_kv {num_kv_heads}"
-    assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
-    assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
-    return num_requests, num_heads, num_kv_heads, head_dim, block_size, num_heads // num_kv_heads
+    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    if k is not None:
+        kv_store(k, v, kv_cache, slot_mapping)
+    args = (q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if q.shape[0] else 0
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        return paged_decode(*args, max_seq_len=max_seq_len)
+    return paged_prefill(*args, max_query_len=max_query_len)

@@ -1,11 +1,10 @@
-"""RMSNorm and the residual add fused with it: Triton kernels and their torch references.
+"""RMSNorm and the residual add fused with it: Triton kernels for the references in optc.ops.norm.
 
 Numerical policy (the same as transformers' LlamaRMSNorm): the mean of squares and the rsqrt are
 fp32; the normalized value is cast to the input dtype before the weight multiplies it. One program
 normalizes one row; the whole row sits in registers (hidden sizes up to 16384 fit).
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm_ref(x, weight, eps) for x: (..., H)."""
+    """optc.ops.norm.rms_norm_ref(x, weight, eps) for x: (..., H)."""
     out, _ = _launch(x, None, weight, eps)
     return out
 
@@ -53,25 +52,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """add_rms_norm_ref: (rms_norm(x + residual), x + residual)."""
+    """optc.ops.norm.add_rms_norm_ref: (rms_norm(x + residual), x + residual)."""
     assert residual.shape == x.shape, f"residual {list(residual.shape)} != x {list(x.shape)}"
     assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
     return _launch(x, residual, weight, eps)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: (T, H), weight: (H,)
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
-    summed = x + residual
-    return rms_norm_ref(summed, weight, eps), summed
 
 
 def _launch(x, residual, weight, eps):

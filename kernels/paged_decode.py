@@ -10,11 +10,15 @@ normalized partial output with its running max and sum, and a second kernel comb
 K/V tokens are gathered through the block table (`BLOCK_N` tokens per step, any number of cache
 blocks), so the kernel does not depend on the cache's block size. Softmax math is fp32 (exp2 with
 the scale folded into log2 e); P is cast to the cache dtype for the second dot; the output is cast
-on store. Semantics are paged_attention_ref's for requests whose query length is 1 (a request with
-seq_len 0 gets zeros).
+on store. Semantics are optc.ops.attention.paged_attention_ref's for requests whose query length
+is 1 (a request with seq_len 0 gets zeros).
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and `num_splits` heuristics are untuned.
+Splits (`split_shape`): at batch 1 a long context is the only parallelism there is, so the
+heuristic aims at TARGET_PROGRAMS (about four waves of an H100's 132 SMs: one wave of 8 KV heads x
+16 splits left most SMs idle while the slowest program finished), in splits down to MIN_SPLIT_TOKENS
+(one BLOCK_N step); each split adds an fp32 partial row per query head, a few percent of the KV bytes
+it reads. Tests compare it with its op's torch reference (optc.ops), on the CPU under
+TRITON_INTERPRET=1, and the compile check builds it for sm_90.
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._attend import attend
+from optc.kernels._attend import attend, check_paged_args
 from optc.kernels._dot import fp32_dot
-from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per inner step
-TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
+TARGET_PROGRAMS = 4 * 132  # about four waves on an H100's 132 SMs
+MIN_SPLIT_TOKENS = BLOCK_N  # the smallest split: one inner step
 
 
 @triton.jit
@@ -132,10 +136,7 @@ def paged_decode(
     if num_requests == 0:
         return out
     max_seq_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    if num_splits is None:
-        num_splits = _num_splits(num_requests * num_kv_heads, max_seq_len)
-    tokens_per_split = triton.cdiv(max(triton.cdiv(max_seq_len, num_splits), 1), BLOCK_N) * BLOCK_N
-    num_splits = max(triton.cdiv(max_seq_len, tokens_per_split), 1)
+    num_splits, tokens_per_split = split_shape(num_requests * num_kv_heads, max_seq_len, num_splits)
     is_split = num_splits > 1
     if is_split:
         part = torch.empty(num_requests, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -165,13 +166,13 @@ def paged_decode(
     return out
 
 
-def paged_decode_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
-    """The specification: paged_attention_ref (query length 1 per request)."""
-    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
-
-
-def _num_splits(num_groups: int, max_seq_len: int) -> int:
-    # split only when (request, KV head) programs leave the GPU idle, and keep >= 256 tokens a split
-    if num_groups >= TARGET_PROGRAMS:
-        return 1
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, num_groups), triton.cdiv(max_seq_len, 256)))
+def split_shape(num_groups: int, max_seq_len: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for `num_groups` (request, KV head) pairs: the decode kernel
+    launches num_groups * num_splits programs. `num_splits` overrides the heuristic, which splits
+    only when the groups leave the GPU short of TARGET_PROGRAMS, into splits of at least
+    MIN_SPLIT_TOKENS. Splits are whole BLOCK_N steps; none is empty at `max_seq_len`."""
+    if num_splits is None:
+        wanted = 1 if num_groups >= TARGET_PROGRAMS else triton.cdiv(TARGET_PROGRAMS, num_groups)
+        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+    tokens_per_split = triton.cdiv(max(triton.cdiv(max_seq_len, num_splits), 1), BLOCK_N) * BLOCK_N
+    return max(triton.cdiv(max_seq_len, tokens_per_split), 1), tokens_per_split

@@ -1,4 +1,5 @@
-"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache.
+"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache
+(optc.ops.attention describes the layout and the reference).
 
 The K/V of every token, the earlier context's and this step's, are read from the paged cache (the
 store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
@@ -10,8 +11,7 @@ head of the group) pairs flattened as row = i * G + g, so each K/V tile is read 
 The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
 (exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot; cast on store.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it, and the tile sizes are untuned.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._attend import attend
+from optc.kernels._attend import attend, check_paged_args
 from optc.kernels._dot import fp32_dot
-from optc.kernels.attention import check_paged_args, paged_attention_ref
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 64  # (query token, head) rows per program
@@ -105,8 +104,3 @@ def paged_prefill(
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out
-
-
-def paged_prefill_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
-    """The specification: paged_attention_ref."""
-    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)

@@ -1,5 +1,5 @@
 """Rotary position embedding (rotate-half / NeoX form, as in HF Llama), and rope fused with the
-KV-cache store: Triton kernel and torch references.
+KV-cache store: a Triton kernel for the references in optc.ops.rope and optc.ops.attention.
 
 `cos_sin`: (max_positions, D) fp32, [cos(p * inv_freq) | sin(p * inv_freq)] per position p, built
 once at load time from the model's rope parameters (see optc.rope). Math is fp32, cast on store.
@@ -9,8 +9,7 @@ paged cache through the slot mapping; one program per token), `rope` (rotate one
 `kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
 cache dtype, exactly as the reference's two steps do.
 
-Correctness is checked under TRITON_INTERPRET=1 on the CPU; it has not been run on a CUDA device in
-the session that wrote it.
+Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from optc.kernels.attention import kv_store_ref
 
 
 @triton.jit
@@ -87,7 +84,7 @@ def rope_kv_store(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`; returns rotated q."""
+    """optc.ops.rope.rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`; returns rotated q."""
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache: (num_blocks, 2, block_size, H_kv, D)
     _check(q, positions, cos_sin)
     _check_kv(k, v, kv_cache, slot_mapping, q.shape[0], q.shape[2])
@@ -97,7 +94,7 @@ def rope_kv_store(
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """rope_ref: x: (T, H, D) rotated by the angles of `positions`."""
+    """optc.ops.rope.rope_ref: x: (T, H, D) rotated by the angles of `positions`."""
     _check(x, positions, cos_sin)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, None, None, out, positions, cos_sin, None, None, rotate_k=False)
@@ -105,33 +102,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
+    """optc.ops.attention.kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
     _check_kv(k, v, kv_cache, slot_mapping, k.shape[0], k.shape[2])
     _launch(None, k, v, None, slot_mapping, None, kv_cache, slot_mapping, rotate_k=False)
-
-
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    # x: (T, H, D), positions: (T,), cos_sin: (P, D)
-    half = x.shape[-1] // 2
-    cs = cos_sin[positions].unsqueeze(1)  # (T, 1, D)
-    cos, sin = cs[..., :half], cs[..., half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def rope_kv_store_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """Rotates q and k, stores rotated k and v into `kv_cache` through `slot_mapping`; returns q."""
-    # q: (T, H_q, D), k, v: (T, H_kv, D)
-    kv_store_ref(rope_ref(k, positions, cos_sin), v, kv_cache, slot_mapping)
-    return rope_ref(q, positions, cos_sin)
 
 
 def _check(x, positions, cos_sin):

@@ -47,6 +47,7 @@ class BenchOptions:
     hf_model_dir: Path | None = None  # compare with this HF checkpoint instead of the source (implies compare_hf)
     seed: int = 0
     show_progress: bool = True
+    verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -100,20 +101,25 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
     if options.max_num_seqs is not None:
         overrides["max_num_seqs"] = options.max_num_seqs
-    engine = Engine.load(options.artifact, device=options.device, **overrides)
+    engine = Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
     prompts = _prompts(options, engine)
     longest = max(len(p) for p in prompts) + options.output_len
     if longest > engine.max_model_len:
         raise InputError(f"prompt + output_len = {longest} tokens exceeds the context ({engine.max_model_len})")
     params = SamplingParams(max_tokens=options.output_len, ignore_eos=True)
     # warm-up at the run's prefill length, then decode steps of 2 rows and of 1 (the quantized
-    # GEMMs autotune M == 1, 2..16 and larger M apart, keyed by the linears' shapes, not by the
-    # token count), so Triton's compiles and autotuning happen before the clock starts; prompts of
-    # one repeated token share no cached block with the workload; counters are taken as differences
+    # GEMMs autotune per bucket of M, the token count, and per linear shape), so Triton's compiles
+    # and autotuning happen before the clock starts; on CUDA also the run's batch (its chunked
+    # prefills and decode rows reach the same M buckets as the run's); prompts of one repeated token
+    # share no cached block with the workload; counters are taken as differences
     length = min(len(p) for p in prompts)
     warm = min(2, engine.config.max_num_seqs)
     engine.generate([[1] * length, [2] * length][:warm],
                     [SamplingParams(max_tokens=3), SamplingParams(max_tokens=2)][:warm])
+    if engine.device.type == "cuda" and len(prompts) > warm:
+        batch = min(len(prompts), engine.config.max_num_seqs)
+        warm_prompts = [[3 + i % (engine.vocab_size - 3)] * length for i in range(batch)]
+        engine.generate(warm_prompts, SamplingParams(max_tokens=2))
     before = engine.stats()
     is_cuda = engine.device.type == "cuda"
     if is_cuda:
@@ -229,6 +235,8 @@ def _run_hf(options: BenchOptions, prompts: list[list[int]], device: torch.devic
     model, what = _hf_model(options, device, dtype)
     if device.type == "cuda":
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # transformers would also compile __call__ for a static cache on CUDA: one compile, not two
+        model.generation_config.disable_compile = True
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run(batch: list[list[int]], num_new: int) -> int:
@@ -274,7 +282,9 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
         # compared with a dense LlamaForCausalLM holding the same weights, as random: sources are
         if kind == "random" or (kind == "gguf" and _is_dense(Path(options.artifact))):
             what = source.get("id") or Path(source["path"]).name
-            return _hf_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
+            from optc.models.llama import hf_model_from_artifact
+
+            return hf_model_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
         if kind == "hf_dir":
             path, kwargs = source["path"], {}
         elif kind == "hub":
@@ -294,41 +304,3 @@ def _is_dense(path: Path) -> bool:
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
     return not any(graph.tensors[t].format.is_quantized for t in graph.used_tensors())
 
-
-def _hf_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
-    from transformers import LlamaForCausalLM
-
-    from optc.formats import FormatKind
-    from optc.frontend import hf_llama_config
-    from optc.ir import Graph
-    from optc.store import TensorStore
-
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-    quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
-    if quantized:
-        raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
-                         "transformers checkpoint; transformers can only be rebuilt from a dense artifact "
-                         "(compare with the dense build)")
-    store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
-    state: dict[str, torch.Tensor] = {}
-    for node in graph.nodes:  # HF names: fused linears keep the original names as their outputs
-        for role, name in node.params.items():
-            weight = store.get(name).to(device, dtype)
-            if node.op == "linear" and node.attrs.get("split"):
-                state.update({f"{out}.{role}": w for out, w in
-                              zip(node.outputs, weight.split(node.attrs["split"], 0), strict=True)})
-            else:
-                state[name] = weight
-    config = hf_llama_config(graph.config, dtype=dtype)
-    with torch.device("meta"):  # no random init: the weights are assigned below
-        model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if graph.config.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise InputError(f"--compare-hf: {path} does not map onto LlamaForCausalLM (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]})")
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)  # a non-persistent buffer
-    return model.eval()

@@ -13,10 +13,11 @@ import torch
 
 import optc
 from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
-from optc.frontend import load_source
+from optc.errors import UserError
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
 from optc.recipe import Recipe, RecipeError, load_recipe
+from optc.sources import load_source
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,24 @@ class BuildOptions:
     verify_each: bool = False
     dump_ir: Path | None = None
     quiet: bool = False
+    device: str | None = None  # where the calibration passes run: cuda | cpu; None = cuda when a GPU is visible
+
+
+def calibration_device(name: str | None) -> torch.device:
+    """The device the calibration passes (AWQ, GPTQ) run on: `name`, or the GPU when one is visible."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"--device {name!r}: allowed values are cpu and cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: torch sees no CUDA GPU on this machine (torch.cuda.is_available() is "
+                        f"False; torch {torch.__version__}); build with --device cpu")
+    return torch.device(name)
 
 
 def build(options: BuildOptions) -> Path:
     recipe = load_recipe(options.recipe, list(options.overrides), options.model)
+    device = calibration_device(options.device)  # refuse before any heavy work
     if recipe.model is None:
         raise RecipeError("no model to build: set `model:` in the recipe or pass --model")
     stem = Path(options.recipe).stem if options.recipe else "artifact"
@@ -53,6 +68,7 @@ def build(options: BuildOptions) -> Path:
             generator=torch.Generator().manual_seed(recipe.calibration.seed),
             progress=say,
             show_progress_bars=not options.quiet,
+            device=device,
         )
         ctx.calibration_tokens = _calibration(recipe, source, Path(tok_dir), ctx)
         manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
@@ -118,13 +134,13 @@ def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
 
 
 def _toolchain() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
+    try:  # the installed version, without importing triton (a CPU build never does)
+        versions["triton"] = version("triton")
+    except PackageNotFoundError:
         versions["triton"] = None
     return versions

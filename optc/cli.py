@@ -17,6 +17,7 @@ from pathlib import Path
 import typer
 
 from optc.errors import UserError
+from optc.export import ExportFormat, Flavor
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -74,13 +75,18 @@ def build(
         None, "--dump-ir", help="Write the IR as text before and after every pass into this folder."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress output."),
+    device: str | None = typer.Option(
+        None, "--device",
+        help="Where the calibration passes (quantize_awq, quantize_gptq) run, one decoder block at a time: "
+        "cuda or cpu (default: cuda when torch sees a GPU, else cpu). Other passes run on the CPU.",
+    ),
 ) -> None:
     """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
     from optc.build import BuildOptions
     from optc.build import build as run_build
 
     with _user_errors():
-        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet))
+        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device))
     typer.echo(str(path))
 
 
@@ -190,7 +196,7 @@ def eval_(
 
 @app.command()
 def bench(
-    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    artifact: Path | None = typer.Argument(None, help="Artifact folder (not with --url)."),
     num_requests: int = typer.Option(64, "--num-requests", min=1, help="Requests, all submitted at once."),
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens per request (random token ids, "
                                   "seeded; ignored with --dataset)."),
@@ -206,10 +212,33 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (output_tokens_per_s, "
                                  "total_tokens_per_s, ttft_ms, tpot_ms, peak_memory_bytes, ...)."),
+    url: str | None = typer.Option(None, "--url", help="Load-test a running OpenAI-compatible server at this base "
+                                   "URL (e.g. http://127.0.0.1:8000) instead of an artifact in-process: streaming "
+                                   "requests, greedy, EOS ignored; key from env OPTC_API_KEY."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", help="With --url: requests per second, "
+                                       "Poisson arrivals (inf = all at once)."),
+    max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="With --url: requests in "
+                                               "flight at most (default: no limit)."),
 ) -> None:
-    """Offline serving benchmark: throughput, TTFT/TPOT percentiles, peak memory and KV usage."""
+    """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
+    or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
     from optc.bench import BenchOptions, format_bench, run_bench
 
+    if url is not None or artifact is None:
+        from optc.loadgen import LoadOptions, format_load, run_load
+
+        with _user_errors():
+            if (url is None) == (artifact is None):
+                raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
+            in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
+                          "--compare-hf": compare_hf}
+            if any(in_process.values()):
+                raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
+                                "it is the server's setting")
+            result = run_load(LoadOptions(url, num_requests, input_len, output_len, request_rate, max_concurrency,
+                                          dataset, seed, show_progress=not as_json))
+        typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
+        return
     with _user_errors():
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json)
@@ -281,6 +310,66 @@ def compare(
         typer.echo(f"regression: {line}", err=True)
     if result.regressions:
         raise typer.Exit(1)
+def serve(
+    artifact: Path = typer.Argument(..., help="Artifact folder."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes "
+                             "the server to the network)."),
+    port: int = typer.Option(8000, "--port", help="Port to bind (0 = any free port; the URL is printed when ready)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPTC_API_KEY", help="Require "
+                                       "'Authorization: Bearer KEY' on /v1/* (default: env OPTC_API_KEY; none = "
+                                       "no key)."),
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model name clients send "
+                                                 "and /v1/models lists (default: the artifact folder's name)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests batched together at "
+                                            "most (default: the artifact's runtime.max_batch_size)."),
+    max_waiting: int = typer.Option(1024, "--max-waiting", min=0, help="Requests that may wait beyond the running "
+                                    "ones; more get 503."),
+    allowed_origin: list[str] = typer.Option([], "--allowed-origin", help="Allow browser requests (CORS) from "
+                                             "this origin, e.g. http://localhost:3000 (repeatable; none = no CORS)."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log every request line and body (off: "
+                                      "bodies are never logged)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
+                                           "get to finish after SIGTERM/SIGINT before they are cancelled."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+) -> None:
+    """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
+    plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
+    with _user_errors():
+        try:
+            from optc.runtime.server import ServeOptions
+            from optc.runtime.server import serve as run_server
+        except ImportError as e:
+            raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
+        options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
+                               tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify)
+        run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
+
+
+@app.command()
+def export(
+    artifact: Path = typer.Argument(..., help="Artifact folder to export."),
+    out: Path = typer.Option(..., "--out", help="Output folder (written whole, then renamed into place)."),
+    format_: ExportFormat = typer.Option(
+        ExportFormat.ONNX, "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized "
+        "TensorRT engine built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
+    ),
+    flavor: Flavor = typer.Option(
+        Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
+        "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
+        "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output folder once the new one is whole."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+    as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
+) -> None:
+    """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
+    from optc.export import ExportOptions
+    from optc.export import export as run_export
+
+    with _user_errors():
+        result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
 
 
 @app.command()

@@ -126,7 +126,7 @@ def load_model(model) -> Loaded:
 
         artifact = read(path)  # sizes and sha256, graph against weights, as the runtime loads it
         return Loaded(artifact.graph, artifact.store, _tokenizer(artifact.tokenizer_dir))
-    from optc.frontend import load_source
+    from optc.sources import load_source
 
     source = load_source(str(model))
     with tempfile.TemporaryDirectory(prefix="optc-eval-tok-") as tmp:

@@ -3,8 +3,8 @@ their last use.
 
 Used by the runtime (paged KV caches that persist across steps) and by calibration and evaluation
 in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer). Binding is
-by the node's `kernel` attr: `torch` (the default) is the op's reference in optc.ops; other names
-resolve through the `impls` table the caller passes (the runtime passes the Triton table). This
+by `Node.kernel`: `torch` (the default) is the op's reference in optc.ops; other names resolve
+through the `impls` table the caller passes (the runtime passes the Triton table). This
 module imports no runtime machinery: a batch is any object with ForwardBatch's fields.
 """
 
@@ -15,12 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optc.formats import part_name
-from optc.ir import Graph, Node
-from optc.ops import OPS, Param
+from optc.formats import DTYPES, part_name
+from optc.ir import REFERENCE_KERNEL, Graph, Node
+from optc.ops import OPS, Impl, Param
 from optc.store import TensorStore
-
-Impl = Callable[[Node, list, dict, "Step"], list]
 
 
 @dataclass
@@ -65,15 +63,15 @@ class Executor:
         impls = impls or {}
         self._impls: list[Impl] = []
         for n in graph.nodes:
-            kernel = n.attrs.get("kernel", "torch")
-            if kernel == "torch":
+            kernel = n.kernel
+            if kernel == REFERENCE_KERNEL:
                 self._impls.append(OPS[n.op].ref)
             elif kernel in impls:
                 self._impls.append(impls[kernel])
             else:
                 raise ValueError(
                     f"node {n.name!r} is bound to kernel {kernel!r}, which this runtime lacks "
-                    f"(available: torch, {', '.join(sorted(impls)) or 'nothing else'})"
+                    f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
                 )
         self._node_params = [{r: params[t] for r, t in n.params.items()} for n in graph.nodes]
         last_use: dict[str, int] = {}
@@ -147,7 +145,6 @@ def run_dense(executor: Executor, input_ids: torch.Tensor, hook=None, all_logits
     n, s = input_ids.shape
     some = next(iter(executor.params.values())).parts
     dev = next(iter(some.values())).device
-    dtype = executor.graph.tensors[executor.graph.used_tensors()[0]].format.torch_dtype
-    step = dense_step(executor.graph, n, s, dev, dtype, all_logits=all_logits)
+    step = dense_step(executor.graph, n, s, dev, DTYPES[executor.graph.config.dtype], all_logits=all_logits)
     logits = executor.run(input_ids.reshape(-1).to(dev), step, hook)["logits"]
     return logits.view(n, s if all_logits else 1, -1)

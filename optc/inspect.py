@@ -35,7 +35,7 @@ def summarize(path: str | Path) -> dict:
         "total_bytes": sum(f["bytes"] for f in m["files"].values()),
         "num_nodes": len(graph.nodes),
         "ops": dict(sorted(Counter(n.op for n in graph.nodes).items())),
-        "kernels": {n.name: n.attrs.get("kernel", "torch") for n in graph.nodes},
+        "kernels": {n.name: n.kernel for n in graph.nodes},
     }
 
 

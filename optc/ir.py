@@ -2,7 +2,8 @@
 
 What it is: the model config, graph inputs/outputs, nodes in execution order, and the tensor table
 (logical name -> shape and storage format). What it is not: it holds no tensor data (that is the
-TensorStore's) and knows nothing of kernels beyond the `kernel` attr `select_kernels` records.
+TensorStore's) and knows nothing of kernels beyond the `kernel` attr `select_kernels` records
+(`Node.kernel`: that attr, or `REFERENCE_KERNEL`, the op's torch reference in optc.ops).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from optc.formats import Format
 
 GRAPH_INPUTS = ("input_ids", "positions")
 GRAPH_OUTPUTS = ("logits",)
+REFERENCE_KERNEL = "torch"  # a node without a `kernel` attr runs its op's torch reference
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # activations between nodes (and the default KV cache dtype)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -74,6 +77,11 @@ class Node:
     outputs: list[str]
     attrs: dict[str, Any] = field(default_factory=dict)
     params: dict[str, str] = field(default_factory=dict)  # role -> logical tensor name
+
+    @property
+    def kernel(self) -> str:
+        """The implementation the node is bound to: a kernel name, or the op's torch reference."""
+        return self.attrs.get("kernel", REFERENCE_KERNEL)
 
     def to_json(self) -> dict:
         return {
@@ -134,13 +142,13 @@ class Graph:
 
     @staticmethod
     def from_json(d: dict) -> Graph:
-        return Graph(
-            config=ModelConfig.from_json(d["config"]),
-            nodes=[Node(**n) for n in d["nodes"]],
-            tensors={k: TensorInfo.from_json(v) for k, v in d["tensors"].items()},
-            inputs=tuple(d["inputs"]),
-            outputs=tuple(d["outputs"]),
-        )
+        nodes = [Node(**n) for n in d["nodes"]]
+        tensors = {k: TensorInfo.from_json(v) for k, v in d["tensors"].items()}
+        config = d["config"]
+        first = next((t for n in nodes for t in n.params.values()), None)
+        if "dtype" not in config and first is not None:  # a config that predates `dtype`: the embedding's
+            config = {**config, "dtype": tensors[first].format.dtype}
+        return Graph(ModelConfig.from_json(config), nodes, tensors, tuple(d["inputs"]), tuple(d["outputs"]))
 
     def text(self) -> str:
         """A readable dump: one line per node, `outs = op(ins) {attrs} [role=tensor:format]`."""

@@ -1,9 +1,9 @@
 """The pass contract and the PassManager.
 
-A pass is one class in one file of `passes/`, its `name` equal to the file stem, with an `Options`
-frozen dataclass (its recipe options) and `requires(graph)`, `run(graph, store, ctx) ->
-PassResult`, `ensures(graph)`. Passes return new objects rather than mutating their inputs, and a
-second run of the same pass reports `changed=False`.
+A pass is one class in one file of `passes/`, a subclass of `Pass`: its `name` is the file stem, it
+may declare an `Options` frozen dataclass (its recipe options) and override `requires(graph)` and
+`ensures(graph)`, and it implements `run(graph, store, ctx) -> PassResult`. Passes return new
+objects rather than mutating their inputs, and a second run of the same pass reports `changed=False`.
 
 The manager runs the recipe's ordered list, times each pass, verifies after each on request, dumps
 the IR after each (`dump_ir`), prints a progress line per pass, and on failure names the failing
@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,15 +55,38 @@ class PassContext:
     show_progress_bars: bool = False
     calibration_tokens: Callable[[], torch.Tensor] | None = None  # (samples, seq_len) int64, computed once
     calibration_record: dict[str, Any] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where calibration passes compute
 
 
-class Pass(Protocol):
-    name: ClassVar[str]
-    Options: ClassVar[type]
+class Pass:
+    """The base of every pass: what a pass file does not have to say.
 
-    def requires(self, graph: Graph) -> None: ...
-    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult: ...
-    def ensures(self, graph: Graph) -> None: ...
+    `name` is the stem of the pass's file (passes/cast.py -> "cast"); `Options` (the recipe options)
+    is empty unless the pass declares its own frozen dataclass; `requires` and `ensures` check nothing
+    unless the pass overrides them. A pass implements `run`.
+    """
+
+    name: ClassVar[str] = ""
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.__module__.rsplit(".", 1)[-1]
+
+    def __init__(self, options: Any = None):
+        self.options = options if options is not None else self.Options()
+
+    def requires(self, graph: Graph) -> None:
+        """Raise when the input graph is not one this pass can run on."""
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        raise NotImplementedError(f"{type(self).__name__} does not implement run")
+
+    def ensures(self, graph: Graph) -> None:
+        """Raise when the output graph breaks what this pass promises."""
 
 
 @dataclass
@@ -85,11 +108,10 @@ def registry() -> dict[str, type]:
         if m.name.startswith("_"):
             continue
         module = importlib.import_module(f"optc.passes.{m.name}")
-        cls = next(
-            (c for c in vars(module).values() if isinstance(c, type) and getattr(c, "name", None) == m.name), None
-        )
+        cls = next((c for c in vars(module).values()
+                    if isinstance(c, type) and issubclass(c, Pass) and c.__module__ == module.__name__), None)
         if cls is None:
-            raise ImportError(f"passes/{m.name}.py defines no pass class with name = {m.name!r}")
+            raise ImportError(f"passes/{m.name}.py defines no subclass of optc.passmanager.Pass")
         found[m.name] = cls
     return found
 

@@ -21,6 +21,9 @@ import yaml
 from optc.schema import RecipeError, json_schema, validate
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+# decode batch sizes captured as CUDA graphs: the cuda_graphs pass's default, and the runtime's for an
+# artifact that records no plan
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Target(StrEnum):

@@ -1,9 +1,18 @@
-"""Test helpers shared by the suite and the benchmarks: `assert_close` and the SmolLM2 checkpoint."""
+"""Test helpers shared by the suite and the benchmarks: `assert_close`, the SmolLM2 checkpoint and a
+live `optc serve` process."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,7 +51,8 @@ def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
     from transformers import LlamaForCausalLM
 
-    from optc.frontend import hf_llama_config, load_source
+    from optc.models.llama import hf_llama_config
+    from optc.sources import load_source
 
     src = load_source("random:tiny")
     hf = LlamaForCausalLM(hf_llama_config(src.graph.config))
@@ -96,3 +106,43 @@ def smollm2_hf_checkpoint() -> Path:
     AutoTokenizer.from_pretrained(str(src), gguf_file=SMOLLM2_GGUF).save_pretrained(str(tmp))
     tmp.rename(out)
     return out
+
+
+@contextlib.contextmanager
+def serve_process(artifact: Path, *args: str, timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`optc serve ARTIFACT ARGS` on 127.0.0.1 and a free port: yields (base URL, process) once
+    /health answers 200, and always ends the process (SIGTERM, then SIGKILL after 10 s)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    optc = Path(sys.executable).parent / "optc"
+    command = [str(optc), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"optc serve exited with {process.returncode}: {log.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"optc serve did not become healthy within {timeout} s")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()

@@ -17,7 +17,7 @@ from optc.store import Entry, TensorStore
 def can_fuse(graph: Graph, nodes: list[Node | None]) -> bool:
     if any(n is None or n.op != "linear" or len(n.outputs) != 1 or "split" in n.attrs for n in nodes):
         return False
-    if len({n.inputs[0] for n in nodes}) != 1 or len({n.attrs.get("kernel", "torch") for n in nodes}) != 1:
+    if len({n.inputs[0] for n in nodes}) != 1 or len({n.kernel for n in nodes}) != 1:
         return False
     formats = {graph.tensors[n.params["weight"]].format for n in nodes}
     has_bias = {"bias" in n.params for n in nodes}

@@ -1,4 +1,5 @@
-"""Cast dense weights (and the scales of quantized ones) to one floating dtype."""
+"""Cast dense weights (and the scales of quantized ones) to one floating dtype, and record it as the
+activation dtype (`graph.config.dtype`)."""
 
 from __future__ import annotations
 
@@ -6,26 +7,18 @@ from dataclasses import dataclass, field, replace
 
 from optc.formats import DTYPES, FormatKind, part_name
 from optc.ir import Graph, TensorInfo
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore, transformed
 
 
-class Cast:
+class Cast(Pass):
     """Cast dense weights (and the scales of quantized ones) to one floating dtype."""
-
-    name = "cast"
 
     @dataclass(frozen=True)
     class Options:
         dtype: str | None = field(
             default=None, metadata={"choices": tuple(DTYPES), "help": "target dtype; default: the recipe's dtype"}
         )
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         dtype = self.options.dtype or ctx.dtype
@@ -42,9 +35,7 @@ class Cast:
             entries[key] = transformed(store.entry(key), lambda t, to=to: t.to(to), dtype=to)
             new_graph.tensors[name] = TensorInfo(info.shape, replace(fmt, dtype=dtype))
             cast += 1
-        if not cast:
+        if not cast and graph.config.dtype == dtype:
             return PassResult(graph, store, changed=False, stats={"cast": 0, "dtype": dtype})
+        new_graph.config = replace(graph.config, dtype=dtype)  # activations follow the weights
         return PassResult(new_graph, store.with_entries(entries), changed=True, stats={"cast": cast, "dtype": dtype})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

@@ -14,22 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optc.ir import Graph
-from optc.passmanager import PassContext, PassResult
+from optc.ops import host_syncing_nodes
+from optc.passmanager import Pass, PassContext, PassResult
+from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.store import TensorStore
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-# ops whose torch references read device values on the host (int(seq_lens.max()), boolean masks)
-SYNCING_REFERENCE_OPS = ("attention", "rope_kv_store")
 
-
-class CudaGraphs:
+class CudaGraphs(Pass):
     """Plan the CUDA-graph batch-size buckets of decode steps and record them in the manifest."""
-
-    name = "cuda_graphs"
 
     @dataclass(frozen=True)
     class Options:
-        batch_sizes: tuple[int, ...] = field(default=DEFAULT_BATCH_SIZES, metadata={
+        batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES, metadata={
             "min": 1, "help": "decode batch sizes to capture a graph for (sorted and deduplicated)"})
 
         def __post_init__(self) -> None:
@@ -41,20 +37,13 @@ class CudaGraphs:
                 raise ValueError(f"cuda_graphs: batch_sizes must be ints >= 1, got {bad}")
             object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
 
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
-
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         if ctx.target != "cuda":
             stats = {"target": ctx.target, "batch_sizes": [], "note": "no-op: CUDA graphs need target cuda"}
             return PassResult(graph, store, changed=False, stats=stats)
         sizes = list(self.options.batch_sizes)
         # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
-        eager_only = [n.name for n in graph.nodes
-                      if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+        eager_only = [n.name for n in host_syncing_nodes(graph)]
         if eager_only:
             ctx.progress(f"cuda_graphs: {len(eager_only)} KV node(s) run on torch references that sync "
                          f"(first: {eager_only[0]}); the runtime will not capture graphs "
@@ -63,6 +52,3 @@ class CudaGraphs:
                  "num_eager_only_nodes": len(eager_only)}
         return PassResult(graph, store, changed=False, stats=stats,
                           manifest={"cuda_graphs": {"batch_sizes": sizes}})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

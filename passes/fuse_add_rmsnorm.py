@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from optc.ir import Graph, Node
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 
-class FuseAddRmsnorm:
+class FuseAddRmsnorm(Pass):
     """Fuse each residual add with the RMSNorm that reads its sum into one add_rms_norm."""
-
-    name = "fuse_add_rmsnorm"
-
-    @dataclass(frozen=True)
-    class Options:
-        pass
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         producer = graph.producers()
@@ -44,10 +30,16 @@ class FuseAddRmsnorm:
             if node.name in fused_norms:
                 continue
             norm = pairs.get(node.name)
-            # at the add's position: x and r are defined, and defining the norm earlier is always safe
-            nodes.append(node if norm is None else Node(
-                norm.name, "add_rms_norm", list(node.inputs), [norm.outputs[0], node.outputs[0]],
-                {"eps": norm.attrs["eps"]}, dict(norm.params)))
+            if norm is None:
+                nodes.append(node)
+                continue
+            # at the add's position: x and r are defined, and defining the norm earlier is always safe.
+            # It belongs to the norm's decoder block (layer i + 1 for layer i's mlp residual, none for the
+            # final norm), not the add's: its normed output feeds only that block's linears, and AWQ folds
+            # their scales into this norm's weight, which it does only for a norm inside their block.
+            layer = {"layer": norm.attrs["layer"]} if "layer" in norm.attrs else {}
+            nodes.append(Node(norm.name, "add_rms_norm", list(node.inputs), [norm.outputs[0], node.outputs[0]],
+                              {"eps": norm.attrs["eps"], **layer}, dict(norm.params)))
         graph.nodes = nodes
         return PassResult(graph, store, changed=True, stats={"fused": len(pairs)})
 

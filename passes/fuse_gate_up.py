@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from optc.ir import Graph
 from optc.passes._linears import can_fuse, fuse
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 
-class FuseGateUp:
+class FuseGateUp(Pass):
     """Fuse the gate and up projections of each MLP into one linear with split outputs."""
-
-    name = "fuse_gate_up"
-
-    @dataclass(frozen=True)
-    class Options:
-        pass
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         producer = graph.producers()
@@ -39,6 +25,3 @@ class FuseGateUp:
             return PassResult(graph, store, changed=False, stats={"fused": 0})
         graph, store = fuse(graph, store, groups, "gate_up_proj")
         return PassResult(graph, store, changed=True, stats={"fused": len(groups)})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

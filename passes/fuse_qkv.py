@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from optc.ir import Graph
 from optc.passes._linears import can_fuse, fuse
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 
-class FuseQKV:
+class FuseQKV(Pass):
     """Fuse the q, k and v projections of each attention into one linear with split outputs."""
-
-    name = "fuse_qkv"
-
-    @dataclass(frozen=True)
-    class Options:
-        pass
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         producer = graph.producers()
@@ -47,6 +33,3 @@ class FuseQKV:
             return PassResult(graph, store, changed=False, stats={"fused": 0})
         graph, store = fuse(graph, store, groups, "qkv_proj")
         return PassResult(graph, store, changed=True, stats={"fused": len(groups)})
-
-    def ensures(self, graph: Graph) -> None:
-        pass

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from optc.ir import Graph, Node
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 
-class FuseRopeKv:
+class FuseRopeKv(Pass):
     """Fuse each rope with its attention's KV-cache store into one rope_kv_store."""
-
-    name = "fuse_rope_kv"
-
-    @dataclass(frozen=True)
-    class Options:
-        pass
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         producer, consumers = graph.producers(), graph.consumers()

@@ -6,29 +6,21 @@ from dataclasses import dataclass, field
 
 from optc.formats import DTYPES
 from optc.ir import Graph, Node
-from optc.passmanager import PassContext, PassResult
+from optc.ops import OPS
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
 BLOCK_SIZES = (16, 32)
-KV_OPS = ("attention", "rope_kv_store")  # nodes that read or write the cache
 
 
-class KvLayout:
+class KvLayout(Pass):
     """Choose the paged KV-cache layout (block size, dtype) and record it on every attention."""
-
-    name = "kv_layout"
 
     @dataclass(frozen=True)
     class Options:
         block_size: int = field(default=16, metadata={"choices": BLOCK_SIZES, "help": "tokens per KV block"})
         dtype: str | None = field(default=None, metadata={
             "choices": tuple(DTYPES), "help": "KV cache dtype; default: the recipe's dtype"})
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         block_size, dtype = self.options.block_size, self.options.dtype or ctx.dtype
@@ -38,17 +30,17 @@ class KvLayout:
         stats = {**layout, "bytes_per_token": c.num_layers * 2 * c.num_kv_heads * c.head_dim * DTYPES[dtype].itemsize}
         manifest = {"kv_layout": layout}
         attrs = {"kv_block_size": block_size, "kv_dtype": dtype}
-        todo = [n for n in graph.nodes if n.op in KV_OPS and any(n.attrs.get(k) != v for k, v in attrs.items())]
+        todo = [n for n in graph.nodes if _touches_kv(n) and any(n.attrs.get(k) != v for k, v in attrs.items())]
         if not todo:
             return PassResult(graph, store, changed=False, stats=stats, manifest=manifest)
         graph = graph.copy()
-        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, **attrs}, n.params) if n.op in KV_OPS
+        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, **attrs}, n.params) if _touches_kv(n)
                        else n for n in graph.nodes]
         return PassResult(graph, store, changed=True, stats=stats, manifest=manifest)
 
     def ensures(self, graph: Graph) -> None:
         for n in graph.nodes:
-            if n.op in KV_OPS and "kv_block_size" not in n.attrs:
+            if _touches_kv(n) and "kv_block_size" not in n.attrs:
                 raise AssertionError(f"{n.name}: no KV layout recorded")
 
     @staticmethod
@@ -59,7 +51,7 @@ class KvLayout:
             raise ValueError(f"kv_layout: dtype {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
         c = graph.config
         for n in graph.nodes:
-            if n.op not in KV_OPS:
+            if not _touches_kv(n):
                 continue
             a = n.attrs
             if (a["num_heads"], a["num_kv_heads"], a["head_dim"]) != (c.num_heads, c.num_kv_heads, c.head_dim):
@@ -69,3 +61,7 @@ class KvLayout:
         if target == "cuda" and (c.head_dim * DTYPES[dtype].itemsize) % 16:
             raise ValueError(f"kv_layout: head_dim {c.head_dim} in {dtype} gives {c.head_dim * DTYPES[dtype].itemsize}"
                              f"-byte rows; target cuda needs a multiple of 16 bytes (use another dtype or target cpu)")
+
+
+def _touches_kv(node: Node) -> bool:
+    return OPS[node.op].touches_kv_cache

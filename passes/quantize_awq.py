@@ -8,9 +8,8 @@ import torch
 
 from optc.ir import Graph, Node
 from optc.ops import Param
-from optc.passes.quantize_rtn import GROUP, dense_linear_weights, refuse_requantizing
-from optc.passmanager import PassContext, PassResult
-from optc.quant.awq import input_mean, search_clip, search_scale
+from optc.passmanager import Pass, PassContext, PassResult
+from optc.quant.awq import fold_into_linear, fold_into_norm, input_mean, search_clip, search_scale
 from optc.quant.blocks import (
     BlockRunner,
     apply,
@@ -20,34 +19,29 @@ from optc.quant.blocks import (
     linear_groups,
     progress,
     start_calibration,
+    to_host,
 )
-from optc.quant.rtn import make_format, quantize_weight
+from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
+from optc.quant.rtn import quantize_weight
 from optc.store import TensorStore
 
 ROPE_OPS = ("rope", "rope_kv_store")
 
 
-class QuantizeAwq:
+class QuantizeAwq(Pass):
     """Quantize every dense linear weight with AWQ scales and clipping, block by block on calibration tokens."""
 
-    name = "quantize_awq"
-
     @dataclass(frozen=True)
-    class Options:
+    class Options(WeightQuantOptions):
         bits: int = field(default=4, metadata={"choices": (4,), "help": "AWQ is int4 grouped"})
-        group_size: int = field(default=128, metadata=GROUP)
         zero_point: bool = field(default=True, metadata={"help": "asymmetric with a zero point per group"})
         n_grid: int = field(default=20, metadata={"min": 1, "max": 100, "help": "α grid points in [0, 1)"})
         clip: bool = field(default=True, metadata={"help": "search a clip value per group (not for q/k)"})
         search_samples: int = field(default=8, metadata={
             "min": 1, "help": "calibration windows the scale search runs the block on (statistics use all)"})
 
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-        make_format(self.options.bits, self.options.group_size, self.options.zero_point)
-
     def requires(self, graph: Graph) -> None:
-        refuse_requantizing(graph, self.name, self.options)
+        self.options.refuse_requantizing(graph, self.name)
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
@@ -69,29 +63,26 @@ class QuantizeAwq:
                 x = env[group[0].inputs[0]]
                 for n in group:
                     name = n.params["weight"]
-                    fmt = make_format(o.bits, o.group_size, o.zero_point, graph.tensors[name].format.dtype)
+                    fmt = o.format(graph.tensors[name].format.dtype)
                     w = params[name].parts["weight"]
                     feeds_rope = any(c.op in ROPE_OPS for v in n.outputs for c in consumers.get(v, []))
                     clip = search_clip(x, w, fmt, o.n_grid) if o.clip and not feeds_rope else None
                     parts = quantize_weight(w, fmt, name, clip=clip)
-                    quantized[name] = (fmt, parts)
+                    quantized[name] = (fmt, to_host(parts))
                     params[name] = Param(parts, fmt)
             runner.advance(block.nodes, params, block.outputs)
         missing = sorted(targets - set(quantized))
         if missing:
             raise ValueError(f"{self.name}: linears outside any decoder block: {missing[:3]}")
         graph, store = apply(graph, store, quantized, {t: w for t, w in folded.items() if t not in quantized})
-        section = {"method": "awq", "bits": o.bits, "group_size": o.group_size, "zero_point": o.zero_point,
-                   "n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples,
-                   "calibration": dict(ctx.calibration_record)}
+        section = {"method": "awq", **o.record(), "n_grid": o.n_grid, "clip": o.clip,
+                   "search_samples": o.search_samples, "calibration": dict(ctx.calibration_record)}
         stats = {"quantized": len(quantized), "scaled_groups": len(alphas),
                  "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None}
         return PassResult(graph, store, changed=True, stats=stats, manifest={"quantization": section})
 
     def ensures(self, graph: Graph) -> None:
-        left = dense_linear_weights(graph)
-        if left:
-            raise ValueError(f"{self.name}: linears left dense: {left[:3]}")
+        ensure_quantized(graph, self.name)
 
     def _scale_group(self, graph: Graph, nodes: list[Node], group: list[Node], runner: BlockRunner,
                      params: dict[str, Param], folded: dict[str, torch.Tensor]) -> float | None:
@@ -113,21 +104,17 @@ class QuantizeAwq:
             trial = {**params, **{t: dense_param(w) for t, w in zip(names, ws, strict=True)}}
             return runner.run(inside, trial, env=base, step=step)[out]
 
-        fmt = make_format(self.options.bits, self.options.group_size, self.options.zero_point,
-                          graph.tensors[names[0]].format.dtype)
+        fmt = self.options.format(graph.tensors[names[0]].format.dtype)
         found = search_scale(input_mean(x), [params[t].parts["weight"] for t in names], forward, fmt,
                              self.options.n_grid)
         s = found.scales
         for t in names:
             params[t] = dense_param(params[t].parts["weight"] * s)
         prev_name, rows = target
-        prev = params[prev_name].parts["weight"].clone()
-        if rows is None:
-            prev = prev / s
-        else:
-            prev[rows] = prev[rows] / s[:, None]
+        prev = params[prev_name].parts["weight"]  # fp32: the fold is computed in fp32, then rounded once
+        prev = fold_into_norm(prev, s) if rows is None else fold_into_linear(prev, s, rows)
         # round to the stored dtype now, so later calibration sees the artifact's values
         prev = prev.to(graph.tensors[prev_name].format.torch_dtype).float()
         params[prev_name] = dense_param(prev)
-        folded[prev_name] = prev
+        folded[prev_name] = prev.cpu()
         return found.alpha

@@ -6,35 +6,24 @@ from dataclasses import dataclass, field
 
 from optc.ir import Graph
 from optc.ops import Param
-from optc.passes.quantize_rtn import BITS, GROUP, dense_linear_weights, refuse_requantizing
-from optc.passmanager import PassContext, PassResult
-from optc.quant.blocks import apply, linear_groups, progress, start_calibration
+from optc.passmanager import Pass, PassContext, PassResult
+from optc.quant.blocks import apply, linear_groups, progress, start_calibration, to_host
 from optc.quant.gptq import Gptq
-from optc.quant.rtn import make_format
+from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
 from optc.store import TensorStore
 
 
-class QuantizeGptq:
+class QuantizeGptq(Pass):
     """Quantize every dense linear weight with GPTQ, block by block on the calibration tokens."""
 
-    name = "quantize_gptq"
-
     @dataclass(frozen=True)
-    class Options:
-        bits: int = field(default=4, metadata=BITS)
-        group_size: int = field(default=128, metadata=GROUP)
-        zero_point: bool = field(default=True, metadata={"help": "int4: asymmetric with a zero point per group"})
+    class Options(WeightQuantOptions):
         damp: float = field(default=0.01, metadata={"gt": 0.0, "max": 1.0, "help": "dampening, share of mean diag H"})
         block_size: int = field(default=128, metadata={"choices": (128, 256, 512), "help": "lazy update width"})
         act_order: bool = field(default=False, metadata={"help": "columns by decreasing diag H (static groups)"})
 
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-        o = self.options
-        make_format(o.bits, o.group_size, o.zero_point and o.bits == 4)
-
     def requires(self, graph: Graph) -> None:
-        refuse_requantizing(graph, self.name, self.options)
+        self.options.refuse_requantizing(graph, self.name)
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
@@ -58,23 +47,19 @@ class QuantizeGptq:
                         gptq.add_batch(x)
                         hessian = (gptq.hessian, gptq.num_samples)
                     gptq.hessian, gptq.num_samples = hessian  # same input, same H (run() copies it)
-                    fmt = make_format(o.bits, o.group_size, o.zero_point and o.bits == 4,
-                                      graph.tensors[name].format.dtype)
+                    fmt = o.format(graph.tensors[name].format.dtype)
                     parts = gptq.quantize(fmt, o.damp, o.block_size, o.act_order)
-                    quantized[name] = (fmt, parts)
+                    quantized[name] = (fmt, to_host(parts))
                     params[name] = Param(parts, fmt)
             runner.advance(block.nodes, params, block.outputs)
         missing = sorted(targets - set(quantized))
         if missing:
             raise ValueError(f"{self.name}: linears outside any decoder block: {missing[:3]}")
         graph, store = apply(graph, store, quantized, {})
-        section = {"method": "gptq", "bits": o.bits, "group_size": o.group_size if o.bits == 4 else None,
-                   "zero_point": o.zero_point and o.bits == 4, "damp": o.damp, "act_order": o.act_order,
+        section = {"method": "gptq", **o.record(), "damp": o.damp, "act_order": o.act_order,
                    "calibration": dict(ctx.calibration_record)}
         return PassResult(graph, store, changed=True, stats={"quantized": len(quantized)},
                           manifest={"quantization": section})
 
     def ensures(self, graph: Graph) -> None:
-        left = dense_linear_weights(graph)
-        if left:
-            raise ValueError(f"{self.name}: linears left dense: {left[:3]}")
+        ensure_quantized(graph, self.name)

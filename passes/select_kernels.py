@@ -5,29 +5,19 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from optc.ir import Graph, Node
+from optc.ir import REFERENCE_KERNEL, Graph, Node
 from optc.kernels.registry import KERNELS, KernelQuery, select
-from optc.passmanager import PassContext, PassResult
+from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore
 
-REFERENCE = "torch"
 
-
-class SelectKernels:
+class SelectKernels(Pass):
     """Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
-
-    name = "select_kernels"
 
     @dataclass(frozen=True)
     class Options:
         disable: tuple[str, ...] = field(default=(), metadata={
             "choices": tuple(KERNELS), "help": "Triton kernels not to use (ablations); their nodes get torch"})
-
-    def __init__(self, options: Options | None = None):
-        self.options = options or self.Options()
-
-    def requires(self, graph: Graph) -> None:
-        pass
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]
@@ -41,24 +31,23 @@ class SelectKernels:
 
     def ensures(self, graph: Graph) -> None:
         for n in graph.nodes:
-            kernel = n.attrs.get("kernel", "")
-            if kernel != REFERENCE and (kernel not in KERNELS or KERNELS[kernel].op != n.op):
+            kernel = n.attrs.get("kernel", "")  # recorded on every node, the reference's name too
+            if kernel != REFERENCE_KERNEL and (kernel not in KERNELS or KERNELS[kernel].op != n.op):
                 raise AssertionError(f"{n.name} ({n.op}) is bound to {kernel!r}")
 
     def _choose(self, graph: Graph, node: Node, target: str) -> str:
         if target != "cuda":
-            return REFERENCE
+            return REFERENCE_KERNEL
         spec = select(_query(graph, node))
-        return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE
+        return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE_KERNEL
 
 
 def _query(graph: Graph, node: Node) -> KernelQuery:
     """What the registry's predicates look at, read off the node, its params and the model config."""
     c, a = graph.config, node.attrs
-    dtype = graph.tensors[graph.used_tensors()[0]].format.dtype  # activations: the embedding's dtype
     weight = graph.tensors.get(node.params.get("weight", ""))
     return KernelQuery(
-        op=node.op, dtype=dtype,
+        op=node.op, dtype=c.dtype,
         weight=weight.format if weight else None, weight_shape=tuple(weight.shape) if weight else (),
         hidden_size=c.hidden_size,
         num_heads=a.get("num_heads", 0), num_kv_heads=a.get("num_kv_heads", 0), head_dim=a.get("head_dim", 0),

@@ -11,12 +11,20 @@ Conventions (T = scheduled tokens in this step, B = requests in this step):
   padded with 0 and a slot of -1 means "do not store" (padding tokens of a CUDA-graph bucket);
 - `logits_indices` selects the flattened token rows whose logits are returned (the last token of
   each request for plain decoding; several per request for speculative verification).
+
+`BatchBuilder` builds a step's batch on the model's device with one host->device copy: every array
+is written into one (pinned, on CUDA) host buffer at 8-byte-aligned offsets (`Packed`), the used
+bytes are copied in one transfer, and the batch's tensors are views of the device copy.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -62,37 +70,134 @@ class ForwardBatch:
         block_size: int,
         logits_per_request: list[int] | None = None,
     ) -> ForwardBatch:
-        """Build a batch from per-request new tokens, their start positions and block lists.
+        """Build a batch (on the CPU) from per-request new tokens, their start positions and block lists.
 
         `token_ids[b]` are the new tokens of request b, starting at position `num_computed[b]`;
         `block_ids[b]` cover at least `num_computed[b] + len(token_ids[b])` tokens;
         `logits_per_request[b]` (default 1) trailing tokens of request b get logits.
         """
+        return BatchBuilder("cpu").build(token_ids, num_computed, block_ids, block_size, logits_per_request)
+
+
+@lru_cache(maxsize=256)
+def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int) -> Packed:
+    """The packed layout of a ForwardBatch's arrays (decode steps repeat a few shapes: cached)."""
+    i32, i64 = torch.int32, torch.int64
+    return Packed({"input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
+                   "slot_mapping": (i64, (num_tokens,)), "logits_indices": (i64, (num_logits,)),
+                   "query_start_loc": (i32, (num_requests + 1,)), "seq_lens": (i32, (num_requests,)),
+                   "block_tables": (i32, (num_requests, width))})
+
+
+class Packed:
+    """Named arrays laid out in one byte buffer, so one copy moves them all and each is a view of the
+    buffer on either side of the copy: on the host as numpy arrays (`arrays`, written without torch
+    ops), on the device as tensors (`views`). Arrays of one dtype share a region that starts at an
+    8-byte-aligned offset, so each side needs one dtype view per region and a slice per array."""
+
+    def __init__(self, fields: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.regions: dict[torch.dtype, tuple[int, int, list[tuple[str, int, int, tuple[int, ...]]]]] = {}
+        members: dict[torch.dtype, list] = {}
+        for name, (dtype, shape) in fields.items():
+            items = members.setdefault(dtype, [])
+            start = items[-1][1] + items[-1][2] if items else 0
+            items.append((name, start, math.prod(shape), shape))
+        offset = 0
+        for dtype, items in members.items():
+            count = items[-1][1] + items[-1][2]
+            self.regions[dtype] = (offset, count, items)
+            offset += -(-count * dtype.itemsize // 8) * 8
+        self.nbytes = offset
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each array as a tensor view of `buffer` (uint8, at least `nbytes`)."""
+        out = {}
+        for dtype, (offset, count, items) in self.regions.items():
+            region = buffer[offset: offset + count * dtype.itemsize].view(dtype)
+            for name, start, size, shape in items:
+                view = region[start: start + size]
+                out[name] = view.view(shape) if len(shape) > 1 else view
+        return out
+
+    def arrays(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
+        """Each array as a numpy view of `buffer` (uint8, at least `nbytes`)."""
+        out = {}
+        for dtype, (offset, count, items) in self.regions.items():
+            region = buffer[offset: offset + count * dtype.itemsize].view(NUMPY[dtype])
+            for name, start, size, shape in items:
+                out[name] = region[start: start + size].reshape(shape)
+        return out
+
+
+NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 host buffer; pinned when `device` is a GPU, so a non-blocking copy from it is a real DMA."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+class BatchBuilder:
+    """Builds ForwardBatches on `device` with one host->device copy per batch.
+
+    The arrays are written into one host buffer (pinned on CUDA), reused from step to step and grown
+    when a batch needs more, copied in one transfer, and the batch's tensors are views of the copy.
+    Before the buffer is rewritten, the event recorded after the previous copy is waited on, which
+    costs nothing once the engine has read that step's sampled tokens. On the CPU the same path runs
+    (the copy is a memcpy of a few KB), so the CPU tests cover it."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._host = host_buffer(4096, self.device)
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def build(
+        self,
+        token_ids: list[list[int]],
+        num_computed: list[int],
+        block_ids: list[list[int]],
+        block_size: int,
+        logits_per_request: list[int] | None = None,
+    ) -> ForwardBatch:
+        """ForwardBatch.build's batch, on this builder's device."""
         num_requests = len(token_ids)
         logits_per_request = logits_per_request or [1] * num_requests
-        input_ids, positions, slots, logits_indices, starts, seq_lens = [], [], [], [], [0], []
+        positions, slots, logits_indices, starts, seq_lens = [], [], [], [0], []
         for b in range(num_requests):
-            new, start, blocks = token_ids[b], num_computed[b], block_ids[b]
-            pos = range(start, start + len(new))
-            input_ids.extend(new)
+            n, start, blocks = len(token_ids[b]), num_computed[b], block_ids[b]
+            pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
-            end = starts[-1] + len(new)
+            end = starts[-1] + n
             logits_indices.extend(range(end - logits_per_request[b], end))
             starts.append(end)
-            seq_lens.append(start + len(new))
-        width = max((len(b) for b in block_ids), default=0) or 1
-        table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_ids] or [[0]],
-                             dtype=torch.int32)[:num_requests]  # one tensor, not one per row
-        query_lens = [len(t) for t in token_ids]
-        return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
+            seq_lens.append(start + n)
+        lens = [len(b) for b in block_ids]
+        width = max(lens, default=0) or 1
+        max_query_len, max_seq_len = max(map(len, token_ids), default=0), max(seq_lens, default=0)
+        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous batch's copy has left the host buffer
+        if self._host.numel() < layout.nbytes:
+            self._host = host_buffer(max(layout.nbytes, 2 * self._host.numel()), self.device)
+        arrays = layout.arrays(self._host.numpy())
+        arrays["input_ids"][:] = list(chain.from_iterable(token_ids))
+        arrays["positions"][:] = positions
+        arrays["slot_mapping"][:] = slots
+        arrays["logits_indices"][:] = logits_indices
+        arrays["query_start_loc"][:] = starts
+        arrays["seq_lens"][:] = seq_lens
+        write_block_tables(arrays["block_tables"], block_ids, lens)
+        device_bytes = self._host[: layout.nbytes].to(self.device, non_blocking=True, copy=True)  # the one copy
+        if self._copied is not None:
+            self._copied.record()
+        return ForwardBatch(**layout.views(device_bytes), max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+
+def write_block_tables(table: np.ndarray, block_ids: list[list[int]], lens: list[int]) -> None:
+    """Rows of `table` (n, width) = each request's block ids, padded with 0 (block 0 is the null block)."""
+    n = len(block_ids)
+    table[:n] = 0
+    if n and sum(lens):
+        mask = np.arange(table.shape[1])[None, :] < np.asarray(lens)[:, None]
+        table[:n][mask] = np.fromiter(chain.from_iterable(block_ids), dtype=table.dtype, count=sum(lens))

@@ -11,13 +11,19 @@ How a capture stays valid for every replay:
   reads the same memory and a replay only copies the step's batch into it. Padding rows hold input
   id 0 at position 0, slot -1 (the KV store skips it), seq_len 1 and a block-table row of zeros:
   they read one token of the null block, write nothing, and their logits are dropped.
+- The engine builds a decode step that will replay straight into the static buffers
+  (`CudaGraphRunner.build`): the varying buffers are views of one device buffer, mirrored by one
+  pinned host buffer; the step's rows and the bucket's padding rows are written on the host and
+  copied in one host->device transfer, with no device-side copies or fills. Other steps are built
+  by a `BatchBuilder` (one transfer too) and run eager.
 - The static batch's `max_seq_len` is the engine's context capacity, not the step's: the decode
   kernel turns it into a split count (a Python int) that the graph bakes in, so it must cover the
   longest context a replay can see. Block tables are as wide as that capacity.
-- Only graphs whose KV nodes are bound to Triton kernels are captured: the torch references sync
+- Only graphs whose KV nodes are bound to Triton kernels are captured: their torch references sync
   with the host (`int(seq_lens.max())` in paged_attention_ref, boolean-mask indexing in
-  kv_store_ref), which a capture cannot contain; `capture_blockers` names such nodes and the
-  runner refuses them (the engine then warns and runs eager). Rebuild with `select_kernels`.
+  kv_store_ref: `OpSpec.reference_syncs_host`), which a capture cannot contain; `capture_blockers`
+  names such nodes and the runner refuses them (the engine then warns and runs eager). Rebuild
+  with `select_kernels`.
 - Each bucket is run eagerly (warm-up) before its capture: Triton compiles per specialization and
   autotunes per key (the token count is part of both).
 - One private memory pool serves every graph, captured largest bucket first so smaller graphs
@@ -36,10 +42,10 @@ from typing import Any
 import torch
 
 from optc.ir import Graph
-from optc.runtime.batch import ForwardBatch
+from optc.ops import host_syncing_nodes
+from optc.recipe import CUDA_GRAPH_BATCH_SIZES
+from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the cuda_graphs pass's default too
-SYNCING_REFERENCE_OPS = frozenset({"attention", "rope_kv_store"})
 NUM_WARMUP_RUNS = 2
 
 
@@ -65,7 +71,7 @@ class GraphConfig:
 
 def plan_batch_sizes(batch_sizes: Sequence[int] | None, max_num_seqs: int) -> tuple[int, ...]:
     """The manifest's buckets (None: the default ones) that a step of `max_num_seqs` can use."""
-    sizes = DEFAULT_BATCH_SIZES if batch_sizes is None else batch_sizes
+    sizes = CUDA_GRAPH_BATCH_SIZES if batch_sizes is None else batch_sizes
     return tuple(sorted({int(b) for b in sizes if 1 <= b <= max_num_seqs}))
 
 
@@ -83,8 +89,7 @@ def is_pure_decode(batch: ForwardBatch) -> bool:
 
 def capture_blockers(graph: Graph) -> list[str]:
     """KV nodes bound to torch references that sync with the host, which no graph can capture."""
-    return [f"{n.name} ({n.op})" for n in graph.nodes
-            if n.op in SYNCING_REFERENCE_OPS and n.attrs.get("kernel", "torch") == "torch"]
+    return [f"{n.name} ({n.op})" for n in host_syncing_nodes(graph)]
 
 
 class StaticBatch:
@@ -93,16 +98,25 @@ class StaticBatch:
     def __init__(self, config: GraphConfig, device: torch.device | str = "cpu") -> None:
         rows, width = config.max_batch_size, config.max_blocks_per_request
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(rows, dtype=i64, device=device)
-        self.positions = torch.zeros(rows, dtype=i64, device=device)
+        device = torch.device(device)
+        # the buffers a step changes: views of one device buffer, written from one host mirror
+        layout = Packed({"input_ids": (i64, (rows,)), "positions": (i64, (rows,)), "slot_mapping": (i64, (rows,)),
+                         "seq_lens": (i32, (rows,)), "block_tables": (i32, (rows, width))})
+        self._device_bytes = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        self._host_bytes = host_buffer(layout.nbytes, device)
+        self._host = layout.arrays(self._host_bytes.numpy())
+        views = layout.views(self._device_bytes)
+        self.input_ids, self.positions, self.seq_lens = views["input_ids"], views["positions"], views["seq_lens"]
+        self.slot_mapping, self.block_tables = views["slot_mapping"], views["block_tables"]
+        self._pad(0, rows)
+        self._device_bytes.copy_(self._host_bytes)
         self.query_start_loc = torch.arange(rows + 1, dtype=i32, device=device)  # one token per row
-        self.seq_lens = torch.ones(rows, dtype=i32, device=device)
-        self.block_tables = torch.zeros((rows, width), dtype=i32, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=i64, device=device)
         self.logits_indices = torch.arange(rows, dtype=i64, device=device)
         self.max_seq_len = config.max_seq_len
         self._views: dict[int, ForwardBatch] = {}
+        self._prefixes: dict[int, ForwardBatch] = {}
         self._num_dirty = 0  # rows [num_dirty, rows) hold padding
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def view(self, bucket: int) -> ForwardBatch:
         """The first `bucket` rows as a ForwardBatch (built once per bucket)."""
@@ -113,6 +127,48 @@ class StaticBatch:
                 self.logits_indices[:bucket], max_query_len=1, max_seq_len=self.max_seq_len,
             )
         return self._views[bucket]
+
+    def holds(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is a view of these buffers (from `write` or `view`)."""
+        return batch.input_ids.data_ptr() == self.input_ids.data_ptr()
+
+    def write(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
+              block_size: int, bucket: int) -> ForwardBatch:
+        """A pure-decode step (one new token per request) written into rows [0, n), with rows
+        [n, bucket) padding, in one host->device copy; the batch of its n rows, a view of the buffers."""
+        n, lens = len(token_ids), [len(b) for b in block_ids]
+        if not n <= bucket <= self.input_ids.shape[0] or max(lens, default=0) > self.block_tables.shape[1]:
+            raise ValueError(f"a batch of {n} requests x {max(lens, default=0)} blocks does not fit bucket "
+                             f"{bucket} ({list(self.block_tables.shape)} static block table)")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        host = self._host
+        host["input_ids"][:n] = [t[0] for t in token_ids]
+        host["positions"][:n] = num_computed
+        host["seq_lens"][:n] = [p + 1 for p in num_computed]
+        host["slot_mapping"][:n] = [blocks[p // block_size] * block_size + p % block_size
+                                    for p, blocks in zip(num_computed, block_ids, strict=True)]
+        write_block_tables(host["block_tables"], block_ids, lens)
+        self._pad(n, bucket)
+        self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # the one copy
+        if self._copied is not None:
+            self._copied.record()
+        self._num_dirty = self.input_ids.shape[0]  # rows past the bucket hold whatever the host had
+        if n not in self._prefixes:
+            self._prefixes[n] = ForwardBatch(
+                self.input_ids[:n], self.positions[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
+                self.block_tables[:n], self.slot_mapping[:n], self.logits_indices[:n], max_query_len=1,
+                max_seq_len=self.max_seq_len,
+            )
+        return self._prefixes[n]
+
+    def _pad(self, start: int, stop: int) -> None:
+        host = self._host
+        host["input_ids"][start:stop] = 0
+        host["positions"][start:stop] = 0
+        host["seq_lens"][start:stop] = 1
+        host["slot_mapping"][start:stop] = -1
+        host["block_tables"][start:stop] = 0
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy a pure-decode batch into rows [0, n) and make rows [n, bucket) padding again."""
@@ -151,6 +207,7 @@ class CudaGraphRunner:
         self.model, self.kv_caches, self.config = model, kv_caches, config
         device = torch.device(model.device)
         self.static = StaticBatch(config, device)
+        self.builder = BatchBuilder(device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
         self._capture(device)
 
@@ -162,8 +219,25 @@ class CudaGraphRunner:
             return None
         return bucket_for(self.config.batch_sizes, batch.num_requests)
 
+    def build(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
+              block_size: int, logits_per_request: list[int] | None = None) -> ForwardBatch:
+        """BatchBuilder.build's batch; a pure-decode step that fits a bucket is written straight into the
+        static buffers (one host->device copy) and `forward` replays it as it is."""
+        n, config = len(token_ids), self.config
+        bucket = bucket_for(config.batch_sizes, n)
+        if (bucket is not None and block_size == config.block_size and all(len(t) == 1 for t in token_ids)
+                and (logits_per_request is None or all(k == 1 for k in logits_per_request))
+                and max(num_computed) < config.max_seq_len
+                and max(len(b) for b in block_ids) <= config.max_blocks_per_request):
+            return self.static.write(token_ids, num_computed, block_ids, block_size, bucket)
+        return self.builder.build(token_ids, num_computed, block_ids, block_size, logits_per_request)
+
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """float32 logits (num_requests, vocab) for a pure-decode batch; Model.forward's otherwise."""
+        if kv_caches is self.kv_caches and self.static.holds(batch):  # from `build`: already in place
+            graph, logits = self._graphs[bucket_for(self.config.batch_sizes, batch.num_requests)]
+            graph.replay()
+            return logits[: batch.num_requests]
         bucket = self.bucket(batch)
         if bucket is None or kv_caches is not self.kv_caches:
             return self.model.forward(batch, kv_caches)

@@ -24,7 +24,8 @@ import torch
 
 from optc.artifact import Manifest
 from optc.errors import InputError
-from optc.runtime.batch import ForwardBatch
+from optc.runtime import logprobs
+from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
 from optc.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from optc.runtime.kv_cache_manager import KVCacheManager
@@ -117,6 +118,7 @@ class Engine:
         self.graph_runner = make_runner(  # None on the CPU or with enforce_eager: eager steps
             model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
             max_num_seqs=config.max_num_seqs, max_seq_len=self.max_model_len, block_size=config.block_size)
+        self.batch_builder = BatchBuilder(self.device)  # eager steps: one host->device copy each
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
@@ -198,7 +200,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Run one model step; the requests that got a token in it."""
+        """Run one model step; the requests that got a token in it (or, with max_tokens 0, finished)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
@@ -208,31 +210,36 @@ class Engine:
             for cache in self.kv_caches:
                 cache[destination].copy_(cache[source])
         starts = [r.num_computed_tokens for r in out.requests]
-        pairs = zip(out.requests, out.num_new_tokens, strict=True)
-        batch = ForwardBatch.build(
+        pairs = list(zip(out.requests, out.num_new_tokens, strict=True))
+        num_rows = [logprobs.num_logits_rows(r, r.num_computed_tokens, n) for r, n in pairs]
+        batch = (self.graph_runner or self.batch_builder).build(  # a replayed step: straight into the graph's buffers
             [r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n] for r, n in pairs],
-            starts,
-            out.block_ids,
-            self.config.block_size,
-        ).to(self.device)
-        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (B, V) float32
+            starts, out.block_ids, self.config.block_size, num_rows,
+        )
+        logits = (self.graph_runner or self.model).forward(batch, self.kv_caches)  # (sum(num_rows), V) float32
         self.scheduler.update(out)
         self._num_steps += 1
+        last_rows = logprobs.record_prompt_logprobs(out.requests, starts, num_rows, logits)
         rows = [b for b, r in enumerate(out.requests) if r.num_computed_tokens == r.num_tokens]
-        if not rows:
-            return []
-        sampled = [out.requests[b] for b in rows]
-        token_ids = sample(
-            logits[rows], [r.params for r in sampled], [r.generator for r in sampled]
-        ).tolist()
         now = time.perf_counter()
+        for request in [out.requests[b] for b in rows if out.requests[b].params.max_tokens == 0]:
+            request.finish_time = now  # max_tokens 0: the prompt is scored, nothing is generated
+            self.scheduler.finish(request.request_id, FinishReason.LENGTH)
+        done = [out.requests[b] for b in rows]
+        sampled = [r for r in done if r.params.max_tokens > 0]
+        rows = [last_rows[b] for b in rows if out.requests[b].params.max_tokens > 0]
+        if not rows:
+            return done
+        selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
+        token_ids = sample(selected, [r.params for r in sampled], [r.generator for r in sampled]).tolist()
+        logprobs.record_logprobs(sampled, selected, token_ids)
         for request, token_id in zip(sampled, token_ids, strict=True):
             request.append_token(token_id)
             self._num_generated_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             self._check_stop(request, now)
-        return sampled
+        return done
 
     def stats(self) -> EngineStats:
         kv, scheduler = self.kv_manager, self.scheduler

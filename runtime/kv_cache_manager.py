@@ -64,8 +64,8 @@ class KVCacheManager:
         The hit stops before the request's last token, which must be computed to get logits. Takes
         no references; pass the blocks to `allocate_slots`.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position
         max_num_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_num_blocks)
         block_ids = []

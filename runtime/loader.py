@@ -2,13 +2,13 @@
 
 The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
 `optc.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
-imports the frontend or the passes.
+imports the sources or the passes.
 """
 
 from __future__ import annotations
 
 from optc.artifact import Artifact
-from optc.ir import Graph
+from optc.ir import REFERENCE_KERNEL, Graph
 from optc.runtime.model import Model
 
 
@@ -20,7 +20,7 @@ def load_model(artifact: Artifact, device: str = "cpu") -> Model:
 
 def _impls(graph: Graph) -> dict:
     """Implementations for the non-reference kernels the graph's nodes are bound to."""
-    names = {n.attrs.get("kernel", "torch") for n in graph.nodes} - {"torch"}
+    names = {n.kernel for n in graph.nodes} - {REFERENCE_KERNEL}
     if not names:
         return {}
     from optc.kernels.registry import impls  # Triton launchers adapted to the op signature

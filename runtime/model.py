@@ -28,12 +28,14 @@ class Model:
         c = graph.config
         self.graph = graph
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.executor = Executor(graph, bind_params(graph, store, self.device), impls)
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
         self.max_position_embeddings = c.max_position_embeddings
         self.eos_token_ids = list(c.eos_token_ids)
-        self.dtype = graph.tensors[graph.used_tensors()[0]].format.torch_dtype
+        self.dtype = DTYPES[c.dtype]
         self.kv_dtype = DTYPES[kv_dtype] if kv_dtype else self.dtype
         self.cos_sin = cos_sin_table(c, c.max_position_embeddings).to(self.device)
 

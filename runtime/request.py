@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optc.runtime.detokenizer import IncrementalDetokenizer, held_back
-from optc.runtime.sampler import SamplingParams
+from optc.runtime.sampler import Logprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +51,8 @@ class Request:
     finish_time: float | None = None
     text: str = ""  # detokenized output so far (current after every step), cut before a stop string
     num_emitted_chars: int = 0  # streaming: text already handed out by take_delta
+    logprobs: list[Logprobs] = field(default_factory=list)  # per output token, with params.logprobs
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)  # per prompt token (None first)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

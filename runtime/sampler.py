@@ -26,6 +26,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # stop strings, checked on the detokenized output
     ignore_eos: bool = False  # keep generating after EOS (benchmarks)
+    logprobs: int | None = None  # None = none; k = each output token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -36,8 +38,12 @@ class SamplingParams:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise InputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # max_tokens 0 only scores the prompt: it needs prompt_logprobs, and generates nothing
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InputError(f"max_tokens must be >= 1 (0 with prompt_logprobs), got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InputError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise InputError(f"stop strings must be non-empty strings, got {stop!r}")
 
@@ -64,6 +70,33 @@ def sample(
     for j, b in enumerate(rows):
         token_ids[b] = torch.multinomial(probs[j], 1, generator=generators[b])[0]
     return token_ids
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """log p(token_id | the tokens before it) and the `num_top` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[Logprobs]:
+    """Logprobs of `token_ids` under the model's own distribution: log_softmax of the raw logits,
+    before temperature, top-k and top-p (what OpenAI's API and evaluation harnesses score).
+
+    logits: (N, V) float32; token_ids: (N,) int64, the token that follows each row; num_top >= 0.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None].to(logprobs.device))[:, 0].tolist()
+    ids = token_ids.tolist()
+    if num_top == 0:
+        return [Logprobs(t, lp, ()) for t, lp in zip(ids, chosen, strict=True)]
+    top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    return [
+        Logprobs(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(ids, chosen, top_ids.tolist(), top_values.tolist(), strict=True)
+    ]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,23 @@ import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
-FIXTURES = REPO.parent / "shared" / "fixtures"
+FIXTURES = REPO.parent / "shared" / "fixtures"  # beside the repository, never by an absolute path
 
 
+@pytest.fixture(scope="session")
+def shared_fixture():
+    """`shared_fixture(name)` -> the folder ../shared/fixtures/<name>; a missing one skips the test, or fails it
+    when the environment variable CI is set (in CI the fixture tests must run)."""
+
+    def find(name: str) -> Path:
+        path = FIXTURES / name
+        if not path.is_dir():
+            if os.environ.get("CI"):
+                pytest.fail(f"fixture {path} is missing and CI is set: check out ../shared/fixtures beside the repo")
+            pytest.skip(f"fixture {path} is missing (../shared/fixtures beside the repository)")
+        return path
+
+    return find
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from optc.artifact import read
 from optc.runtime import Engine, SamplingParams
@@ -121,6 +122,63 @@ def test_static_batch_fills_rows_and_resets_padding():
         static.fill(_decode_batch([1, 1, 1]), 2)
 
 
+class OpLog(TorchDispatchMode):
+    """The aten ops that touch data run inside it (not views; numpy writes to a host buffer are not ops)."""
+
+    VIEWS = frozenset({"slice", "view", "select", "alias", "as_strided", "_unsafe_view", "detach"})
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.VIEWS:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replayed_step_is_written_with_one_host_to_device_copy():
+    # the graph path: the step's rows and the bucket's padding go host -> device in one copy, with no
+    # device-side copies or fills, and hold what filling from an eager-built batch gives
+    config = GraphConfig((1, 2, 4), max_seq_len=16, block_size=4)
+    model = SimpleNamespace(graph=SimpleNamespace(nodes=[]), device="cpu", vocab_size=3,
+                            forward=lambda batch, caches: torch.zeros(batch.num_requests, 3))
+    runner = EagerReplays(model, [], config)
+    expected = StaticBatch(config)
+    for step, lengths in enumerate(([5, 9, 2], [1], [3, 3])):  # smaller after larger, then a stale row
+        decode = _decode_batch(lengths)
+        expected.fill(decode, bucket_for(config.batch_sizes, len(lengths)))
+        blocks = [row[row > 0].tolist() for row in decode.block_tables]
+        with OpLog() as log:
+            batch = runner.build([[7 + b] for b in range(len(lengths))], lengths, blocks, 4)
+        assert log.ops == ["copy_"]
+        bucket = bucket_for(config.batch_sizes, len(lengths))
+        for name in ("input_ids", "positions", "seq_lens", "slot_mapping", "block_tables"):
+            assert torch.equal(getattr(runner.static.view(bucket), name), getattr(expected.view(bucket), name)), name
+        assert batch.num_requests == len(lengths) and runner.static.holds(batch)
+        runner.forward(batch, runner.kv_caches)
+        assert runner.replays[bucket] == 1 and sum(runner.replays.values()) == step + 1  # replayed as built
+    # steps that do not replay are built for eager: prefill, and more requests than the largest bucket
+    assert not runner.static.holds(runner.build([[1, 2]], [0], [[1]], 4))
+    assert not runner.static.holds(runner.build([[1]] * 5, [0] * 5, [[1]] * 5, 4))
+
+
+def test_an_eager_step_is_built_with_one_host_to_device_copy():
+    from optc.runtime.batch import BatchBuilder
+
+    builder = BatchBuilder("cpu")  # the CUDA path on the CPU: one buffer, one copy
+    args = ([[1, 2, 3], [4]], [0, 6], [[1], [2, 3]], 4)
+    with OpLog() as log:
+        batch = builder.build(*args)
+    assert log.ops in (["_to_copy"], ["empty", "copy_"], ["empty_strided", "copy_"]), log.ops
+    assert batch.input_ids.tolist() == [1, 2, 3, 4] and batch.positions.tolist() == [0, 1, 2, 6]
+    assert batch.slot_mapping.tolist() == [4, 5, 6, 3 * 4 + 2] and batch.seq_lens.tolist() == [3, 7]
+    assert batch.query_start_loc.tolist() == [0, 3, 4] and batch.logits_indices.tolist() == [2, 3]
+    assert batch.block_tables.tolist() == [[1, 0], [2, 3]] and (batch.max_query_len, batch.max_seq_len) == (3, 7)
+    again = builder.build([[9]], [2], [[5]], 4)  # the host buffer is reused: the first batch is intact
+    assert batch.input_ids.tolist() == [1, 2, 3, 4] and again.input_ids.tolist() == [9]
+
+
 def test_capture_refuses_syncing_references_and_eager_paths(artifacts):
     cpu_model, cuda_model = load(artifacts["cpu"]), load(artifacts["cuda"])
     assert capture_blockers(cpu_model.graph) == [
@@ -212,9 +270,10 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
 # --- `optc bench --compare-hf`: the transformers peer comes from the artifact's source -----------
 
 def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_path):
-    from optc.bench import BenchOptions, _hf_from_artifact, run_bench
+    from optc.bench import BenchOptions, run_bench
+    from optc.models.llama import hf_model_from_artifact
 
-    hf = _hf_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
+    hf = hf_model_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
     engine = Engine.load(artifacts["cpu"])
     ids = [(3 * j) % 250 + 1 for j in range(9)]
     with torch.inference_mode():
@@ -229,7 +288,7 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     recipe = tmp_path / "int4.yaml"
     recipe.write_text("model: random:tiny\ndtype: float32\npasses: [{quantize_rtn: {bits: 4, group_size: 32}}]\n")
     with pytest.raises(ValueError, match="holds int4_g weights and its source has no transformers checkpoint"):
-        _hf_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
+        hf_model_from_artifact(build_artifact(tmp_path / "int4", recipe), torch.device("cpu"), torch.float32)
 
 
 def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):

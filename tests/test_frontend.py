@@ -1,4 +1,4 @@
-"""Frontend: each supported source and architecture gives the logits transformers gives."""
+"""Sources: each supported source and architecture gives the logits transformers gives."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from transformers import (
 )
 
 from optc.execute import Executor, bind_params, run_dense
-from optc.frontend import SourceError, load_source
 from optc.ops import verify
+from optc.sources import SourceError, load_source
 from optc.testing import assert_close
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -70,14 +70,11 @@ def test_hf_folder_logits_match_transformers(tmp_path, kind):
     assert_close(_our_logits(str(tmp_path), ids), expected, rtol=1e-5, what=kind)
 
 
-def test_fp16_fixture_checkpoint_matches_transformers():
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-llama-fp16"
-    if not path.is_dir():
-        pytest.skip("shared fixtures are not beside the repo")
+def test_fp16_fixture_checkpoint_matches_transformers(shared_fixture):
+    path = shared_fixture("tiny-llama-fp16")
     src = load_source(str(path))
     assert src.graph.tensors["lm_head.weight"].format.dtype == "float16"
+    assert src.graph.config.dtype == "float16"  # the activation dtype: the embedding's
     assert src.record["kind"] == "hf_dir" and "model.safetensors" in src.record["files"]
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ids = _ids(256)

@@ -4,7 +4,6 @@ torch references or to the Triton kernels, against transformers on the same GPU.
 Tolerances: float32 - last-position logits within 1e-4 x max|logit| (Triton dots may use tf32: 1e-3) and
 greedy tokens identical; bfloat16 - logits within 3e-2 x max|logit|, and the same argmax wherever
 transformers' top-2 margin exceeds twice that bound (a closer pair may legitimately swap in bf16).
-These tests have not run yet: no GPU was lent to the session that wrote them.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from optc.frontend import load_source
-from optc.ir import Graph, Node
+from optc.ir import REFERENCE_KERNEL, Graph, Node
 from optc.ops import VerifyError, verify
+from optc.sources import load_source
 
 
 @pytest.fixture()
@@ -21,6 +21,21 @@ def test_json_round_trip_is_exact(tiny):
     again = Graph.from_json(json.loads(text))
     assert again.dumps() == text
     assert again.config == tiny.graph.config and again.tensors == tiny.graph.tensors
+
+
+def test_config_dtype_is_recorded_and_read_back(tiny):
+    assert tiny.graph.config.dtype == "float32" and tiny.graph.to_json()["config"]["dtype"] == "float32"
+    d = json.loads(tiny.graph.dumps())
+    del d["config"]["dtype"]
+    d["tensors"]["model.embed_tokens.weight"]["format"]["dtype"] = "bfloat16"
+    assert Graph.from_json(d).config.dtype == "bfloat16"  # a config without it: the embedding's dtype
+
+
+def test_node_kernel_is_the_attr_or_the_reference():
+    node = Node("n", "rms_norm", ["x"], ["y"], {"eps": 1e-5})
+    assert node.kernel == REFERENCE_KERNEL == "torch"
+    node.attrs["kernel"] = "triton.rms_norm"
+    assert node.kernel == "triton.rms_norm"
 
 
 def test_text_dump_is_one_line_per_node(tiny):

@@ -7,9 +7,9 @@ request may read. Sequence and query lengths are ragged and not multiples of the
 import pytest
 import torch
 
-from optc.kernels.attention import paged_attention_ref, paged_attention_sdpa
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
+from optc.ops.attention import paged_attention_ref, paged_attention_sdpa
 
 GQA = [(2, 2), (6, 2), (8, 2), (8, 1)]  # (H_q, H_kv): ratios 1, 3, 4, 8
 
@@ -55,6 +55,40 @@ def test_paged_decode_kernel_matches_ref(num_heads, num_kv_heads, block_size, nu
 def test_paged_decode_kernel_half_precision_and_default_splits(dtype):
     args = _case([300, 5, 129], [1, 1, 1], 8, 2, 16, 16, dtype, seed=1)
     assert_close(paged_decode(*args, 0.25), paged_attention_ref(*args, 0.25), TOL[dtype])
+
+
+def _launched_programs(monkeypatch):
+    """The (request, KV head, split) grids paged_decode launches its decode kernel with."""
+    from optc.kernels import paged_decode as module
+
+    grids, kernel = [], module._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid({}))
+            return kernel[grid]
+
+    monkeypatch.setattr(module, "_decode_kernel", Spy())
+    return grids
+
+
+def test_paged_decode_fills_the_gpu_at_batch_1_long_context():
+    # Llama-3-8B at batch 1: 8 KV heads, 4,096 tokens of context; an H100 has 132 SMs
+    from optc.kernels.paged_decode import MIN_SPLIT_TOKENS, TARGET_PROGRAMS, split_shape
+
+    num_splits, tokens = split_shape(8, 4096)
+    assert 8 * num_splits >= 3 * 132 and num_splits * tokens >= 4096 > (num_splits - 1) * tokens
+    assert tokens >= MIN_SPLIT_TOKENS
+    assert split_shape(TARGET_PROGRAMS, 4096) == (1, 4096)  # enough groups fill the GPU without splits
+    assert split_shape(8, 100) == (2, 64)  # a short context: no split under MIN_SPLIT_TOKENS
+
+
+def test_paged_decode_default_small_splits_match_ref(monkeypatch):
+    # batch 1, 2 KV heads, 700 tokens: the heuristic takes 11 splits of 64 tokens (one inner step each)
+    grids = _launched_programs(monkeypatch)
+    args = _case([700], [1], 8, 2, 16, 16, torch.float32, seed=3)
+    assert_close(paged_decode(*args, 0.2, max_seq_len=700), paged_attention_ref(*args, 0.2), TOL[torch.float32])
+    assert grids == [(1, 2, 11)]
 
 
 def test_paged_decode_kernel_more_splits_than_tokens_and_empty_request():

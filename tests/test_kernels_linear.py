@@ -188,3 +188,52 @@ def test_autotune_pruning_keeps_fitting_configs_and_optc_autotune_0_keeps_one(mo
     assert kept == [c for c in w4a16.GEMV_CONFIGS if c.kwargs["BLOCK_K"] == 32] and len(kept) > 1
     monkeypatch.setenv("OPTC_AUTOTUNE", "0")
     assert prune(w4a16.GEMV_CONFIGS, args) == kept[:1]
+
+
+def test_autotune_keys_on_the_m_bucket_so_prefill_and_decode_tune_apart(monkeypatch):
+    from optc.kernels import _splitk, w4a16, w8a16
+
+    assert [_splitk.m_bucket(m) for m in (1, 2, 3, 16, 17, 32, 33, 64, 65, 2048)] == \
+        [1, 2, 4, 16, 32, 32, 64, 64, 128, 256]
+    for module, linear, make in ((w4a16, w4a16_linear, lambda n, k: _int4(n, k, 32, True, torch.float32)),
+                                 (w8a16, w8a16_linear, lambda n, k: _int8(n, k, torch.float32))):
+        kernels = module._KERNELS
+        for tuner in kernels:
+            monkeypatch.setattr(tuner, "cache", {})
+        parts, fmt = make(40, 64)
+        for m in (3, 4, 9, 20, 30, 70, 300, 600):
+            linear(_x(m, 64, torch.float32), parts, fmt)
+        # the key starts with M's bucket: 3 and 4 share one, as do 20 and 30, and 300 and 600 (capped)
+        assert sorted(k[0] for k in kernels.gemv.cache) == [4, 16]
+        assert sorted(k[0] for k in kernels.gemm.cache) == [32, 128, 256]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 28])
+def test_split_k_reduce_is_one_kernel_matching_the_reference(dtype, num_splits):
+    from optc.kernels._splitk import reduce_splits
+
+    g = torch.Generator().manual_seed(num_splits)
+    part = torch.randn(num_splits, 5, 1000, generator=g)  # N = 1000: no power of two
+    bias = torch.randn(1000, generator=g).to(dtype)
+    for b in (None, bias):
+        out = reduce_splits(part, b, torch.empty(5, 1000, dtype=dtype))
+        ref = part.sum(0) + (b.float() if b is not None else 0)
+        assert_close(out, ref.to(dtype), 1e-5 if dtype == torch.float32 else 1e-2, 1e-2)
+
+
+def test_split_k_gemv_launches_no_torch_reduction(monkeypatch):
+    # the partials go through the one Triton reduce: no torch sum / add / copy_ per split linear
+    from optc.kernels import _splitk
+
+    calls, reduce = [], _splitk.reduce_splits
+    monkeypatch.setattr(_splitk, "reduce_splits", lambda *a: calls.append(a) or reduce(*a))
+    parts, fmt = _int4(48, 256, 32, True, torch.float32)
+    x = _x(2, 256, torch.float32)
+    bias = torch.randn(48)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = w4a16_linear(x, parts, fmt, bias, split_k=4)
+    assert len(calls) == 1
+    # (copy_ is not checked: the interpreter itself copies kernel arguments)
+    assert not {"aten::sum", "aten::add", "aten::add_"} & {e.key for e in prof.key_averages()}
+    assert_close(out, linear_ref(x, parts, fmt, bias), TOL[torch.float32])

@@ -1,5 +1,7 @@
 """The Triton kernel registry: which kernel supports which node, and binding by name."""
 
+import importlib
+import inspect
 import subprocess
 import sys
 
@@ -7,6 +9,7 @@ import pytest
 
 from optc.formats import Format, FormatKind
 from optc.kernels.registry import KERNELS, KernelQuery, impls, select
+from optc.ops import OPS
 
 
 def _int4(group):
@@ -50,6 +53,18 @@ def test_registry_impls_binds_every_kernel_and_refuses_unknown_names():
     assert set(bound) == set(KERNELS) and all(callable(f) for f in bound.values())
     with pytest.raises(ValueError, match="triton.nope"):
         impls({"triton.nope"})
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_registry_launchers_take_their_op_references_arguments(name):
+    # one adapter per op serves the reference and the launcher: the launcher's leading parameters are
+    # the reference's (extra trailing ones are tuning overrides with defaults)
+    spec = KERNELS[name]
+    module, function = spec.launcher.split(":")
+    launcher = inspect.signature(getattr(importlib.import_module(f"optc.kernels.{module}"), function)).parameters
+    reference = inspect.signature(OPS[spec.op].reference).parameters
+    assert list(launcher)[:len(reference)] == list(reference)
+    assert all(p.default is not inspect.Parameter.empty for p in list(launcher.values())[len(reference):])
 
 
 def test_registry_import_does_not_import_triton():

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from optc.kernels.attention import kv_store_ref
-from optc.kernels.rope import kv_store, rope, rope_kv_store, rope_kv_store_ref, rope_ref
+from optc.kernels.rope import kv_store, rope, rope_kv_store
+from optc.ops.attention import kv_store_ref
+from optc.ops.rope import rope_kv_store_ref, rope_ref
 
 
 def assert_close(actual, expected, atol, rtol=0.0):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from optc.execute import Executor, bind_params, run_dense
-from optc.frontend import load_source
 from optc.ops import verify
 from optc.passmanager import PassContext, PassError, PassManager, make_pass
+from optc.sources import load_source
 from optc.testing import assert_close
 
 IDS = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))
@@ -60,6 +60,7 @@ def test_cast_structure(tiny):
     r = _run("cast", tiny.graph, tiny.store, dtype="bfloat16")
     assert r.changed and r.stats == {"cast": 21, "dtype": "bfloat16"}  # 3 + 2 layers x (2 norms + 7 linears)
     assert {i.format.dtype for i in r.graph.tensors.values()} == {"bfloat16"}
+    assert (tiny.graph.config.dtype, r.graph.config.dtype) == ("float32", "bfloat16")  # the activations follow
     assert r.store.get("model.norm.weight").dtype == torch.bfloat16
     assert tiny.store.get("model.norm.weight").dtype == torch.float32
 
@@ -110,3 +111,23 @@ def test_failing_pass_is_named_with_those_before_it(tiny, monkeypatch):
         pm.run(tiny.graph, tiny.store, PassContext())
     assert not isinstance(caught.value, UserError)
     assert any(re.fullmatch(where, note) for note in caught.value.__notes__)
+
+
+def test_every_pass_is_a_pass_named_after_its_file_and_imports_no_other_pass():
+    import ast
+    import importlib
+    from pathlib import Path
+
+    from optc.passmanager import Pass, registry
+
+    found = registry()
+    files = sorted(Path(importlib.import_module("optc.passes").__path__[0]).glob("*.py"))
+    stems = [f.stem for f in files if not f.stem.startswith("_")]
+    assert sorted(found) == stems
+    for name, cls in found.items():
+        assert issubclass(cls, Pass) and cls.name == name and cls.__doc__
+        assert isinstance(make_pass(name).options, cls.Options)
+    for f in files:  # helpers (passes/_*.py) may be shared; passes are not
+        imported = [n.module for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)]
+        others = [m for m in imported if m and m.startswith("optc.passes.") and not m.split(".")[-1].startswith("_")]
+        assert not others, f"{f.name} imports {others}"

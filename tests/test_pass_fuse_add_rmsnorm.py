@@ -4,10 +4,10 @@ import torch
 
 from optc.execute import Executor, bind_params, run_dense
 from optc.formats import Format
-from optc.frontend import load_source
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.ops import verify
 from optc.passmanager import PassContext, make_pass
+from optc.sources import load_source
 
 CONFIG = ModelConfig("LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -60,3 +60,18 @@ def test_fuse_add_rmsnorm_logits_are_exact_on_random_tiny():
     before = run_dense(Executor(src.graph, bind_params(src.graph, src.store)), ids)
     after = run_dense(Executor(fused.graph, bind_params(fused.graph, fused.store)), ids)
     assert torch.equal(before, after)
+
+
+def test_fused_norm_stays_in_the_block_of_its_linears():
+    from optc.quant.blocks import split_blocks
+
+    src = load_source("random:tiny")
+    prefix, blocks = split_blocks(src.graph)  # the template: block i is every node of decoder layer i
+    assert [n.name for n in prefix] == ["model.embed_tokens"]
+    assert [[n.name.split(".")[2] for n in b.nodes] for b in blocks] == [["0"] * 14, ["1"] * 14]
+    fused = make_pass("fuse_add_rmsnorm").run(src.graph, src.store, PassContext()).graph
+    prefix, blocks = split_blocks(fused)
+    # layer 0's mlp residual fused with layer 1's input norm: block 1 (where q/k/v read it), first
+    assert blocks[1].nodes[0].name == "model.layers.1.input_layernorm" and blocks[1].nodes[0].op == "add_rms_norm"
+    assert [n.attrs.get("layer") for n in fused.nodes if n.op == "add_rms_norm"] == [0, 1, 1, None]
+    assert blocks[0].nodes[-1].name == "model.layers.0.mlp.down_proj"

@@ -6,9 +6,9 @@ import torch
 
 from optc.execute import Executor, bind_params, run_dense
 from optc.formats import Format
-from optc.frontend import load_source
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.passmanager import PassContext, make_pass
+from optc.sources import load_source
 
 HEADS = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 

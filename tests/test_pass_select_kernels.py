@@ -5,16 +5,17 @@ import torch
 
 from optc.execute import Executor, bind_params, run_dense
 from optc.formats import Format, FormatKind
-from optc.frontend import load_source
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.kernels.registry import impls
 from optc.passmanager import PassContext, make_pass
+from optc.sources import load_source
 
 
 def _graph(head_dim: int = 16) -> Graph:
     config = ModelConfig("LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                          num_kv_heads=2, head_dim=head_dim, vocab_size=256, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+                         rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False,
+                         dtype="bfloat16")
     heads = {"num_heads": 4, "num_kv_heads": 2, "head_dim": head_dim}
     int4 = Format(FormatKind.INT4_G, dtype="bfloat16", bits=4, group_size=32, packing="k8_lsb")
     nodes = [

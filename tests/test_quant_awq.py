@@ -5,7 +5,6 @@ import torch
 
 from optc.formats import dequantize, linear_ref
 from optc.quant.awq import (
-    awq_quantize,
     fold_into_linear,
     fold_into_norm,
     input_mean,
@@ -41,12 +40,14 @@ def _mlp(x, wg, wu):
 def test_awq_beats_rtn_with_outlier_channels_after_folding():
     h, gamma, wg, wu = _block()
     x = _rms_norm(h, gamma)
-    result = awq_quantize(x, [wg, wu], lambda ws: _mlp(x, *ws), FMT)
-    assert result.alpha > 0 and result.error < result.rtn_error
-    # the deployed computation: 1/s folded into the norm, the parts used by the reference linear
-    x_folded = _rms_norm(h, fold_into_norm(gamma.half(), result.scales).float())
-    y_awq = torch.nn.functional.silu(linear_ref(x_folded, result.parts[0], FMT)) * linear_ref(
-        x_folded, result.parts[1], FMT)
+    # the steps of passes/quantize_awq.py for one group: scale search, 1/s folded into the (fp16) norm,
+    # s into the weights, then clip search and rounding on the inputs the folded norm computes
+    found = search_scale(input_mean(x), [wg, wu], lambda ws: _mlp(x, *ws), FMT)
+    assert found.alpha > 0 and found.error < found.rtn_error
+    s = found.scales
+    x_folded = _rms_norm(h, fold_into_norm(gamma.half().float(), s).half().float())
+    parts = [quantize_weight(w * s, FMT, clip=search_clip(x_folded, w * s, FMT)) for w in (wg, wu)]
+    y_awq = torch.nn.functional.silu(linear_ref(x_folded, parts[0], FMT)) * linear_ref(x_folded, parts[1], FMT)
     y_rtn = _mlp(x, fake_quantize(wg, FMT), fake_quantize(wu, FMT))
     reference = _mlp(x, wg, wu)
     err_awq = (y_awq - reference).pow(2).mean()
@@ -96,6 +97,10 @@ def test_folding_keeps_the_float_function():
     x = torch.randn(3, 8, generator=g)
     torch.testing.assert_close((x @ fold_into_linear(prev, s).T) @ (w * s).T, (x @ prev.T) @ w.T)
     torch.testing.assert_close(fold_into_norm(torch.ones(16), s), 1 / s)
+    fused = torch.randn(24, 8, generator=g)  # e.g. a qkv linear whose rows 8..24 are the group's input
+    folded = fold_into_linear(fused, s, slice(8, 24))
+    assert torch.equal(folded[:8], fused[:8])
+    torch.testing.assert_close((x @ folded[8:].T) @ (w * s).T, (x @ fused[8:].T) @ w.T)
 
 
 def test_clip_search_needs_int4():

@@ -1,19 +1,25 @@
-"""Importers for pre-quantized checkpoints: AutoAWQ GEMM (a real AutoAWQ fixture) and GPTQ (a
-checkpoint packed in the test exactly as AutoGPTQ's QuantLinear.pack does)."""
+"""The importer of pre-quantized checkpoints (`load_source` of a HF folder whose config has
+`quantization_config`): AutoAWQ GEMM (a real AutoAWQ fixture) and GPTQ (a checkpoint packed in the
+test exactly as AutoGPTQ's QuantLinear.pack does, written as a one-layer HF folder)."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from optc.formats import dequantize, unpack_int4
-from optc.quant.checkpoints import import_gptq, import_tensors
+from optc.formats import dequantize, part_name, unpack_int4
+from optc.models import config_from_hf
+from optc.models.llama import param_shapes
+from optc.sources import SourceError, load_source
 
-FIXTURES = Path("/work/shared/fixtures")
-AWQ_DIR = FIXTURES / "tiny-llama-awq-gemm"
-needs_fixture = pytest.mark.skipif(not AWQ_DIR.is_dir(), reason="AutoAWQ fixture not present")
+AWQ = "tiny-llama-awq-gemm"
+
+
+def _parts(source, name: str) -> dict[str, torch.Tensor]:
+    """The stored parts of logical tensor `name` of a loaded source."""
+    info = source.graph.tensors[name]
+    return {r: source.store.get(part_name(name, r, info.format)) for r in info.format.part_shapes(info.shape)}
 
 
 # --- AutoAWQ's published dequantization (awq/utils/packing_utils.py), written out independently ---
@@ -40,35 +46,36 @@ def _awq_dequantize_gemm(qweight, qzeros, scales, group_size):
     return ((iweight - izeros) * scales).T  # (K, N) -> (N, K)
 
 
-@needs_fixture
-def test_awq_gemm_fixture_matches_autoawq_formula():
-    config = json.loads((AWQ_DIR / "config.json").read_text())
-    tensors = load_file(AWQ_DIR / "model.safetensors")
-    imported = import_tensors(config, tensors)
-    assert imported.method == "awq"
-    assert len(imported.quantized) == 2 * 7
-    assert "lm_head.weight" in imported.dense
-    assert "model.layers.0.self_attn.q_proj.qweight" not in imported.dense
-    for name, qw in imported.quantized.items():
+def test_awq_gemm_fixture_matches_autoawq_formula(shared_fixture):
+    awq_dir = shared_fixture(AWQ)
+    tensors = load_file(awq_dir / "model.safetensors")
+    source = load_source(str(awq_dir))
+    quantized = {t: i for t, i in source.graph.tensors.items() if i.format.is_quantized}
+    assert source.quantization["method"] == "awq"
+    assert len(quantized) == 2 * 7
+    assert not source.graph.tensors["lm_head.weight"].format.is_quantized
+    assert not any(t.endswith((".qweight", ".qzeros")) for t in source.graph.tensors)
+    for name, info in quantized.items():
         base = name[: -len(".weight")]
         expected = _awq_dequantize_gemm(tensors[f"{base}.qweight"], tensors[f"{base}.qzeros"],
                                         tensors[f"{base}.scales"], 64)
-        assert qw.fmt.zero_point and qw.fmt.group_size == 64 and qw.fmt.dtype == "float16"
-        assert torch.equal(dequantize(qw.parts, qw.fmt, torch.float32), expected), name
+        fmt = info.format
+        assert fmt.zero_point and fmt.group_size == 64 and fmt.dtype == "float16"
+        assert torch.equal(dequantize(_parts(source, name), fmt, torch.float32), expected), name
 
 
-@needs_fixture
-def test_awq_gemm_fixture_logits():
+def test_awq_gemm_fixture_logits(shared_fixture):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = json.loads((AWQ_DIR / "config.json").read_text())
-    imported = import_tensors(config, load_file(AWQ_DIR / "model.safetensors"))
-    state = {k: v.float() for k, v in imported.dense.items()}
-    state.update({k: dequantize(q.parts, q.fmt, torch.float32) for k, q in imported.quantized.items()})
+    awq_dir = shared_fixture(AWQ)
+    config = json.loads((awq_dir / "config.json").read_text())
+    source = load_source(str(awq_dir))
+    state = {t: dequantize(_parts(source, t), i.format, torch.float32) if i.format.is_quantized
+             else source.store.get(t).float() for t, i in source.graph.tensors.items()}
     hf_config = {k: v for k, v in config.items() if k != "quantization_config"}
     model = LlamaForCausalLM(LlamaConfig(**{**hf_config, "dtype": "float32"})).eval()
     model.load_state_dict(state, strict=True)
-    expected = load_file(AWQ_DIR / "expected_logits.safetensors")
+    expected = load_file(awq_dir / "expected_logits.safetensors")
     with torch.no_grad():
         logits = model(expected["input_ids"]).logits
     rel = (logits - expected["logits"]).norm() / expected["logits"].norm()
@@ -112,66 +119,88 @@ def _gptq_case(n=64, k=256, g=64, sym=True, desc_act=False, seed=0):
     return q, zeros, scales, g_idx.to(torch.int32), expected
 
 
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True,
+               "checkpoint_format": "gptq"}
+Q = "model.layers.0.self_attn.q_proj"  # (64, 256): the linear the GPTQ cases pack
+
+
+def _gptq_folder(path, qweight, qzeros, scales, g_idx, **quantization_config):
+    """A one-layer Llama HF folder (hidden 256, q/k/v bias) whose q_proj is GPTQ-packed; the rest dense fp32."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "vocab_size": 32, "attention_bias": True, "quantization_config": {**GPTQ_CONFIG, **quantization_config}}
+    gen = torch.Generator().manual_seed(0)
+    shapes = param_shapes(config_from_hf(cfg, "test"))
+    shapes.update({f"model.layers.0.self_attn.{p}_proj.bias": (n,) for p, n in (("q", 64), ("k", 32), ("v", 32))})
+    tensors = {n: torch.randn(s, generator=gen) for n, s in shapes.items() if n != f"{Q}.weight"}
+    tensors.update({f"{Q}.qweight": qweight, f"{Q}.qzeros": qzeros, f"{Q}.scales": scales, f"{Q}.g_idx": g_idx})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("desc_act", [False, True])
 @pytest.mark.parametrize("v1", [True, False])
-def test_gptq_import_recovers_the_integers(sym, desc_act, v1):
+def test_gptq_import_recovers_the_integers(tmp_path, sym, desc_act, v1):
     q, zeros, scales, g_idx, expected = _gptq_case(sym=sym, desc_act=desc_act)
     qweight, qzeros = _gptq_pack(q, zeros, v1=v1)
-    imported = import_gptq(qweight, qzeros, scales, g_idx, 64, zeros_minus_one=v1, name="l.q")
-    assert imported.fmt.zero_point == (not sym) and imported.fmt.act_order == desc_act
-    assert torch.equal(dequantize(imported.parts, imported.fmt, torch.float32), expected)
-    stored = unpack_int4(imported.parts["qweight"]).long()
-    perm = imported.parts["perm"].long() if desc_act else torch.arange(256)
+    source = load_source(_gptq_folder(tmp_path, qweight, qzeros, scales, g_idx, desc_act=desc_act, sym=sym,
+                                      checkpoint_format="gptq" if v1 else "gptq_v2"))
+    fmt, parts = source.graph.tensors[f"{Q}.weight"].format, _parts(source, f"{Q}.weight")
+    assert fmt.zero_point == (not sym) and fmt.act_order == desc_act
+    assert torch.equal(dequantize(parts, fmt, torch.float32), expected)
+    stored = unpack_int4(parts["qweight"]).long()
+    perm = parts["perm"].long() if desc_act else torch.arange(256)
     assert torch.equal(stored, q[:, perm])  # the integers themselves, never requantized
     if desc_act:  # groups are contiguous in the stored order
         assert torch.equal(g_idx.long()[perm], torch.arange(256) // 64)
 
 
-def test_import_quantized_gptq_config_and_errors():
+def test_import_quantized_gptq_config_and_errors(tmp_path):
     q, zeros, scales, g_idx, expected = _gptq_case(sym=True)
     qweight, qzeros = _gptq_pack(q, zeros)
-    tensors = {"m.q_proj.qweight": qweight, "m.q_proj.qzeros": qzeros, "m.q_proj.scales": scales,
-               "m.q_proj.g_idx": g_idx, "m.q_proj.bias": torch.ones(64), "m.norm.weight": torch.ones(8)}
-    config = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
-                                      "sym": True, "checkpoint_format": "gptq"}}
-    imported = import_tensors(config, tensors)
-    assert sorted(imported.dense) == ["m.norm.weight", "m.q_proj.bias"]
-    qw = imported.quantized["m.q_proj.weight"]
-    assert not qw.fmt.zero_point and torch.equal(dequantize(qw.parts, qw.fmt, torch.float32), expected)
-    bad = {"quantization_config": {**config["quantization_config"], "bits": 3}}
-    with pytest.raises(ValueError, match="bits=3: only 4-bit"):
-        import_tensors(bad, tensors)
-    bad = {"quantization_config": {**config["quantization_config"], "checkpoint_format": "marlin"}}
-    with pytest.raises(ValueError, match="checkpoint_format 'marlin' is not supported"):
-        import_tensors(bad, tensors)
-    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
-        import_tensors({"quantization_config": {"quant_method": "bitsandbytes"}}, tensors)
+    source = load_source(_gptq_folder(tmp_path / "ok", qweight, qzeros, scales, g_idx))
+    assert source.quantization == {"method": "gptq", "imported": True, "bits": 4, "group_size": 64, "linears": 1,
+                                   "checkpoint_format": "gptq"}
+    dense = sorted(t for t, i in source.graph.tensors.items() if not i.format.is_quantized)
+    assert f"{Q}.bias" in dense and "model.norm.weight" in dense and len(dense) == len(source.graph.tensors) - 1
+    assert not any(t.endswith((".qweight", ".qzeros", ".g_idx")) for t in source.graph.tensors)
+    fmt = source.graph.tensors[f"{Q}.weight"].format
+    assert not fmt.zero_point and torch.equal(dequantize(_parts(source, f"{Q}.weight"), fmt, torch.float32), expected)
+    with pytest.raises(SourceError, match="bits=3: only 4-bit"):
+        load_source(_gptq_folder(tmp_path / "bits", qweight, qzeros, scales, g_idx, bits=3))
+    with pytest.raises(SourceError, match="checkpoint_format 'marlin' is not supported"):
+        load_source(_gptq_folder(tmp_path / "marlin", qweight, qzeros, scales, g_idx, checkpoint_format="marlin"))
+    with pytest.raises(SourceError, match="quant_method 'bitsandbytes' is not supported"):
+        load_source(_gptq_folder(tmp_path / "bnb", qweight, qzeros, scales, g_idx, quant_method="bitsandbytes"))
+    with pytest.raises(SourceError, match=r"q_proj.qweight: shape \[16, 64\], expected \[32, 64\]"):
+        load_source(_gptq_folder(tmp_path / "short", qweight[:16], qzeros, scales, g_idx))
 
 
-def test_gptq_v1_zero_point_of_zero_is_an_error():
+def test_gptq_v1_zero_point_of_zero_is_an_error(tmp_path):
     q, zeros, scales, g_idx, _ = _gptq_case(sym=False)
     zeros[0, 0] = 0  # stored as -1: the v1 format cannot hold it
     qweight, qzeros = _gptq_pack(q, zeros, v1=True)
-    with pytest.raises(ValueError, match="l.q: a GPTQ v1 zero point of 0"):
-        import_gptq(qweight, qzeros, scales, g_idx, 64, zeros_minus_one=True, name="l.q")
+    with pytest.raises(SourceError, match="q_proj: a GPTQ v1 zero point of 0"):
+        load_source(_gptq_folder(tmp_path, qweight, qzeros, scales, g_idx, sym=False))
 
 
-@needs_fixture
-def test_frontend_imports_the_awq_fixture_and_matches_autoawq_logits():
+def test_sources_import_the_awq_fixture_and_match_autoawq_logits(shared_fixture):
     from optc.execute import Executor, bind_params, run_dense
-    from optc.frontend import load_source
     from optc.ops import verify
     from optc.passes.cast import Cast
     from optc.passmanager import PassContext
 
-    source = load_source(str(AWQ_DIR))
+    awq_dir = shared_fixture(AWQ)
+    source = load_source(str(awq_dir))
     assert source.quantization["method"] == "awq" and source.quantization["linears"] == 14
     info = source.graph.tensors["model.layers.1.mlp.down_proj.weight"]
     assert info.shape == (128, 256) and info.format.kind.value == "int4_g" and info.format.zero_point
     verify(source.graph, source.store)
     cast = Cast(Cast.Options("float32")).run(source.graph, source.store, PassContext())
-    expected = load_file(AWQ_DIR / "expected_logits.safetensors")
+    expected = load_file(awq_dir / "expected_logits.safetensors")
     executor = Executor(cast.graph, bind_params(cast.graph, cast.store))
     logits = run_dense(executor, expected["input_ids"])
     rel = (logits - expected["logits"]).norm() / expected["logits"].norm()

@@ -88,3 +88,23 @@ def test_errors_name_the_tensor_and_dimension():
         make_format(8, zero_point=True)
     with pytest.raises(ValueError, match="needs a 2-D weight"):
         quantize_weight(torch.zeros(64), make_format(8))
+
+
+def test_weight_quant_options_shared_by_the_quantization_passes():
+    from optc.errors import InputError
+    from optc.formats import FormatKind
+    from optc.passmanager import registry
+    from optc.quant.options import WeightQuantOptions
+
+    int8 = WeightQuantOptions(bits=8, group_size=64, zero_point=True)  # int8 is per channel and symmetric
+    assert int8.record() == {"bits": 8, "group_size": None, "zero_point": False}
+    assert int8.format("float16").kind is FormatKind.INT8_WO and int8.format("float16").dtype == "float16"
+    int4 = WeightQuantOptions(bits=4, group_size=32, zero_point=False)
+    assert int4.record() == {"bits": 4, "group_size": 32, "zero_point": False}
+    fmt = int4.format()
+    assert (fmt.kind, fmt.group_size, fmt.zero_point, fmt.dtype) == (FormatKind.INT4_G, 32, False, "float32")
+    with pytest.raises(InputError, match="int4 group_size must be one of"):
+        WeightQuantOptions(bits=4, group_size=48)
+    passes = registry()
+    for name in ("quantize_rtn", "quantize_awq", "quantize_gptq"):
+        assert issubclass(passes[name].Options, WeightQuantOptions), name

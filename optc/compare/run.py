@@ -70,7 +70,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
     if o.eval_tokens < o.window * 2:
         raise UserError(f"--eval-tokens {o.eval_tokens}: needs at least 2 windows of {o.window} tokens "
                         "(the intervals bootstrap over windows)")
-    from optc.frontend import load_source
+    from optc.sources import load_source
 
     records = {}
     for m in sorted({v.recipe.model for v in expansion.variants}):

@@ -1,21 +1,15 @@
-"""Weight quantization, pure torch: round-to-nearest, AWQ, GPTQ, and importers for pre-quantized
-checkpoints. Every function returns the stored parts of an `optc.formats.Format`; none of them
-touches the IR (the passes in passes/quantize_*.py do)."""
+"""Weight quantization, pure torch: round-to-nearest, AWQ, GPTQ, and the importer of pre-quantized
+checkpoints. The quantizers return the stored parts of an `optc.formats.Format`; the options the
+quantization passes share and the linears they quantize are in `options`; running a graph block by
+block on calibration tokens is `blocks`. Rewriting the IR is the passes' job (passes/quantize_*.py)."""
 
-from optc.quant.awq import (
-    AwqResult,
-    awq_quantize,
-    fold_into_linear,
-    fold_into_norm,
-    search_clip,
-    search_scale,
-)
-from optc.quant.checkpoints import ImportedCheckpoint, QuantizedWeight, import_quantized, import_tensors
+from optc.quant.awq import fold_into_linear, fold_into_norm, search_clip, search_scale
+from optc.quant.checkpoints import CheckpointError, import_quantized
 from optc.quant.gptq import Gptq, GptqResult
+from optc.quant.options import WeightQuantOptions
 from optc.quant.rtn import fake_quantize, make_format, quantize_weight
 
 __all__ = [
-    "AwqResult", "Gptq", "GptqResult", "ImportedCheckpoint", "QuantizedWeight", "awq_quantize",
-    "fake_quantize", "fold_into_linear", "fold_into_norm", "import_quantized", "import_tensors", "make_format",
-    "quantize_weight", "search_clip", "search_scale",
+    "CheckpointError", "Gptq", "GptqResult", "WeightQuantOptions", "fake_quantize", "fold_into_linear",
+    "fold_into_norm", "import_quantized", "make_format", "quantize_weight", "search_clip", "search_scale",
 ]

@@ -11,6 +11,8 @@
    max |w| shrunk by (1 - i/n_grid), i < max_shrink·n_grid, minimizing the group's partial output
    error on (a strided subsample of) the scaled inputs.
 4. Round-to-nearest with those clip values (`rtn.quantize_weight(..., clip=...)`).
+The pass (passes/quantize_awq.py) runs these steps for every group of a block: first 1 and 2 for each
+group in order, then 3 and 4 on the inputs the block computes with every group's scales folded in.
 
 Everything is computed in fp32 whatever the model dtype: SmolLM2's residual channels reach
 ~25,000, so fp16 statistics or products overflow. Non-finite scales are replaced by 1.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from optc.formats import Format, FormatKind
-from optc.quant.rtn import fake_quantize, quantize_weight
+from optc.quant.rtn import fake_quantize
 
 Forward = Callable[[list[torch.Tensor]], torch.Tensor]  # the group's weights (fp32) -> block output
 
@@ -39,19 +41,10 @@ class ScaleSearch:
     rtn_error: float  # block output MSE of plain RTN (α = 0)
 
 
-@dataclass(frozen=True)
-class AwqResult:
-    scales: torch.Tensor  # (K,) to fold: previous op / s, group weights · s
-    alpha: float
-    parts: list[dict[str, torch.Tensor]]  # stored parts of each weight, in the order given
-    error: float
-    rtn_error: float
-
-
 def input_mean(x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """mean |x| per channel over all rows of x (..., K), fp32, in chunks of rows."""
     x = x.reshape(-1, x.shape[-1])
-    total = torch.zeros(x.shape[-1], dtype=torch.float32)
+    total = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
     for i in range(0, x.shape[0], chunk):
         total += x[i:i + chunk].float().abs().sum(0)
     return total / x.shape[0]
@@ -119,32 +112,19 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, fmt: Format, n_grid: int = 20,
     return torch.cat(best)
 
 
-def awq_quantize(x: torch.Tensor, weights: Sequence[torch.Tensor], forward: Forward, fmt: Format,
-                 clip: Sequence[bool] | None = None, n_grid: int = 20) -> AwqResult:
-    """Scale search, then per weight (where `clip` says so) clip search, then RTN.
-
-    x (..., K) is the group's input before scaling; the returned scales still have to be folded
-    into the op before the group by the caller (the parts already include them).
-    """
-    found = search_scale(input_mean(x), weights, forward, fmt, n_grid)
-    s = found.scales
-    x_scaled = x.reshape(-1, x.shape[-1]).float() / s
-    parts = []
-    for i, w in enumerate(weights):
-        ws = w.float() * s
-        c = search_clip(x_scaled, ws, fmt, n_grid) if (clip is None or clip[i]) else None
-        parts.append(quantize_weight(ws, fmt, clip=c))
-    return AwqResult(s, found.alpha, parts, found.error, found.rtn_error)
-
-
 def fold_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """RMSNorm weight (K,) -> weight / s, in the norm weight's dtype (division in fp32)."""
     return (norm_weight.float() / scales).to(norm_weight.dtype)
 
 
-def fold_into_linear(prev_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Weight (K, K_in) of the linear producing the group's input -> rows divided by s."""
-    return (prev_weight.float() / scales[:, None]).to(prev_weight.dtype)
+def fold_into_linear(prev_weight: torch.Tensor, scales: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """Weight (N, K_in) of the linear producing the group's input -> its `rows` (default: all; K of them)
+    divided by s, in the weight's dtype (division in fp32). `rows` picks the group's input out of a fused
+    linear's outputs (the v rows of a qkv linear, the up rows of a gate-up linear)."""
+    out = prev_weight.float().clone()
+    rows = slice(None) if rows is None else rows
+    out[rows] = out[rows] / scales[:, None]
+    return out.to(prev_weight.dtype)
 
 
 def _group_out(xg: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Run a graph one decoder block at a time on calibration tokens: what the calibrated quantization
 passes (AWQ, GPTQ) share.
 
-A block is the run of consecutive nodes named `...layers.<i>....`; the nodes before the first block
-(the embedding) are its prefix. `BlockRunner` keeps only the values that cross a block boundary,
-so peak memory is about one block's activations and weights. All computation is fp32, whatever the
+A block is the run of consecutive nodes whose `layer` attribute is i (set by the model family's graph
+template, kept by the passes); the nodes before the first block (the embedding) are its prefix.
+`BlockRunner` keeps only the values that cross a block boundary, so peak memory is about one
+block's activations and weights. All computation is fp32, whatever the
 stored dtype: quantization statistics must not overflow (SmolLM2's residual channels reach
 ~25,000). Weights are the ops' torch references over `Param`s, so a block that uses quantized
 parts computes exactly what the artifact will.
@@ -13,7 +14,6 @@ Not here: choosing what to quantize and how (the passes), or writing the artifac
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +26,6 @@ from optc.ir import Graph, Node, TensorInfo
 from optc.ops import OPS, Param
 from optc.store import Entry, TensorStore
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 NORMS = ("rms_norm", "add_rms_norm")
 
 
@@ -42,15 +41,15 @@ def split_blocks(graph: Graph) -> tuple[list[Node], list[Block]]:
     prefix: list[Node] = []
     groups: list[tuple[int, list[Node]]] = []
     for node in graph.nodes:
-        m = _LAYER.search(node.name)
-        if m is None:
+        layer = node.attrs.get("layer")
+        if layer is None:
             if groups:
                 break
             prefix.append(node)
-        elif groups and groups[-1][0] == int(m.group(1)):
+        elif groups and groups[-1][0] == layer:
             groups[-1][1].append(node)
         else:
-            groups.append((int(m.group(1)), [node]))
+            groups.append((layer, [node]))
     blocks = []
     for i, (index, nodes) in enumerate(groups):
         later = {v for _, ns in groups[i + 1:] for n in ns for v in n.inputs}
@@ -88,14 +87,18 @@ def dense_param(t: torch.Tensor) -> Param:
 
 
 class BlockRunner:
-    """Calibration activations flowing through the graph, one block at a time (fp32)."""
+    """Calibration activations flowing through the graph, one block at a time (fp32), on `device`:
+    the activations that cross block boundaries and the weights of the block being loaded live
+    there; the store and the results (`to_host`) stay on the host, so a GPU holds one block at a time."""
 
-    def __init__(self, graph: Graph, store: TensorStore, tokens: torch.Tensor):
+    def __init__(self, graph: Graph, store: TensorStore, tokens: torch.Tensor, device: torch.device | str = "cpu"):
         self.graph = graph
         self.store = store
+        self.device = torch.device(device)
         self.num_seqs, self.seq_len = tokens.shape
-        self.step = dense_step(graph, self.num_seqs, self.seq_len, dtype=torch.float32)
-        self.env: dict[str, torch.Tensor] = {"input_ids": tokens.reshape(-1), "positions": self.step.positions}
+        self.step = dense_step(graph, self.num_seqs, self.seq_len, device=self.device, dtype=torch.float32)
+        self.env: dict[str, torch.Tensor] = {"input_ids": tokens.reshape(-1).to(self.device),
+                                             "positions": self.step.positions}
 
     def load(self, nodes: Iterable[Node]) -> dict[str, Param]:
         """Params of the nodes' tensors: dense ones as fp32, quantized ones as stored."""
@@ -104,7 +107,8 @@ class BlockRunner:
             for name in n.params.values():
                 info = self.graph.tensors[name]
                 fmt = info.format
-                parts = {r: self.store.get(part_name(name, r, fmt)) for r in fmt.part_shapes(info.shape)}
+                parts = {r: self.store.get(part_name(name, r, fmt)).to(self.device)
+                         for r in fmt.part_shapes(info.shape)}
                 params[name] = dense_param(parts["weight"]) if not fmt.is_quantized else Param(parts, fmt)
         return params
 
@@ -113,7 +117,8 @@ class BlockRunner:
         num_seqs = min(num_seqs, self.num_seqs)
         if num_seqs == self.num_seqs:
             return num_seqs * self.seq_len, self.step
-        return num_seqs * self.seq_len, dense_step(self.graph, num_seqs, self.seq_len, dtype=torch.float32)
+        return num_seqs * self.seq_len, dense_step(self.graph, num_seqs, self.seq_len, device=self.device,
+                                                   dtype=torch.float32)
 
     def run(self, nodes: list[Node], params: dict[str, Param], env: dict[str, torch.Tensor] | None = None,
             until: str | None = None, step=None) -> dict[str, torch.Tensor]:
@@ -180,13 +185,19 @@ def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, d
 
 
 def _entry(t: torch.Tensor) -> Entry:
+    t = t.cpu()  # the same tensor when it is on the CPU already
     return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
+
+
+def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block's results moved off the calibration device (the same tensors on the CPU)."""
+    return {r: t.cpu() for r, t in parts.items()}
 
 
 def start_calibration(graph: Graph, store: TensorStore, ctx, pass_name: str) -> tuple[BlockRunner, list[Block]]:
     """The calibration tokens run through the nodes before the first block; the blocks to process in order."""
     prefix, blocks = split_blocks(graph)
-    runner = BlockRunner(graph, store, calibration_tokens(ctx, pass_name))
+    runner = BlockRunner(graph, store, calibration_tokens(ctx, pass_name), getattr(ctx, "device", "cpu"))
     runner.advance(prefix, runner.load(prefix), [v for n in prefix for v in n.outputs])
     return runner, blocks
 

@@ -14,19 +14,19 @@ logical weight is `X.weight`; every other tensor passes through unchanged. Layou
   `gptq_v2` stores z. With `desc_act` g_idx is a permuted group map: the importer reorders the
   input dimension so groups are contiguous and stores a `perm` part (Format.act_order).
 
-`import_tensors(config, tensors)` converts tensors in memory; `import_quantized(path, cfg, config,
-files, record)` is the frontend's hook for a HF folder (it returns a frontend.Source with lazy
-qweights). The graph itself comes from frontend.graph_for.
+`import_quantized(path, cfg, files)` is what optc/sources.py calls for a HF folder whose config has
+`quantization_config`: it returns a store whose qweights are converted lazily. The graph itself comes
+from the model family (optc/models/).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from optc.errors import UserError
 from optc.formats import INT4_GROUP_SIZES, INT4_PACKING, Format, FormatKind, pack_int4, part_name
 from optc.ir import TensorInfo
 from optc.store import Entry, TensorStore
@@ -35,17 +35,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AutoAWQ word holds column
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 
 
-@dataclass(frozen=True)
-class QuantizedWeight:
-    fmt: Format
-    parts: dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ImportedCheckpoint:
-    method: str  # "awq" | "gptq"
-    dense: dict[str, torch.Tensor]  # every tensor that is not part of a quantized linear
-    quantized: dict[str, QuantizedWeight]  # logical weight name ("...q_proj.weight") -> parts
+class CheckpointError(UserError, ValueError):
+    """A pre-quantized checkpoint this importer cannot read exactly; the message names the tensor or key."""
 
 
 def quantization_method(config: Mapping) -> str | None:
@@ -55,52 +46,33 @@ def quantization_method(config: Mapping) -> str | None:
         return None
     method = str(qc.get("quant_method", "")).lower()
     if method not in ("awq", "gptq"):
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
+        raise CheckpointError(f"quantization_config.quant_method {method!r} is not supported; "
                          "supported: 'awq' (AutoAWQ GEMM), 'gptq'")
     return method
 
 
-def import_tensors(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> ImportedCheckpoint:
-    """An HF config.json dict with `quantization_config` and its tensors -> optc weights (in memory)."""
-    method, group_size, v1 = _parse_config(config)
-    quantized, used = {}, set()
-    for base in _quantized_bases(tensors):
-        roles = [r for r in ("qweight", "qzeros", "scales", "g_idx") if f"{base}.{r}" in tensors]
-        parts = {r: tensors[f"{base}.{r}"] for r in roles}
-        used.update(f"{base}.{r}" for r in parts)
-        if method == "awq":
-            quantized[f"{base}.weight"] = import_awq_gemm(parts["qweight"], parts["qzeros"], parts["scales"],
-                                                          group_size, base)
-        else:
-            quantized[f"{base}.weight"] = import_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
-                                                      parts.get("g_idx"), group_size, v1, base)
-    return ImportedCheckpoint(method, {k: v for k, v in tensors.items() if k not in used}, quantized)
-
-
 def import_quantized(
     path: Path, cfg: dict, files: list[Path]
-) -> tuple[dict[str, TensorInfo], TensorStore, dict | None]:
-    """The frontend's hook for a HF folder whose config has `quantization_config`: the tensor table
-    (quantized linears in our formats), the store and the manifest's quantization record.
+) -> tuple[TensorStore, dict[str, TensorInfo], dict | None]:
+    """A HF folder whose config has `quantization_config` -> (store, quantized, quantization record).
 
-    Small parts (scales, zeros, g_idx) are read when the source is opened, to decide each linear's
-    format; the qweights are converted lazily, when the store entry is loaded.
+    The store holds every floating-point tensor of the checkpoint under its own name plus the parts of
+    each quantized linear in our formats; `quantized` maps each quantized linear's logical weight
+    (`X.weight`) to its TensorInfo; the record is the manifest's `quantization` section (None when the
+    config says quantized but the weights are plain, e.g. dequantized from GGUF: they load as dense).
+    Small parts (scales, zeros, g_idx) are read now, to decide each linear's format; the qweights are
+    converted lazily, when the store entry is loaded.
     """
-    from optc.frontend import SourceError, tensor_table
-
     raw = TensorStore.from_safetensors(files)
     bases = _quantized_bases(raw.names())
     method, group_size, v1 = None, 0, False
     if bases:  # a config that says quantized over plain weights (e.g. dequantized from GGUF) loads as dense
-        try:
-            method, group_size, v1 = _parse_config(cfg)
-        except ValueError as e:
-            raise SourceError(f"{path}: {e}") from None
+        method, group_size, v1 = _parse_config(cfg)
     quant_keys = {f"{b}.{r}" for b in bases for r in ("qweight", "qzeros", "scales", "g_idx")}
     dense = raw.with_entries(remove=quant_keys)
     floats = (torch.float32, torch.float16, torch.bfloat16)  # other tensors (e.g. saved test ids) are not weights
     dense = dense.keep([t for t in dense.names() if dense.entry(t).dtype in floats])
-    table = tensor_table(dense)
+    table: dict[str, TensorInfo] = {}
     entries: dict[str, Entry] = {}
     for base in bases:
         get = lambda role, base=base: raw.get(f"{base}.{role}") if f"{base}.{role}" in raw else None
@@ -114,6 +86,7 @@ def import_quantized(
         n, k = small["scales"].shape[0], small["scales"].shape[1] * group_size
         table[name] = TensorInfo((n, k), fmt)
         src = raw.entry(f"{base}.qweight")
+        _expect(src, (k, n // 8) if method == "awq" else (k // 8, n), base, "qweight")
         perm = small.get("perm")
         entries[part_name(name, "qweight", fmt)] = Entry((n, k // 8), torch.int32,
                                                          lambda src=src, c=convert, p=perm: c(src.load(), p))
@@ -124,20 +97,13 @@ def import_quantized(
         detail = {"checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else {"version": "gemm"}
         quantization = {"method": method, "imported": True, "bits": 4, "group_size": group_size,
                         "linears": len(bases), **detail}
-    return table, store, quantization
+    return store, table, quantization
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """(R, C) int32 -> (R, 8C) int64 nibbles, nibble i of word c at column 8c + i."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int64)
     return ((packed.to(torch.int64)[..., None] >> shifts) & 0xF).reshape(packed.shape[0], -1)
-
-
-def import_awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                    name: str = "weight") -> QuantizedWeight:
-    """AutoAWQ GEMM tensors -> int4_g with zero points (exact)."""
-    fmt, parts = awq_small_parts(qzeros, scales, group_size, name)
-    return QuantizedWeight(fmt, {"qweight": awq_qweight(qweight), **parts})
 
 
 def awq_small_parts(qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -155,14 +121,6 @@ def awq_qweight(qweight: torch.Tensor) -> torch.Tensor:
     return pack_int4(_awq_order(unpack_rows(qweight)).T.contiguous())
 
 
-def import_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                group_size: int, zeros_minus_one: bool = True, name: str = "weight") -> QuantizedWeight:
-    """GPTQ tensors -> int4_g (symmetric when every zero point is 8; a perm part for desc_act)."""
-    _expect(scales, (qweight.shape[0] * 8 // group_size, qweight.shape[1]), name, "scales")
-    fmt, parts = gptq_small_parts(qzeros, scales, g_idx, group_size, zeros_minus_one, name)
-    return QuantizedWeight(fmt, {"qweight": gptq_qweight(qweight, parts.get("perm")), **parts})
-
-
 def gptq_small_parts(qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, group_size: int,
                      zeros_minus_one: bool = True, name: str = "weight") -> tuple[Format, dict[str, torch.Tensor]]:
     """The format, scales, zeros (unless symmetric) and perm (for desc_act) of a GPTQ linear."""
@@ -171,16 +129,16 @@ def gptq_small_parts(qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Te
     _expect(qzeros, (num_groups, n // 8), name, "qzeros")
     z = unpack_rows(qzeros) + (1 if zeros_minus_one else 0)  # (K/G, N)
     if int(z.max()) > 15:
-        raise ValueError(f"{name}: a GPTQ v1 zero point of 0 was stored as -1 (nibble 15, read as 16); "
+        raise CheckpointError(f"{name}: a GPTQ v1 zero point of 0 was stored as -1 (nibble 15, read as 16); "
                          "it cannot be represented in [0, 15]; re-export the checkpoint as gptq_v2")
     trivial = torch.arange(k) // group_size
     parts = {"scales": scales.T.contiguous()}
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), trivial):
         if g_idx.shape != (k,):
-            raise ValueError(f"{name}.g_idx: shape {list(g_idx.shape)}, expected [{k}]")
+            raise CheckpointError(f"{name}.g_idx: shape {list(g_idx.shape)}, expected [{k}]")
         perm = torch.argsort(g_idx.to(torch.int64), stable=True)
         if not torch.equal(g_idx.to(torch.int64)[perm], trivial):
-            raise ValueError(f"{name}: g_idx does not assign exactly {group_size} inputs to every group")
+            raise CheckpointError(f"{name}: g_idx does not assign exactly {group_size} inputs to every group")
         parts["perm"] = perm.to(torch.int32)
     sym = bool((z == 8).all())
     if not sym:
@@ -199,24 +157,24 @@ def _parse_config(config: Mapping) -> tuple[str, int, bool]:
     """-> (method, group size, GPTQ zeros stored minus one); errors say what is supported."""
     method = quantization_method(config)
     if method is None:
-        raise ValueError("the checkpoint's config has no quantization_config")
+        raise CheckpointError("the checkpoint's config has no quantization_config")
     qc = config["quantization_config"]
     bits = int(qc.get("bits", qc.get("w_bit", 0)))
     group_size = int(qc.get("group_size", qc.get("q_group_size", 0)))
     if bits != 4:
-        raise ValueError(f"{method} checkpoint with bits={bits}: only 4-bit checkpoints are supported")
+        raise CheckpointError(f"{method} checkpoint with bits={bits}: only 4-bit checkpoints are supported")
     if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"{method} checkpoint with group_size={group_size}: supported {INT4_GROUP_SIZES}")
+        raise CheckpointError(f"{method} checkpoint with group_size={group_size}: supported {INT4_GROUP_SIZES}")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
-            raise ValueError(f"AutoAWQ version {version!r} is not supported; supported: 'gemm'")
+            raise CheckpointError(f"AutoAWQ version {version!r} is not supported; supported: 'gemm'")
         if not qc.get("zero_point", True):
-            raise ValueError("AutoAWQ GEMM checkpoints without zero_point are not supported")
+            raise CheckpointError("AutoAWQ GEMM checkpoints without zero_point are not supported")
         return method, group_size, False
     ckpt_format = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
     if ckpt_format not in GPTQ_FORMATS:
-        raise ValueError(f"GPTQ checkpoint_format {ckpt_format!r} is not supported; supported: {GPTQ_FORMATS}")
+        raise CheckpointError(f"GPTQ checkpoint_format {ckpt_format!r} is not supported; supported: {GPTQ_FORMATS}")
     return method, group_size, ckpt_format == "gptq"
 
 
@@ -239,11 +197,11 @@ def _awq_order(nibbles: torch.Tensor) -> torch.Tensor:
 def _int4(group_size: int, zero_point: bool, dtype: torch.dtype, act_order: bool = False) -> Format:
     names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
     if dtype not in names:
-        raise ValueError(f"scales of dtype {dtype} are not supported; supported: {list(names.values())}")
+        raise CheckpointError(f"scales of dtype {dtype} are not supported; supported: {list(names.values())}")
     return Format(kind=FormatKind.INT4_G, dtype=names[dtype], bits=4, group_size=group_size,
                   zero_point=zero_point, packing=INT4_PACKING, act_order=act_order)
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, int], name: str, role: str) -> None:
+def _expect(t: torch.Tensor | Entry, shape: tuple[int, int], name: str, role: str) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}.{role}: shape {list(t.shape)}, expected {list(shape)} from qweight")
+        raise CheckpointError(f"{name}.{role}: shape {list(t.shape)}, expected {list(shape)} from the scales")

@@ -46,7 +46,7 @@ class Gptq:
         self.weight = weight
         self.name = name
         self.num_samples = 0
-        self.hessian = torch.zeros(weight.shape[1], weight.shape[1], dtype=torch.float32)
+        self.hessian = torch.zeros(weight.shape[1], weight.shape[1], dtype=torch.float32, device=weight.device)
 
     def add_batch(self, x: torch.Tensor) -> None:
         """Accumulate H over the rows of x (..., K); a running mean, so batches may differ in size."""
@@ -80,24 +80,25 @@ class Gptq:
         h[dead, dead] = 1
         w[:, dead] = 0
         static = act_order or fmt.kind is FormatKind.INT8_WO
-        scales = torch.zeros(n, k // g)
-        zeros = torch.zeros(n, k // g)
+        scales = torch.zeros(n, k // g, device=w.device)
+        zeros = torch.zeros(n, k // g, device=w.device)
         if static:  # every group's parameters from the original weight
             scales, zeros = group_params(w.reshape(n, k // g, g), fmt)
-        perm = torch.arange(k)
+        perm = torch.arange(k, device=w.device)
         if act_order:  # columns with the largest H diagonal first
             perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
         w, h = w[:, perm], h[perm][:, perm]
         hinv = _inverse_cholesky(h, damp, self.name)
         q_int = torch.zeros_like(w)
         q_deq = torch.zeros_like(w)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=w.device)
+        columns = perm.tolist()  # one device read, not one per column
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
             w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
             err1 = torch.zeros_like(w1)
             for i in range(i2 - i1):
-                col = int(perm[i1 + i])  # the column's index in the original (stored) order
+                col = columns[i1 + i]  # the column's index in the original (stored) order
                 grp = col // g
                 if not static and (i1 + i) % g == 0:
                     scales[:, grp], zeros[:, grp] = group_params(w1[:, i:i + g], fmt)

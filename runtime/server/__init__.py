@@ -1,0 +1,134 @@
+"""`optc serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) for a built artifact.
+
+`serve(options)` starts listening at once (so /health answers 503 while the model loads), loads the
+engine on its engine thread, prints the URL when both are ready, and runs until SIGTERM or SIGINT:
+then it stops accepting connections, answers 503 to new requests on open connections, lets the
+requests in flight finish for up to `shutdown_timeout` seconds, and returns (exit 0). A model that
+fails to load stops the server and `serve` raises the loader's error. Needs the `serve` extra
+(fastapi, uvicorn, prometheus-client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from optc.errors import InputError, UserError
+from optc.runtime.engine import Engine
+from optc.runtime.server.app import ServerConfig, create_app
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    artifact: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None = no key needed
+    served_model_name: str | None = None  # None = the artifact folder's name
+    device: str = "cpu"
+    max_num_seqs: int | None = None  # None = the artifact's runtime.max_batch_size
+    max_waiting: int = 1024
+    allowed_origins: tuple[str, ...] = ()
+    log_requests: bool = False
+    shutdown_timeout: float = 30.0
+    verify: bool = True  # check the artifact's file hashes on load
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise InputError(f"--device must be cpu or cuda, got {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise InputError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_waiting < 0:
+            raise InputError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        if self.shutdown_timeout < 0:
+            raise InputError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key == "":
+            raise InputError("--api-key (or OPTC_API_KEY) must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.artifact).resolve().name
+
+
+def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> None:
+    """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
+    overrides = {} if options.max_num_seqs is None else {"max_num_seqs": options.max_num_seqs}
+    load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
+    config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
+                          options.log_requests)
+    _configure_logging()
+    server: _Server | None = None
+    load_errors: list[BaseException] = []
+
+    def on_loaded(engine) -> None:
+        if engine.load_error is not None:
+            load_errors.append(engine.load_error)
+            server.should_exit = True
+            return
+        asyncio.get_running_loop().create_task(_announce(server, options, on_ready))
+
+    app = create_app(config, load, on_loaded)
+    uvicorn_config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level="warning", access_log=options.log_requests,
+        timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on",
+    )
+    server = _Server(uvicorn_config, app.state.server)
+    server.run()
+    if load_errors:
+        raise load_errors[0]
+    if not server.started:
+        raise UserError(f"could not listen on {options.host}:{options.port} (is the port in use?)")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, draining on a signal (503s while in-flight requests finish) and returning
+    normally afterwards instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.state.is_draining = True
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+async def _announce(server, options: ServeOptions, on_ready: Callable[[str], None]) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    port = options.port
+    if port == 0 and server.servers:  # an OS-chosen port
+        port = server.servers[0].sockets[0].getsockname()[1]
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    on_ready(f"http://{host}:{port} serving {options.model_name!r}")
+
+
+def _configure_logging() -> None:
+    logger = logging.getLogger("optc.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -1,0 +1,364 @@
+"""The FastAPI app of `optc serve`: OpenAI's completions, chat completions and models endpoints, plus
+/health, /metrics, /tokenize and /detokenize, over one AsyncEngine.
+
+Every error is OpenAI's shape with a status: 400 for an invalid or unsupported body and for prompts
+the engine refuses (too long for the context: the message gives both lengths), 401 for a missing or
+wrong key on /v1/* (compared in constant time), 404 for another model name, 503 while loading or
+draining and when `max_num_seqs + max_waiting` requests are already in flight, and a 500 that says
+nothing about the internals. A client that disconnects has its request aborted before the engine's
+next step; a streaming response is SSE ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from optc.errors import UserError
+from optc.runtime.engine import Engine
+from optc.runtime.sampler import SamplingParams
+from optc.runtime.server import responses as r
+from optc.runtime.server.async_engine import Accepted, AsyncEngine, Output, Prompt, apply_chat_template
+from optc.runtime.server.metrics import CONTENT_TYPE, Metrics
+from optc.runtime.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
+
+log = logging.getLogger("optc.serve")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 1024  # requests waiting beyond the running batch before 503
+    allowed_origins: tuple[str, ...] = ()  # CORS; none = same-origin only
+    log_requests: bool = False  # log request bodies (never by default)
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, load: Callable[[], Engine], on_loaded: Callable[[AsyncEngine], None]):
+        self.config = config
+        self.load = load
+        self.on_loaded = on_loaded
+        self.metrics = Metrics(config.model_name)
+        self.engine: AsyncEngine | None = None
+        self.is_draining = False
+        self.num_requests = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.engine is not None and self.engine.ready.is_set()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
+                           "model", "model_not_found")
+
+    async def start(self, prompt: Prompt, params: SamplingParams, is_streaming: bool,
+                    param: str) -> tuple[Accepted, AsyncIterator[Output]]:
+        """Queue a request: its Accepted and the iterator of its outputs (a 400/503 ApiError instead)."""
+        if self.is_draining or not self.is_ready:
+            raise ApiError(503, "the server is shutting down" if self.is_draining else "the model is loading")
+        limit = self.engine.engine.config.max_num_seqs + self.config.max_waiting
+        if self.engine.num_in_flight >= limit:
+            raise ApiError(503, f"the server is full ({limit} requests in flight: max_num_seqs + max_waiting)")
+        self.num_requests += 1
+        outputs = self.engine.generate(prompt, params, is_streaming, time.perf_counter())
+        try:
+            accepted = await anext(outputs)
+        except (ValueError, UserError) as e:
+            raise ApiError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, param) from None
+        return accepted, outputs
+
+
+def create_app(config: ServerConfig, load: Callable[[], Engine],
+               on_loaded: Callable[[AsyncEngine], None] = lambda engine: None) -> FastAPI:
+    """The app; `load` builds the Engine on the engine thread, `on_loaded` runs on the event loop once
+    loading ended (check `engine.load_error`)."""
+    state = ServerState(config, load, on_loaded)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics)
+        state.engine.start()
+        waiter = asyncio.create_task(_when_loaded(state))
+        yield
+        waiter.cancel()
+        state.engine.stop()
+
+    app = FastAPI(title="optc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    if config.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    _add_error_handlers(app)
+
+    async def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.is_draining or not state.is_ready:
+            return JSONResponse({"status": "draining" if state.is_draining else "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @v1.get("/models")
+    async def models() -> Response:
+        engine = _engine(state)
+        return JSONResponse({"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "optc",
+            "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab_size,
+        }]})
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = parse(CompletionRequest, await _json(request, config))
+        state.check_model(body.model)
+        if body.echo and body.stream and body.logprobs is not None:
+            raise ApiError(400, "'echo' with 'logprobs' is not supported when streaming", "echo")
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        params = _params(body, max_tokens, logprobs=body.logprobs,
+                         prompt_logprobs=(body.logprobs or 0) if body.echo and body.logprobs is not None
+                         or max_tokens == 0 else None)
+        accepted, outputs = await state.start(body.single_prompt, params, body.stream, "prompt")
+        ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
+        echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
+        if body.stream:
+            chunk = lambda out, first: _completion_chunk(ids, out, echo if first else "", body.return_token_ids)
+            return _stream(request, outputs, body, chunk, ids.completion)
+        text, last, entries, token_ids = await _collect(request, outputs)
+        if last is None:
+            return Response(status_code=499)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = r.completion_logprobs((last.prompt_logprobs or []) + entries if body.echo else entries)
+        choice = {"text": echo + text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+        if body.return_token_ids:
+            choice |= {"prompt_token_ids": accepted.prompt_token_ids, "token_ids": token_ids}
+        return JSONResponse(ids.completion(choice, r.usage(last.num_prompt_tokens, last.num_output_tokens)))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request, config))
+        state.check_model(body.model)
+        engine = _engine(state)
+        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
+        params = _params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        accepted, outputs = await state.start(body.chat_messages(), params, body.stream, "messages")
+        ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
+        if body.stream:
+            return _stream(request, outputs, body, lambda out, first: _chat_chunk(ids, out, first, body.logprobs),
+                           ids.chat)
+        text, last, entries, _ = await _collect(request, outputs)
+        if last is None:
+            return Response(status_code=499)
+        choice = {"message": {"role": "assistant", "content": text},
+                  "logprobs": r.chat_logprobs(entries) if body.logprobs else None, "finish_reason": last.finish_reason}
+        return JSONResponse(ids.chat(choice, r.usage(last.num_prompt_tokens, last.num_output_tokens)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body: TokenizeRequest = parse(TokenizeRequest, await _json(request, config))
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
+        special = body.add_special_tokens
+        tokens = await _call(state, lambda e: apply_chat_template(e, messages) if body.messages is not None
+                             else list(e.tokenizer(body.prompt, add_special_tokens=special)["input_ids"]))
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": _engine(state).max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body: DetokenizeRequest = parse(DetokenizeRequest, await _json(request, config))
+        state.check_model(body.model)
+        vocab_size = _engine(state).model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})", "tokens")
+        return JSONResponse({"prompt": await _call(state, lambda e: e.tokenizer.decode(body.tokens))})
+
+    app.include_router(v1)
+    return app
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+async def _when_loaded(state: ServerState) -> None:
+    await state.engine.ready.wait()
+    state.on_loaded(state.engine)
+
+
+def _engine(state: ServerState) -> Engine:
+    if not state.is_ready:
+        raise ApiError(503, "the model is loading")
+    return state.engine.engine
+
+
+async def _call(state: ServerState, fn: Callable[[Engine], Any]) -> Any:
+    engine = _engine(state)
+    if engine.tokenizer is None:
+        raise ApiError(400, "this artifact has no tokenizer")
+    return await state.engine.call(fn)
+
+
+async def _json(request: Request, config: ServerConfig) -> Any:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if config.log_requests:
+        log.info("%s %s %s", request.method, request.url.path, raw.decode(errors="replace"))
+    return body
+
+
+def _params(body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            max_tokens=max_tokens, stop=body.stops, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return await _call(state, lambda e: e.tokenizer.decode(accepted.prompt_token_ids))
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _items(request: Request, outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
+    """The outputs until the last; stops early (aborting the request) when the client disconnects."""
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(outputs))
+            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                return
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        watcher.cancel()
+        await outputs.aclose()
+
+
+async def _collect(request: Request, outputs: AsyncIterator[Output]) -> tuple[str, Output | None, list, list[int]]:
+    """Text, the finishing output (None if the client left), token logprobs and token ids of a request."""
+    texts, entries, token_ids, last = [], [], [], None
+    async for out in _items(request, outputs):
+        texts.append(out.text)
+        entries.extend(out.logprobs)
+        token_ids.extend(out.token_ids)
+        if out.finish_reason is not None:
+            last = out
+    return "".join(texts), last, entries, token_ids
+
+
+def _completion_chunk(ids: r.ResponseIds, out: Output, prefix: str, with_token_ids: bool) -> dict | None:
+    if not (out.text or prefix or out.finish_reason or with_token_ids and out.token_ids):
+        return None
+    logprobs = r.completion_logprobs(out.logprobs) if out.logprobs else None
+    choice = {"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    if with_token_ids:
+        choice["token_ids"] = out.token_ids
+    return ids.completion(choice, is_chunk=True)
+
+
+def _chat_chunk(ids: r.ResponseIds, out: Output, first: bool, with_logprobs: bool) -> dict | None:
+    if not (out.text or first or out.finish_reason):
+        return None
+    delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+    logprobs = r.chat_logprobs(out.logprobs) if with_logprobs and out.logprobs else None
+    return ids.chat({"delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}, is_chunk=True)
+
+
+def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,
+            chunk: Callable[[Output, bool], dict | None], wrap: Callable[..., dict]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        first, last = True, None
+        try:
+            async for out in _items(request, outputs):
+                event = chunk(out, first)
+                if event is not None:
+                    first = False
+                    yield r.sse(event)
+                if out.finish_reason is not None:
+                    last = out
+        except Exception:  # the response has started: report in the stream, keep internals in the log
+            log.exception("a streaming request failed")
+            yield r.sse(ApiError(500, "internal server error").body())
+            return
+        if last is None:
+            return
+        if body.include_usage:
+            yield r.sse(wrap(None, r.usage(last.num_prompt_tokens, last.num_output_tokens), is_chunk=True))
+        yield r.sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
+        return JSONResponse(ApiError(400, "invalid request body").body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        error = ApiError(e.status_code, str(e.detail))
+        return JSONResponse(error.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> Response:
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(ApiError(500, "internal server error").body(), status_code=500)

@@ -1,0 +1,283 @@
+"""AsyncEngine: the synchronous Engine behind an asyncio front, for the HTTP server.
+
+One engine thread owns the Engine: it loads it, drains a thread-safe queue of commands (add a
+request, abort one, run a function such as tokenization), steps the engine while requests are
+unfinished and hands each request's outputs to that request's asyncio queue with
+`loop.call_soon_threadsafe`. HTTP handlers only put commands and await their queue, so they never
+block a step, and every request in flight is batched into the same steps (continuous batching).
+Nothing here knows HTTP; the engine knows nothing of asyncio.
+
+A streaming request gets an `Output` after every step that gave it a token (new stable text, new
+token ids and logprobs); any other request gets one `Output` when it finishes. The first item of a
+queue is the request's `Accepted` (or the error that rejected it), so a handler can answer 400 before
+it starts a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from optc.runtime.engine import Engine, EngineStats
+from optc.runtime.request import Request
+from optc.runtime.sampler import Logprobs, SamplingParams
+from optc.runtime.server.metrics import Metrics
+
+log = logging.getLogger("optc.serve")
+
+Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's logprob with its text, and the most likely tokens (text, token id, logprob)."""
+
+    text: str
+    token_id: int
+    logprob: float | None  # None for the first prompt token (nothing before it)
+    top: tuple[tuple[str, int, float], ...]
+
+
+@dataclass(frozen=True)
+class Accepted:
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Output:
+    text: str  # new stable text (streaming) or the whole text (at the finish of any other request)
+    token_ids: list[int]  # new output tokens
+    logprobs: list[TokenLogprob]  # of those tokens, when asked for
+    finish_reason: str | None  # None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the finishing output, when asked for
+
+
+class EngineFailed(Exception):
+    """A step raised: the requests in flight are aborted; the message is not shown to clients."""
+
+
+@dataclass
+class _Stream:
+    request: Request
+    queue: asyncio.Queue
+    arrival_time: float
+    is_streaming: bool
+    last_token_time: float | None = None
+    num_sent_tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, load: Callable[[], Engine], loop: asyncio.AbstractEventLoop, metrics: Metrics) -> None:
+        self._load = load
+        self._loop = loop
+        self.metrics = metrics
+        metrics.bind(lambda: self.stats)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._is_stopping = False
+        self.engine: Engine | None = None  # set by the engine thread once loaded
+        self.ready = asyncio.Event()  # set (on the loop) once the engine is loaded
+        self.load_error: BaseException | None = None
+        self.stats: EngineStats | None = None  # the latest snapshot, replaced after every step
+        self.num_in_flight = 0  # requests added and not yet finished (event-loop side)
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run, name="optc-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._is_stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- event-loop side --------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, is_streaming: bool, arrival_time: float
+    ) -> AsyncIterator[Accepted | Output]:
+        """Accepted, then Outputs until one has a finish_reason. Raises the engine's ValueError /
+        UserError for a prompt it cannot serve. Closing the iterator early aborts the request."""
+        request_id = f"req-{self._next_id}"
+        self._next_id += 1
+        results: asyncio.Queue = asyncio.Queue()
+        self.num_in_flight += 1
+        self._send(("add", request_id, prompt, params, is_streaming, arrival_time, results))
+        is_finished = False
+        try:
+            while True:
+                item = await results.get()
+                if isinstance(item, BaseException):
+                    is_finished = True
+                    raise item
+                yield item
+                if isinstance(item, Output) and item.finish_reason is not None:
+                    is_finished = True
+                    return
+        finally:
+            self.num_in_flight -= 1
+            if not is_finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread (the tokenizer and the engine are not thread-safe)."""
+        future = self._loop.create_future()
+        self._send(("call", fn, future))
+        return await future
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+            self.stats = self.engine.stats()
+        except BaseException as e:  # reported by the server, which exits
+            self.load_error = e
+            self._loop.call_soon_threadsafe(self.ready.set)
+            return
+        self._loop.call_soon_threadsafe(self.ready.set)
+        engine = self.engine
+        while not self._is_stopping:
+            if not engine.has_unfinished():
+                self._wake.wait()
+            self._wake.clear()
+            self._drain(engine)
+            if not engine.has_unfinished():
+                self.stats = engine.stats()  # aborts may have emptied the engine: no step will follow
+                continue
+            try:
+                stepped = engine.step()
+            except Exception as e:
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(engine, EngineFailed(str(e)))
+                continue
+            now = time.perf_counter()
+            for request in stepped:
+                stream = self._streams.get(request.request_id)
+                if stream is not None:
+                    self._emit(engine, stream, now)
+            self.stats = engine.stats()
+        self._fail_all(engine, EngineFailed("the server stopped"))
+
+    def _drain(self, engine: Engine) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add":
+                self._add(engine, *command[1:])
+            elif kind == "abort":
+                stream = self._streams.pop(command[1], None)
+                if stream is not None and engine.abort(command[1]):
+                    self.metrics.observe_finish(stream.request, "abort", stream.arrival_time, time.perf_counter())
+            else:
+                _, fn, future = command
+                try:
+                    result, error = fn(engine), None
+                except Exception as e:
+                    result, error = None, e
+                self._loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    def _add(self, engine: Engine, request_id: str, prompt: Prompt, params: SamplingParams, is_streaming: bool,
+             arrival_time: float, results: asyncio.Queue) -> None:
+        try:
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = apply_chat_template(engine, prompt)
+            request = engine.add_request(prompt, params, request_id=request_id)
+        except Exception as e:  # ValueError / UserError: the handler answers 400; anything else 500
+            self._put(results, e)
+            return
+        self._streams[request_id] = _Stream(request, results, arrival_time, is_streaming)
+        self._put(results, Accepted(list(request.prompt_token_ids)))
+
+    def _emit(self, engine: Engine, stream: _Stream, now: float) -> None:
+        request = stream.request
+        num_tokens = request.num_output_tokens
+        if num_tokens > stream.num_sent_tokens:
+            if stream.last_token_time is None:
+                self.metrics.observe_first_token(now - stream.arrival_time)
+            else:
+                self.metrics.observe_inter_token(now - stream.last_token_time)
+            stream.last_token_time = now
+        finished = request.finish_reason is not None
+        if not (stream.is_streaming or finished):
+            return
+        start = stream.num_sent_tokens if stream.is_streaming else 0
+        text = request.take_delta() if stream.is_streaming else request.text
+        token_ids = request.output_token_ids[start:]
+        stream.num_sent_tokens = num_tokens
+        prompt_logprobs = None
+        if finished:
+            self._streams.pop(request.request_id, None)
+            self.metrics.observe_finish(request, str(request.finish_reason), stream.arrival_time, now)
+            if request.params.prompt_logprobs is not None:
+                first = request.prompt_token_ids[0]
+                prompt_logprobs = [TokenLogprob(token_text(engine, first), first, None, ())]
+                prompt_logprobs += [_token_logprob(engine, e) for e in request.prompt_logprobs[1:]]
+        logprobs = [_token_logprob(engine, e) for e in request.logprobs[start:]]
+        self._put(stream.queue, Output(
+            text, token_ids, logprobs, str(request.finish_reason) if finished else None,
+            request.num_prompt_tokens, num_tokens, prompt_logprobs,
+        ))
+
+    def _fail_all(self, engine: Engine, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            engine.abort(request_id)
+            self._put(stream.queue, error)
+        self._streams.clear()
+
+    def _put(self, results: asyncio.Queue, item: Any) -> None:
+        self._loop.call_soon_threadsafe(results.put_nowait, item)
+
+
+def apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
+    if engine.tokenizer is None:
+        raise ValueError("this artifact has no tokenizer, so it cannot format chat messages")
+    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    if len(ids) and not isinstance(ids[0], int):
+        ids = ids[0]
+    return [int(t) for t in ids]
+
+
+def token_text(engine: Engine, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id]) if engine.tokenizer is not None else str(token_id)
+
+
+def _token_logprob(engine: Engine, entry: Logprobs) -> TokenLogprob:
+    top = tuple((token_text(engine, t), t, lp) for t, lp in entry.top)
+    return TokenLogprob(token_text(engine, entry.token_id), entry.token_id, entry.logprob, top)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def load_engine(artifact: Path, device: str, **overrides: Any) -> Callable[[], Engine]:
+    return lambda: Engine.load(artifact, device=device, **overrides)

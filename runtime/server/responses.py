@@ -1,0 +1,75 @@
+"""OpenAI response bodies and stream chunks, built from the AsyncEngine's outputs (plain dicts: the
+server only writes them as JSON)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from optc.runtime.server.async_engine import TokenLogprob
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}
+
+
+def sse(chunk: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: {json}` (or `data: [DONE]`) and a blank line."""
+    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs (the top tokens and the
+    chosen one, keyed by their text), text_offset (character offsets into the returned text)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for entry in entries:
+        tokens.append(entry.text)
+        token_logprobs.append(entry.logprob)
+        offsets.append(text_offset)
+        text_offset += len(entry.text)
+        if entry.logprob is None:  # the first prompt token: nothing before it to condition on
+            top_logprobs.append(None)
+        else:
+            top: dict[str, float] = {}
+            for text, _, lp in (*entry.top, (entry.text, entry.token_id, entry.logprob)):
+                top.setdefault(text, lp)  # tokens that decode alike: the likeliest one's value
+            top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat shape: per token its text, logprob, UTF-8 bytes and its top tokens."""
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [item(e.text, e.logprob) | {"top_logprobs": [item(t, lp) for t, _, lp in e.top]} for e in entries],
+        "refusal": None,
+    }
+
+
+class ResponseIds:
+    """The id, creation time and model that every chunk of one response repeats."""
+
+    def __init__(self, prefix: str, request_number: int, model: str) -> None:
+        self.id = f"{prefix}-{request_number}-{time.time_ns() % 10**9}"
+        self.created = int(time.time())
+        self.model = model
+
+    def completion(self, choice: dict[str, Any], usage_: dict[str, int] | None = None,
+                   is_chunk: bool = False) -> dict[str, Any]:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, **choice}] if choice else []}
+        if usage_ is not None or not is_chunk:
+            body["usage"] = usage_
+        return body
+
+    def chat(self, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None,
+             is_chunk: bool = False) -> dict[str, Any]:
+        body = {"id": self.id, "object": "chat.completion.chunk" if is_chunk else "chat.completion",
+                "created": self.created, "model": self.model, "choices": [{"index": 0, **choice}] if choice else []}
+        if usage_ is not None or not is_chunk:
+            body["usage"] = usage_
+        return body

@@ -1,0 +1,130 @@
+"""The GPU session plan (benchmarks/gpu_session.sh) on the CPU: its dry run, and rows that survive a kill.
+
+A GPU window is short and its commands are killed at a fixed limit; these check, without a GPU, that
+every stage stays inside its limits and that a stage killed midway leaves its finished rows on disk.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCH / "gpu_session.sh"
+
+
+def _session(*args, out: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            env=os.environ | {"OUT": str(out), "PYTHON": sys.executable} | env)
+
+
+def _stages() -> list[str]:
+    text = SCRIPT.read_text()
+    return re.search(r'STAGES="([^"]*)"', text).group(1).split()
+
+
+def test_dry_run_prints_every_stage_within_the_limits(tmp_path):
+    proc = _session("--dry-run", out=tmp_path)
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, text
+    assert not any(tmp_path.iterdir())  # a dry run runs nothing
+    found = re.findall(r"^stage (\S+):\n(.*?)^  estimate: ~([\d.]+) min .*?bound: (\d+) s", text, re.M | re.S)
+    assert [name for name, *_ in found] == _stages()
+    for name, commands, minutes, bound in found:
+        assert float(minutes) < 8 and int(bound) <= 570, (name, minutes, bound)
+        if name == "fake":
+            continue
+        # no network: the install asks no index and no version check
+        assert "pip install -q --no-index --disable-pip-version-check" in commands
+        assert "rm -rf build/bench-serving/.*.tmp-*" in commands and "df -h" in commands
+        if " -m pytest" in commands:
+            assert re.search(r"pytest -v .*--durations=\d+ --timeout=\d+", commands), commands
+        for line in commands.splitlines():
+            if "serving.py" in line or "kernels.py" in line:
+                assert "--jsonl" in line, line
+            if "serving.py" in line:
+                assert "--skip-verify-built" in line
+    # serving: split by configuration and batch size; transformers only in the last, separate stages
+    serving = {n: c for n, c, *_ in found if "serving.py" in c}
+    assert all(c.count("serving.py") == 1 for c in serving.values())
+    with_hf = [n for n, c in serving.items() if "--no-compare-hf" not in c]
+    assert with_hf == ["hf-b1", "hf-b64"] and _stages()[-3:-1] == with_hf
+
+
+def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
+    proc = _session("nope", out=tmp_path / "out")
+    text, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "unknown stage 'nope'" in text
+
+
+def _rows(path: Path) -> list[dict]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from results import read
+    finally:
+        sys.path.remove(str(BENCH))
+    return read(path)
+
+
+def test_a_stage_killed_midway_leaves_its_finished_rows_on_disk(tmp_path):
+    proc = _session("fake", out=tmp_path)
+    rows_file = tmp_path / "fake.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_rows(rows_file) if rows_file.exists() else []) < 3:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)  # what the device tool does at its time limit
+    proc.communicate(timeout=30)
+    rows = _rows(rows_file)
+    assert len(rows) >= 3
+    assert [r["value"] for r in rows] == list(range(len(rows)))  # every finished row, in order, whole
+    assert "row 0" in (tmp_path / "fake.log").read_text()  # the log was written as it came
+    table = subprocess.run([sys.executable, str(BENCH / "results.py"), "table", str(rows_file)],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and f"row {len(rows) - 1}: {len(rows) - 1}" in table.stdout
+
+
+def test_a_step_past_its_limit_is_interrupted_and_the_stage_prints_its_table(tmp_path):
+    proc = _session("fake", out=tmp_path, FAKE_SECONDS="3")
+    text, _ = proc.communicate(timeout=120)
+    assert "(time limit: SIGINT)" in text and "== stage fake done" in text
+    rows = _rows(tmp_path / "fake.jsonl")
+    assert 3 <= len(rows) < 100
+    assert f"\nrow {len(rows) - 1}: {len(rows) - 1}\n== exit 0 after " in text  # the table, printed last
+
+
+def test_read_skips_a_line_cut_off_mid_write(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"table": "fake", "value": 1}) + "\n" + '{"table": "fake", "val')
+    assert _rows(path) == [{"table": "fake", "value": 1}]
+
+
+@pytest.fixture
+def serving():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serving
+    finally:
+        sys.path.remove(str(BENCH))
+    return serving
+
+
+def test_serving_table_gives_rows_without_transformers_the_bf16_ratio_of_their_batch_size(serving):
+    def row(label, tps, batch, hf=None):
+        return {"table": "serving", "label": label, "output_tokens_per_s": tps, "max_num_seqs": batch, "hf": hf,
+                "ttft_ms": {"p50": 1.0}, "tpot_ms": {"p50": 1.0}, "peak_memory_bytes": 2**20, "cuda_graphs": [1]}
+
+    rows = [row("bf16 b1", 100.0, 1, {"output_tokens_per_s": 50.0, "optc_over_hf": 2.0}),  # from stage hf-b1
+            row("int4 b1", 150.0, 1), row("int4 b64", 900.0, 64),
+            {"table": "serving", "label": "bf16 b64", "error": "RuntimeError: boom"}]
+    lines = serving.serving_table(rows).splitlines()
+    assert lines[2].split()[-2:] == ["50.0", "2.00"]
+    assert lines[3].split()[-2:] == ["50.0", "3.00*"]  # 150 / 50, from the bf16 transformers run
+    assert lines[4].split()[-2:] == ["nan", "nan"]  # no transformers run at batch 64
+    assert "FAILED RuntimeError: boom" in lines[5]
