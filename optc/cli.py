@@ -261,6 +261,69 @@ def bench(
 
 
 @app.command()
+def compare(
+    recipe: Path = typer.Argument(..., help="Base recipe YAML; its variants are built from it."),
+    leave_one_out: bool = typer.Option(False, "--leave-one-out", help="Variants: the recipe, then each pass "
+                                       "dropped (the default mode)."),
+    add_one: bool = typer.Option(False, "--add-one", help="Variants: the recipe without passes, each pass alone "
+                                 "added to it, and the full recipe; deltas are against the bare one."),
+    variants: Path | None = typer.Option(None, "--variants", help="Variants YAML: name -> list of edits "
+                                         "({drop: PASS}, {add: PASS or {PASS: options}, before|after: PASS}, "
+                                         "{set: {KEY: VALUE}}); deltas are against the unedited recipe."),
+    model: str | None = typer.Option(None, "--model", help="Model source; overrides the recipe's `model:`."),
+    set_: list[str] = typer.Option([], "--set", help="Override a recipe key for every variant: KEY=VALUE "
+                                   "(dotted keys). Repeatable."),
+    reference: str | None = typer.Option(None, "--reference", help="Quality reference: an artifact folder or a "
+                                         "model source (default: the recipe's model, unoptimized)."),
+    data: str = typer.Option("builtin:pydoc-heldout", "--data", help="Held-out text: builtin:pydoc-heldout, a "
+                             ".txt file or a .jsonl file with a `text` field."),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", min=2, help="Tokens of the text to score, cut into "
+                                    "windows of --window tokens (the intervals bootstrap over windows)."),
+    window: int = typer.Option(256, "--window", min=2, help="Tokens per evaluation window."),
+    num_requests: int = typer.Option(4, "--num-requests", min=1, help="Requests per speed run (at least the "
+                                     "batch size)."),
+    batch_sizes: str = typer.Option("1,4", "--batch-sizes", help="Comma-separated batch sizes (max requests in "
+                                    "flight) of the speed runs."),
+    input_len: int = typer.Option(64, "--input-len", min=1, help="Prompt tokens per request (random ids, seeded)."),
+    output_len: int = typer.Option(16, "--output-len", min=2, help="Generated tokens per request."),
+    repeats: int = typer.Option(3, "--repeats", min=1, help="Speed runs per variant, each in a fresh process; "
+                                "their [min, max] is the noise band."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where speed is measured."),
+    out: Path = typer.Option(Path("compare"), "--out", help="Folder for compare.json, compare.md, the PNG plots "
+                             "and report.html."),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Build cache (default: $OPTC_CACHE/compare, "
+                                          "~/.cache/optc/compare)."),
+    baseline: Path | None = typer.Option(None, "--baseline", help="A compare.json to gate against (CI): exit 1 "
+                                         "naming every regression beyond the thresholds."),
+    max_ppl_increase: float | None = typer.Option(None, "--max-ppl-increase", min=0.0, help="Gate: largest "
+                                                  "allowed perplexity rise over --baseline, in percent."),
+    min_speed_ratio: float | None = typer.Option(None, "--min-speed-ratio", min=0.0, help="Gate: smallest "
+                                                 "allowed output tok/s relative to --baseline (e.g. 0.9)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+) -> None:
+    """Compare pass ablations of a recipe: build each variant (cached), measure quality, speed, size and build
+    time with intervals, mark the Pareto front, write compare.json, compare.md, PNG plots and report.html."""
+    from optc.compare import CompareOptions, Mode, SpeedSettings, run_compare
+
+    with _user_errors():
+        if leave_one_out + add_one + (variants is not None) > 1:
+            raise UserError("give one of --leave-one-out, --add-one, --variants FILE")
+        mode = Mode.ADD_ONE if add_one else Mode.FILE if variants is not None else Mode.LEAVE_ONE_OUT
+        try:
+            sizes = tuple(sorted({int(b) for b in batch_sizes.split(",") if b.strip()}))
+        except ValueError:
+            sizes = ()
+        if not sizes or min(sizes) < 1:
+            raise UserError(f"--batch-sizes {batch_sizes!r}: expected comma-separated integers >= 1, e.g. 1,4")
+        speed = SpeedSettings(sizes, num_requests, input_len, output_len, repeats, device)
+        result = run_compare(CompareOptions(recipe, mode, variants, model, tuple(set_), reference, data, eval_tokens,
+                                            window, speed, out, cache_dir, baseline, max_ppl_increase,
+                                            min_speed_ratio, show_progress=not quiet))
+    typer.echo(f"wrote {', '.join(str(f) for f in result.files[:2])} and {len(result.files) - 2} more in {out}")
+    for line in result.regressions:
+        typer.echo(f"regression: {line}", err=True)
+    if result.regressions:
+        raise typer.Exit(1)
 def serve(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes "

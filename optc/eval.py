@@ -42,40 +42,64 @@ def evaluate(model, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 
              progress: Callable[[str], None] = lambda m: None) -> dict:
     """-> {ppl, reference_ppl, kld, top1_agreement, tokens, windows, window, data}; the reference
     keys are None without a reference. The tokenizer is the model's."""
-    m = load_model(model)
-    ids = torch.tensor(encode(m.tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
+    (scores,) = score_windows([model], reference, data, max_tokens, window, progress)
+    return summarize_windows(scores, has_reference=reference is not None) | {
+        "windows": len(scores), "window": window, "data": data}
+
+
+@dataclass(frozen=True)
+class WindowScore:
+    """Sums over the window-1 predicted positions of one window; the reference sums are 0 without one."""
+
+    nll: float
+    reference_nll: float
+    kld: float
+    num_agree: int
+    num_tokens: int
+
+
+def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192,
+                  window: int = 512, progress: Callable[[str], None] = lambda m: None) -> list[list[WindowScore]]:
+    """Per-window sums of every model in `models` (the windows of the module doc, tokenized with the
+    first model's tokenizer), each window's reference run shared by all models. -> one list of
+    WindowScore per model, in window order (what a bootstrap over windows resamples)."""
+    loaded = [load_model(m) for m in models]
+    ids = torch.tensor(encode(loaded[0].tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
     num_windows = ids.numel() // window
     if num_windows == 0:
         raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
                          f"of {window}")
     windows = ids[: num_windows * window].view(num_windows, window)
-    ref = load_model(reference) if reference is not None else None
-    run = _runner(m)
-    run_ref = _runner(ref) if ref is not None else None
-    nll = ref_nll = kld = agree = 0.0
-    count = 0
+    runs = [_runner(m) for m in loaded]
+    run_ref = _runner(load_model(reference)) if reference is not None else None
+    scores: list[list[WindowScore]] = [[] for _ in loaded]
     for i in range(num_windows):
         progress(f"eval window {i + 1}/{num_windows}")
         w = windows[i:i + 1]
-        logp = run(w)[0, :-1].float().log_softmax(-1)  # (window-1, V)
         target = w[0, 1:]
-        nll += float(-logp.gather(-1, target[:, None]).sum())
-        if run_ref is not None:
-            ref_logp = run_ref(w)[0, :-1].float().log_softmax(-1)
-            ref_nll += float(-ref_logp.gather(-1, target[:, None]).sum())
-            kld += float((ref_logp.exp() * (ref_logp - logp)).sum())
-            agree += float((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-        count += target.numel()
-    has_ref = run_ref is not None
+        ref_logp = run_ref(w)[0, :-1].float().log_softmax(-1) if run_ref is not None else None
+        for run, out in zip(runs, scores, strict=True):
+            logp = run(w)[0, :-1].float().log_softmax(-1)  # (window-1, V)
+            nll = float(-logp.gather(-1, target[:, None]).sum())
+            ref_nll = kld = 0.0
+            agree = 0
+            if ref_logp is not None:
+                ref_nll = float(-ref_logp.gather(-1, target[:, None]).sum())
+                kld = float((ref_logp.exp() * (ref_logp - logp)).sum())
+                agree = int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+            out.append(WindowScore(nll, ref_nll, kld, agree, target.numel()))
+    return scores
+
+
+def summarize_windows(scores: list[WindowScore], has_reference: bool = True) -> dict:
+    """{ppl, reference_ppl, kld, top1_agreement, tokens} over the given windows (token-weighted)."""
+    count = sum(s.num_tokens for s in scores)
     return {
-        "ppl": math.exp(nll / count),
-        "reference_ppl": math.exp(ref_nll / count) if has_ref else None,
-        "kld": kld / count if has_ref else None,
-        "top1_agreement": agree / count if has_ref else None,
+        "ppl": math.exp(sum(s.nll for s in scores) / count),
+        "reference_ppl": math.exp(sum(s.reference_nll for s in scores) / count) if has_reference else None,
+        "kld": sum(s.kld for s in scores) / count if has_reference else None,
+        "top1_agreement": sum(s.num_agree for s in scores) / count if has_reference else None,
         "tokens": count,
-        "windows": num_windows,
-        "window": window,
-        "data": data,
     }
 
 
