@@ -324,6 +324,9 @@ def compare(
         typer.echo(f"regression: {line}", err=True)
     if result.regressions:
         raise typer.Exit(1)
+
+
+@app.command()
 def serve(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes "
