@@ -197,17 +197,22 @@ def write(
                   "total_seconds": round(now - (started if started is not None else t0), 3),
                   "peak_rss_bytes": peak_rss_bytes()}
         (tmp / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename a finished folder `tmp` to `out`; an existing `out` is replaced only now, when the new one is whole."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
 
 
 def read_manifest(path: Path) -> Manifest:

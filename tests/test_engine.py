@@ -39,6 +39,9 @@ class ToyModel:
     eos_token_ids = [EOS]
     dtype, device = torch.float32, torch.device("cpu")
 
+    def __init__(self, logits_of=toy_logits) -> None:
+        self.logits_of = logits_of  # context token ids -> (VOCAB,) logits
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         return [torch.full((num_blocks, 2, block_size, 1, 2), -1.0)]
 
@@ -59,7 +62,7 @@ class ToyModel:
             assert (blocks > 0).all(), "the null block is in a block table row"
             entries = cache[blocks, 0, positions % size, 0]
             assert torch.equal(entries[:, 1], positions.float()), "stale or foreign K/V"
-            rows.append(toy_logits(entries[:, 0].long().tolist()))
+            rows.append(self.logits_of(entries[:, 0].long().tolist()))
         return torch.stack(rows)
 
 

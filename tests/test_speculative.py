@@ -10,7 +10,6 @@ after a rollback changes the output or fails loudly. The toy draft is the same f
 context term: it agrees with the target most of the time, not always.
 """
 
-import bisect
 
 import pytest
 import torch
@@ -20,9 +19,7 @@ from optc.runtime import Engine, EngineConfig, SamplingParams
 from optc.runtime.draft import DraftProposer
 from optc.runtime.speculative import NgramProposer, SpeculativeConfig, Speculator, ngram_lookup
 from optc.testing import assert_no_leaks
-
-VOCAB = 64
-EOS = 63
+from tests.test_engine import EOS, VOCAB, ToyModel, ToyTokenizer
 
 
 def toy_logits(context: list[int], mode: str = "exact") -> torch.Tensor:
@@ -43,47 +40,6 @@ def reference(prompt: list[int], max_tokens: int, mode: str = "exact") -> list[i
     return out
 
 
-class ToyModel:
-    num_layers, num_kv_heads, head_dim, vocab_size = 1, 1, 2, VOCAB
-    max_position_embeddings = 256
-    eos_token_ids = [EOS]
-    dtype, device = torch.float32, torch.device("cpu")
-
-    def __init__(self, mode: str = "exact") -> None:
-        self.mode = mode
-
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        return [torch.full((num_blocks, 2, block_size, 1, 2), -1.0)]
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return 2 * block_size * 2 * 4
-
-    def forward(self, batch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        cache = kv_caches[0]  # (N, 2, S, 1, 2): K holds (token, position)
-        size = cache.shape[2]
-        slots = batch.slot_mapping
-        cache[slots // size, 0, slots % size, 0] = torch.stack([batch.input_ids, batch.positions], -1).float()
-        starts = batch.query_start_loc.tolist()
-        rows = []
-        for i in batch.logits_indices.tolist():
-            b = bisect.bisect_right(starts, i) - 1
-            positions = torch.arange(int(batch.positions[i]) + 1)
-            blocks = batch.block_tables[b].long()[positions // size]
-            assert (blocks > 0).all(), "the null block is in a block table row"
-            entries = cache[blocks, 0, positions % size, 0]
-            assert torch.equal(entries[:, 1], positions.float()), "stale or foreign K/V"
-            rows.append(toy_logits(entries[:, 0].long().tolist(), self.mode))
-        return torch.stack(rows)
-
-
-class ToyTokenizer:
-    def __call__(self, text: str) -> dict:
-        return {"input_ids": [1 + ord(c) % 60 for c in text]}
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join("" if t == EOS and skip_special_tokens else chr(97 + t % 26) for t in token_ids)
-
-
 # 24 prompts: repetitive ones (prompt lookup finds their continuation) and pseudo-random ones
 PROMPTS = [[(i + j % (2 + i % 5)) % 60 + 1 for j in range(3 + 4 * i)] for i in range(12)] + [
     [(i * 13 + j * 7 + j * j) % 60 + 1 for j in range(1 + 5 * i)] for i in range(12)
@@ -98,13 +54,15 @@ CONFIGS = {
 
 
 def speculative_engine(method: str, k: int = 4, adaptive: bool = False, mode: str = "exact", **config) -> Engine:
-    engine = Engine(ToyModel(mode), ToyTokenizer(), EngineConfig(**{"block_size": 4, **config}))
+    target = ToyModel(lambda context: toy_logits(context, mode))
+    engine = Engine(target, ToyTokenizer(), EngineConfig(**{"block_size": 4, **config}))
     spec = SpeculativeConfig(method, k, draft="toy" if method == "draft" else None, max_batch_size=64,
                              adaptive=adaptive)
     if method == "ngram":
         proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     else:
-        draft = ToyModel("draft" if mode == "exact" else mode)
+        draft_mode = "draft" if mode == "exact" else mode
+        draft = ToyModel(lambda context: toy_logits(context, draft_mode))
         proposer = DraftProposer(draft, engine.kv_manager.num_blocks, engine.config.block_size)
     engine.speculator = Speculator(spec, proposer)
     return engine

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from optc.artifact import move_into_place
 from optc.errors import UserError
 
 ONNX_INSTALL = "pip install 'optc[onnx]'"
@@ -109,13 +110,7 @@ def export(options: ExportOptions) -> ExportResult:
         (tmp / "export.json").write_text(
             json.dumps({**result.to_json(), "artifact": str(options.artifact)}, indent=1, sort_keys=True) + "\n"
         )
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
