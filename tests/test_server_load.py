@@ -26,7 +26,8 @@ def test_full_server_is_503_and_shutdown_finishes_requests_in_flight(tiny_artifa
 
         async def run():
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-                body = {"model": "tiny", "prompt": "abc", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+                # 400 tokens each (>= 0.4 s even on an idle machine): both are still in flight when the third comes
+                body = {"model": "tiny", "prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
                 in_flight = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
                 while (m := metrics(url))["optc:num_requests_running"] + m["optc:num_requests_waiting"] < 2:
                     await asyncio.sleep(0.05)
@@ -37,7 +38,7 @@ def test_full_server_is_503_and_shutdown_finishes_requests_in_flight(tiny_artifa
         full, finished = asyncio.run(run())
         assert full.status_code == 503 and full.json()["error"]["type"] == "service_unavailable"
         assert [r.status_code for r in finished] == [200, 200]
-        assert [r.json()["usage"]["completion_tokens"] for r in finished] == [60, 60]
+        assert [r.json()["usage"]["completion_tokens"] for r in finished] == [400, 400]
         assert process.wait(30) == 0
 
 
