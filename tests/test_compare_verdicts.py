@@ -108,3 +108,24 @@ def test_gate_names_every_regression():
     assert V.gate(_report(11.0, 80.0), baseline, max_ppl_increase=None, min_speed_ratio=0.9) == [problems[1]]
     renamed = {"variants": [{**_report(99.0, 1.0)["variants"][0], "name": "other"}]}
     assert V.gate(renamed, baseline, 5, 0.9) == []
+
+
+def test_labels_of_nearly_equal_points_do_not_overlap():
+    from optc.compare.plots import MARKER_PT, label_offsets
+
+    anchors = [(173.0, 291.0), (166.0, 280.0), (169.0, 291.0), (170.0, 290.0), (391.0, 79.0)]
+    sizes = [(80.0, 11.0), (106.0, 11.0), (126.0, 11.0), (90.0, 11.0), (126.0, 11.0)]
+    bars = [(145.0, 287.0, 177.0, 295.0), (165.0, 260.0, 173.0, 318.0)]
+    offsets = label_offsets(anchors, sizes, bars)
+    boxes = [(x + dx, y + dy, x + dx + w, y + dy + h)
+             for (x, y), (w, h), (dx, dy, _) in zip(anchors, sizes, offsets, strict=True)]
+    markers = [(x - MARKER_PT, y - MARKER_PT, x + MARKER_PT, y + MARKER_PT) for x, y in anchors]
+
+    def overlap(a, b):
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    for i, box in enumerate(boxes):
+        assert not any(overlap(box, other) for other in boxes[i + 1:]), (i, boxes)
+        assert not any(overlap(box, m) for m in markers), (i, box)
+        assert not any(overlap(box, b) for b in bars), (i, box)
+    assert offsets[-1] == (MARKER_PT + 2, 2, False)  # a point alone keeps the nearest place, no leader line

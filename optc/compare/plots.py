@@ -63,18 +63,33 @@ def _quality_vs_speed(report: dict, path: Path) -> Path:
     key = report["pareto"]["quality"]
     largest = report["pareto"]["speed"].split("@")[1]
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
-    front = []
-    for i, v in enumerate(variants):
+    front, anchors, texts, bars = [], [], [], []
+    for v in variants:
         q, s = v["quality"][key], v["speed"][largest]["output_tokens_per_s"]
         lo, hi = q["ci95"]
         is_front = v["pareto"]["is_front"]
         ax.errorbar(s["median"], q["value"], xerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]],
                     yerr=[[q["value"] - lo], [hi - q["value"]]], fmt="*" if is_front else "o",
-                    markersize=13 if is_front else 8, color="tab:red" if is_front else "tab:gray", capsize=3)
-        ax.annotate(f"{v['name']} ({size_text(v['size']['weight_bytes'])})", (s["median"], q["value"]),
-                    textcoords="offset points", xytext=(8, 6 - 14 * (i % 3)), fontsize=9)
+                    markersize=13 if is_front else 8, color="tab:red" if is_front else "tab:gray", capsize=CAP_PT - 1)
+        anchors.append((s["median"], q["value"]))
+        bars += [((s["min"], q["value"]), (s["max"], q["value"])), ((s["median"], lo), (s["median"], hi))]
+        texts.append(f"{v['name']} ({size_text(v['size']['weight_bytes'])})")
         if is_front:
             front.append((s["median"], q["value"]))
+    ax.margins(x=0.25, y=0.15)
+    fig.canvas.draw()  # fixes the axes limits, so data points map to their final place on the figure
+    to_points = 72 / fig.dpi
+    def pt(xy):
+        return tuple(c * to_points for c in ax.transData.transform(xy))
+
+    anchors_pt = [pt(a) for a in anchors]
+    bars_pt = [(min(x0, x1) - CAP_PT, min(y0, y1) - CAP_PT, max(x0, x1) + CAP_PT, max(y0, y1) + CAP_PT)
+               for (x0, y0), (x1, y1) in ((pt(a), pt(b)) for a, b in bars)]
+    sizes_pt = [(LABEL_FONT * 0.56 * len(t), LABEL_FONT * 1.25) for t in texts]
+    offsets = label_offsets(anchors_pt, sizes_pt, bars_pt)
+    for anchor, text, (dx, dy, far) in zip(anchors, texts, offsets, strict=True):
+        ax.annotate(text, anchor, textcoords="offset points", xytext=(dx, dy), va="bottom", fontsize=LABEL_FONT,
+                    arrowprops={"arrowstyle": "-", "linewidth": 0.5, "color": "tab:gray"} if far else None)
     if len(front) > 1:
         xs, ys = zip(*sorted(front), strict=True)
         ax.plot(xs, ys, "--", color="tab:red", linewidth=1)
@@ -86,9 +101,36 @@ def _quality_vs_speed(report: dict, path: Path) -> Path:
     ax.set_title(f"Quality vs speed: {Path(report['recipe']).name} ({report['mode']})")
     ax.legend(loc="best", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.margins(x=0.25, y=0.15)
     return _save(fig, path)
 
+
+LABEL_FONT = 9
+MARKER_PT = 7  # half the side of the box kept clear around every marker, in points
+CAP_PT = 4  # error bars' caps (and the room kept clear around a bar), in points
+
+
+def label_offsets(anchors: list[tuple[float, float]], sizes: list[tuple[float, float]],
+                  obstacles: list[tuple[float, float, float, float]] = ()) -> list[tuple[float, float, bool]]:
+    """Where each point's label goes, in points from its point: (dx, dy, far). Greedy: each label takes
+    the first candidate box (right or left of its point, above or below, rows further out after the
+    nearest) that overlaps no label placed before it, no marker and no obstacle (error bars);
+    `far` labels get a leader line. Everything is in points on the figure: `anchors` (x, y), `sizes`
+    (width, height), `obstacles` (x0, y0, x1, y1); a label box's lower-left corner is at (dx, dy)."""
+    def clear(box, boxes):
+        x0, y0, x1, y1 = box
+        return all(x1 <= a0 or x0 >= a1 or y1 <= b0 or y0 >= b1 for a0, b0, a1, b1 in boxes)
+
+    markers = [(x - MARKER_PT, y - MARKER_PT, x + MARKER_PT, y + MARKER_PT) for x, y in anchors]
+    placed, out = [], []
+    for (x, y), (w, h) in zip(anchors, sizes, strict=True):
+        candidates = [((x + dx, y + dy, x + dx + w, y + dy + h), (dx, dy, row > 0)) for row in range(12)
+                      for dx in (MARKER_PT + 2, -MARKER_PT - 2 - w)
+                      for dy in (2 + row * h, -2 - h - row * h)]
+        box, offset = next((c for c in candidates if all(clear(c[0], b) for b in (placed, markers, obstacles))),
+                           candidates[0])
+        placed.append(box)
+        out.append(offset)
+    return out
 
 def _bars(path: Path, names: list[str], metrics: list[dict], interval, title: str, ylabel: str) -> Path:
     import matplotlib.pyplot as plt
