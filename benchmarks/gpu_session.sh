@@ -6,20 +6,24 @@
 #   bash benchmarks/gpu_session.sh --dry-run [STAGE ...]   # every stage's commands, limits and estimate
 #   run(command="bash benchmarks/gpu_session.sh smoke", timeout_s=600)   # then the next stage, at once
 #
-# Stages, in the order to run them (the first four fit one session's 30 minutes with the starts;
-# a later session goes on where the previous one stopped):
+# Stages, in the order to run them. The first session with an H100 (2026-11-23, docs/PERF.md) ran
+# smoke, kernel-tests, bf16-b1, int4-b1, kernels-w4a16, kernels-small, bf16-b64, hf-b1 (its
+# transformers half failed), int4-b64, awq-8b and the two profiles in 26 minutes of device time, each
+# stage faster than first estimated; the estimates below are those measurements (rounded up), with
+# the 8B build (~1.5 min) counted wherever a stage may be the first on its machine to need it.
+# Next: the regression stages, then what that session left unmeasured, then the rest.
 #   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
-#   bf16-b1        serving 8B bf16 at batch 1: CUDA graphs, then eager
-#   int4-b1        serving 8B int4 (RTN g128) at batch 1
-#   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
+#   hf-b1          transformers (its own torch.compile, static cache) against optc bf16 at batch 1
 #   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
 #   kernels-w8a16  benchmarks/kernels.py: int8 linears
+#   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
 #   awq-8b         `optc build recipes/llama-awq.yaml` on random:llama-3-8b with --device cuda (timed)
-#   bf16-b64       serving 8B bf16 at batch 64: CUDA graphs, then eager
-#   int4-b64       serving 8B int4 at batch 64
+#   profile-int4, profile-bf16   benchmarks/profile_decode.py: GPU time per kernel of a batch-1 decode step
+#   int4-b1, bf16-b1              serving 8B int4 (RTN g128) / bf16 (CUDA graphs, then eager) at batch 1
+#   int4-b64, bf16-b64            the same at batch 64
 #   autotune-all   the GPU test that runs every autotune config
-#   hf-b1, hf-b64  transformers (torch.compile, static cache) against optc bf16, last: the slowest compile
+#   hf-b64         transformers against optc bf16 at batch 64
 #   fake           the plan's self-test (no GPU): writes a row every 0.2 s; tests kill it midway
 #
 # What every stage does, so that a stage killed at any moment still returns what it measured:
@@ -42,8 +46,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="smoke kernel-tests bf16-b1 int4-b1 kernels-small kernels-w4a16 kernels-w8a16 awq-8b bf16-b64 int4-b64
-        autotune-all hf-b1 hf-b64 fake"
+STAGES="smoke kernel-tests hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
+        int4-b1 bf16-b1 int4-b64 bf16-b64 autotune-all hf-b64 fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
 PY=${PYTHON:-python3}
@@ -121,11 +125,11 @@ stage() {  # define (and, unless --dry-run, run) stage $1
   BOUND=0
   case "$STAGE" in
     smoke)
-      estimate 5 "setup 0.5 + ~60 compiles (graph capture, 4 tiny models) 2 + transformers refs 1 + runs 1 + 4 tiny AWQ/GPTQ builds 0.5"
+      estimate 1.5 "measured 56 s on a cold Triton cache: setup 0.3, 7 tests 0.6"
       setup
       pytest_stage 330 150 tests/test_cuda_graphs.py tests/test_gpu.py tests/test_build_device.py ;;
     kernel-tests)
-      estimate 5 "setup 0.5 + ~140 compiles of the kernels' GPU tests 3.5 + runs 1"
+      estimate 2 "measured 94 s: setup 0.3, 79 tests with their compiles 1.3"
       setup
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
         tests/test_kernels_linear.py -k "not every_autotune" ;;
@@ -134,31 +138,35 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       setup
       pytest_stage 390 300 tests/test_kernels_linear.py -k every_autotune ;;
     kernels-small)
-      estimate 2.5 "setup 0.5 + copy bandwidth + ~40 compiles 1 + 24 timed cases 0.5"
+      estimate 1.5 "measured 25 s with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
       kernels_stage 330 rms_norm,add_rms_norm,silu_mul,rope_kv_store,paged_decode,paged_prefill ;;
     kernels-w4a16 | kernels-w8a16)
-      estimate 5 "setup 0.5 + ~75 compiles 2 + ~400 autotune runs at ~40 ms (short do_bench) 0.3 + 16 cases 1"
+      estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
       kernels_stage 390 "${STAGE#kernels-}" ;;
     bf16-b1 | bf16-b64 | int4-b1 | int4-b64)
       local config=${STAGE%-b*} batch=${STAGE#*-b}
       if [[ $config == bf16 ]]; then
-        estimate 6.5 "setup 0.5 + 8B build 2.5 + 2 loads without sha256 1 + compiles, KV profile, capture 1.5 + runs 1"
+        estimate 3 "measured 139 s at batch 1 (8B build 92 s, graphs and eager runs 34 s), 67 s at batch 64 (built)"
       else
-        estimate 7 "setup 0.5 + 8B RTN build 3 + load 0.3 + w4a16 compiles and autotune per M bucket 2 + runs 1"
+        estimate 3 "measured 150 s at batch 1 (8B RTN build 82 s, load, autotune, run 55 s), 61 s at batch 64 (built)"
       fi
       setup
       serving_stage 390 --configs "$config" --batch-sizes "$batch" --no-compare-hf ;;
     awq-8b)
-      estimate 6.5 "setup 0.5 + random 8B init 1.5 + AWQ on the GPU, 32 blocks x 64K tokens ~3 (target: <= 5) + write 5 GB 0.5"
+      estimate 4 "measured 228 s: random 8B init and AWQ on the GPU 199 s (target: <= 5 min), write 5 GB"
       setup
       step 390 optc build recipes/llama-awq.yaml --model random:llama-3-8b --device cuda --force \
         --out build/bench-serving/llama-3-8b-awq ;;
     hf-b1 | hf-b64)
-      estimate 7.5 "setup 0.5 + 8B build 2.5 (none if bf16 ran on this machine) + optc run 1.5 + transformers load 0.5 + torch.compile 2 + run 0.5"
+      estimate 5 "measured 206 s up to transformers' failure (8B build 1.5, optc 1, transformers compile 1); its run 1"
       setup
       serving_stage 390 --configs bf16 --batch-sizes "${STAGE#hf-b}" --no-eager ;;
+    profile-int4 | profile-bf16)
+      estimate 4 "measured 218 s for int4 (8B build 121 s, two loads, 2 x 45 decode steps, the profile)"
+      setup
+      step 390 "$PY" benchmarks/profile_decode.py --config "${STAGE#profile-}" --batch 1 ;;
     fake)
       estimate 0.1 "no GPU: a row every 0.2 s until its limit (tests kill it midway)"
       step "${FAKE_SECONDS:-60}" "$PY" benchmarks/results.py fake --jsonl "$OUT/$STAGE.jsonl" --rows 100000 --interval 0.2

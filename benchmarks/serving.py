@@ -99,22 +99,29 @@ def _cpu(args, rows: Rows) -> list[dict]:
     return [batched, serial]
 
 
+CUDA_QUANT = {"bf16": "", "int4": "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "}
+
+
+def cuda_artifact(work: Path, name: str) -> tuple[Path, bool]:
+    """The 8B artifact of configuration `name` (CUDA_QUANT) under `work`, built unless it is there;
+    and whether this call built it."""
+    recipe = work / f"llama-3-8b-{name}.yaml"
+    recipe.parent.mkdir(parents=True, exist_ok=True)
+    recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
+                      f"passes: [{CUDA_PASSES.format(quant=CUDA_QUANT[name])}]\n"
+                      "runtime: {max_batch_size: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
+    return _artifact(work / f"llama-3-8b-{name}", recipe)
+
+
 def _cuda(args, rows: Rows) -> list[dict]:
-    recipes = {"bf16": "", "int4": "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "}
     names = args.configs.split(",")
-    unknown = sorted(set(names) - set(recipes))
+    unknown = sorted(set(names) - set(CUDA_QUANT))
     if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}; allowed: {', '.join(recipes)}")
+        raise SystemExit(f"--configs: unknown {unknown}; allowed: {', '.join(CUDA_QUANT)}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     runs = []
     for name in names:
-        quant = recipes[name]
-        recipe = args.work / f"llama-3-8b-{name}.yaml"
-        recipe.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
-                          f"passes: [{CUDA_PASSES.format(quant=quant)}]\n"
-                          "runtime: {max_batch_size: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
-        artifact, built = _artifact(args.work / f"llama-3-8b-{name}", recipe)
+        artifact, built = cuda_artifact(args.work, name)
         for batch in batch_sizes:
             base = BenchOptions(artifact, num_requests=4 if batch == 1 else batch, input_len=128, output_len=128,
                                 max_num_seqs=batch, device="cuda", show_progress=not args.quiet,

@@ -288,10 +288,12 @@ def _run_hf(options: BenchOptions, prompts: list[list[int]], device: torch.devic
             batch_size: int) -> dict[str, Any]:
     """The same token ids through transformers `generate`, batches of max_num_seqs, left-padded."""
     model, what = _hf_model(options, device, dtype)
-    if device.type == "cuda":
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        # transformers would also compile __call__ for a static cache on CUDA: one compile, not two
-        model.generation_config.disable_compile = True
+    # On CUDA, transformers compiles the decode step itself (inductor, reduce-overhead: CUDA graphs) when
+    # the cache is static, and runs the prefill eagerly, which allocates the static cache outside the
+    # graphs. Compiling `forward` here as well captured that allocation in a graph whose next replay
+    # overwrote the cache (transformers 5.17, H100: "accessing tensor output of CUDAGraphs that has
+    # been overwritten").
+    model.generation_config.disable_compile = device.type != "cuda"
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
 
     def run(batch: list[list[int]], num_new: int) -> int:

@@ -105,6 +105,9 @@ def build(options: BuildOptions) -> Path:
             {"name": r.name, "seconds": round(r.seconds, 4), "peak_rss_bytes": r.peak_rss_bytes} for r in records
         ],
     }
+    if device.type == "cuda":  # the GPU memory the calibration passes needed, for sizing the build machine
+        report["peak_gpu_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        say(f"peak GPU memory: {report['peak_gpu_memory_bytes'] / 2**30:.2f} GiB")
     say(f"writing {out}")
     return write(out, graph, store, manifest, report, source.save_tokenizer, force=options.force, progress=say,
                  started=t0)

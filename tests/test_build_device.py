@@ -2,15 +2,19 @@
 
 On the CPU: an explicit `--device cpu` builds the same bytes as the default, the block runner keeps
 its activations and the block's weights on its device, and `--device cuda` without a GPU is a
-one-line user error. On CUDA (`gpu` marker): the GPU-calibrated artifact agrees with the CPU one
-within the stated tolerance: at least 99% of the int4 codes equal, and the dequantized weights
-within 1% (relative Frobenius norm) of each other. Codes can differ where a value sits on a rounding
-boundary: the GPU sums matmuls in another order.
-"""
+one-line user error. On CUDA (`gpu` marker): the GPU-calibrated artifact is as good as the CPU one
+(KL divergence to the float model within 15% of the CPU build's; changing the calibration
+samples moves it by up to 6%, RTN instead of AWQ by 35%) and close to it: GPTQ keeps at
+least 99% of the int4 codes and the dequantized weights within 1% (relative Frobenius norm); AWQ at
+least 90% of the codes. Codes differ where a value sits on a rounding boundary (the GPU sums matmuls
+in another order), and AWQ's grid searches (α, then the clip per group) can choose differently for
+a layer whose losses are nearly equal, which rescales the whole layer. On an H100 (2026-11-23),
+model.layers.0.mlp.down_proj of the AWQ build kept 95.1% of its codes."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -78,9 +82,13 @@ def test_device_cuda_without_a_gpu_is_a_user_error(tmp_path, recipes):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_cuda_calibration_agrees_with_the_cpu(tmp_path, method):
+    from optc.eval import evaluate
+
     recipe = _recipe(tmp_path, method)
-    cpu = read(build(BuildOptions(recipe, tmp_path / "cpu", quiet=True, device="cpu")))
-    gpu = read(build(BuildOptions(recipe, tmp_path / "cuda", quiet=True, device="cuda")))
+    cpu_path = build(BuildOptions(recipe, tmp_path / "cpu", quiet=True, device="cpu"))
+    gpu_path = build(BuildOptions(recipe, tmp_path / "cuda", quiet=True, device="cuda"))
+    cpu, gpu = read(cpu_path), read(gpu_path)
+    assert json.loads((gpu_path / "report.json").read_text())["peak_gpu_memory_bytes"] > 0
     assert cpu.graph.tensors.keys() == gpu.graph.tensors.keys()
     for name, info in cpu.graph.tensors.items():
         if not info.format.is_quantized:
@@ -88,9 +96,13 @@ def test_cuda_calibration_agrees_with_the_cpu(tmp_path, method):
         parts = {a: {r: art.store.get(k) for r, k in _part_keys(name, info).items()} for a, art in
                  (("cpu", cpu), ("gpu", gpu))}
         codes = (unpack_int4(parts["cpu"]["qweight"]) == unpack_int4(parts["gpu"]["qweight"])).float().mean()
-        assert codes >= 0.99, (name, float(codes))
-        w_cpu, w_gpu = (dequantize(parts[a], info.format, torch.float32) for a in ("cpu", "gpu"))
-        assert (w_gpu - w_cpu).norm() <= 0.01 * w_cpu.norm(), name
+        assert codes >= (0.99 if method == "gptq" else 0.9), (name, float(codes))
+        if method == "gptq":
+            w_cpu, w_gpu = (dequantize(parts[a], info.format, torch.float32) for a in ("cpu", "gpu"))
+            assert (w_gpu - w_cpu).norm() <= 0.01 * w_cpu.norm(), name
+    kld = {a: evaluate(path, reference="random:tiny", max_tokens=2048, window=128)["kld"]
+           for a, path in (("cpu", cpu_path), ("gpu", gpu_path))}
+    assert kld["gpu"] <= 1.15 * kld["cpu"] + 2e-4, kld
 
 
 def _part_keys(name, info):
