@@ -148,8 +148,10 @@ def _bars(path: Path, names: list[str], metrics: list[dict], interval, title: st
     ax.set_title(title + ("" if err is None else "\nerror bars: 95% CI (quality) or min-max over repeats"),
                  fontsize=10)
     ax.grid(axis="y", alpha=0.3)
-    for i, v in enumerate(values):
-        ax.annotate(f"{v:.4g}", (i, v), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    for i, (v, b) in enumerate(zip(values, bounds, strict=True)):  # above the error bar, not on it
+        top = v if b is None else max(v, b[1])
+        ax.annotate(f"{v:.4g}", (i, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    ax.margins(y=0.08)
     return _save(fig, path)
 
 
