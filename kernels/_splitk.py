@@ -10,7 +10,7 @@ ids are (M tile, N tile, split). M_BUCKET is never read by the kernel (declare i
 a tile picked for a 2,048-token prefill is never reused for a 64-row decode. Launch shapes, chosen by
 M: a split-K GEMV for M <= GEMV_MAX_M (decode; K split across programs so a small N still fills the
 GPU; the fp32 partials summed by `_reduce_kernel`, with the bias and the cast, in one launch),
-autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, `_dot.dot_or_fma`) compete with the
+autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, each kernel's own FMA path) compete with the
 tl.dot ones, and a tiled GEMM for larger M (prefill). Autotuning times each config with short runs
 (AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS). Tests check it through the kernels that use it, on the CPU
 under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).

@@ -58,6 +58,36 @@ def test_w4a16_gemv_kernel_matches_ref(group, zero_point, m):
     assert_close(w4a16_linear(x, parts, fmt, split_k=2), linear_ref(x, parts, fmt), TOL[torch.float32])
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("zero_point", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a16_one_row_fma_path_matches_ref(monkeypatch, group, zero_point, dtype):
+    # M == 1 with a dot-free config (BLOCK_M = 1): nibbles turned into floats through the exponent bits,
+    # s (sum q x - z sum x) per group; N = 72 is ragged for every BLOCK_N, K splits in two, with a bias
+    from optc.kernels import w4a16
+
+    one_row = [c for c in w4a16.M1_CONFIGS if c.kwargs["BLOCK_M"] == 1 and group % c.kwargs["BLOCK_K"] == 0]
+    assert one_row
+    parts, fmt = _int4(72, 512, group, zero_point, dtype)
+    x, bias = _x(1, 512, dtype), torch.randn(72).to(dtype)
+    exact = x.double() @ _dequantized(parts, fmt).T + bias.double()  # no rounding of the weights at all
+    for config in one_row:
+        monkeypatch.setattr(w4a16._KERNELS.m1, "configs", [config])
+        out = w4a16_linear(x, parts, fmt, bias, split_k=2)
+        # fp32: within summation order of the unrounded weights; bf16: the output's own rounding
+        assert_close(out, exact, 1e-4 if dtype == torch.float32 else 2e-2, 1e-2 if dtype != torch.float32 else 0)
+        assert_close(out, linear_ref(x, parts, fmt, bias), TOL[dtype])
+
+
+def _dequantized(parts, fmt) -> torch.Tensor:
+    from optc.formats import unpack_int4
+
+    q = unpack_int4(parts["qweight"]).double()
+    z = parts["zeros"].double() if fmt.zero_point else torch.full_like(parts["scales"], 8, dtype=torch.float64)
+    group = fmt.group_size
+    return (q - z.repeat_interleave(group, 1)) * parts["scales"].double().repeat_interleave(group, 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 37])
 def test_w4a16_kernel_half_precision_with_bias(dtype, m):
