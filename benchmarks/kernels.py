@@ -72,10 +72,15 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
     launch from Python) would otherwise hide small kernels: `repeats` calls, each after an L2 flush,
     are captured in one CUDA graph and replayed; a graph of the flushes alone is subtracted, so the
     time is the kernel's as a decode step sees it (operands from HBM, launched from a graph)."""
-    for _ in range(warmup):  # compiles and autotunes before the capture
-        fn()
-    torch.cuda.synchronize()
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()  # warm-up on a side stream, as before any capture (lazy per-stream state)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):  # compiles and autotunes before the capture
+            flush.zero_()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
 
     def capture(body) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
