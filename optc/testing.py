@@ -146,3 +146,39 @@ def serve_process(artifact: Path, *args: str, timeout: float = 120.0) -> Iterato
                 process.kill()
                 process.wait()
         log.close()
+
+
+# CPU kernel paths the bf16 parity tests run under: torch's ATen kernels and oneDNN each pick their
+# vector ISA at process start, so each path is a separate process. `avx2` is what a machine without
+# AVX-512 takes (both capped), `default` is ATen's scalar kernels, `machine` is what this CPU picks.
+CPU_KERNEL_PATHS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default"},
+    "machine": {},
+}
+
+
+def greedy_token_ids(artifact: Path, prompts: list[str], max_tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy chat completions' token ids: {"one_at_a_time": ..., "batched": ...} (all prompts in one batch)."""
+    from optc.runtime import Engine, SamplingParams
+
+    engine = Engine.load(artifact)
+    params = SamplingParams(max_tokens=max_tokens)
+    return {
+        "one_at_a_time": [engine.generate([p], params, chat=True)[0].token_ids for p in prompts],
+        "batched": [c.token_ids for c in engine.generate(prompts, params, chat=True)],
+    }
+
+
+def greedy_token_ids_in(path: str, artifact: Path, prompts: list[str], max_tokens: int) -> dict[str, list[list[int]]]:
+    """`greedy_token_ids` in a fresh process on one of CPU_KERNEL_PATHS."""
+    import json
+
+    code = ("import json, sys; from pathlib import Path; from optc.testing import greedy_token_ids; "
+            "a = json.loads(sys.argv[1]); print(json.dumps(greedy_token_ids(Path(a[0]), *a[1:])))")
+    args = json.dumps([str(artifact), prompts, max_tokens])
+    env = {**os.environ, **CPU_KERNEL_PATHS[path]}
+    out = subprocess.run([sys.executable, "-c", code, args], env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"greedy run on the {path!r} CPU path failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
