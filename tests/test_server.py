@@ -126,6 +126,7 @@ def test_output_logprobs(server, engine):
     ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"made_up": 1}, "made_up"), ({"max_tokens": "many"}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"top_p": 0}, "top_p"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"seed": 2**80}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
 ])
 def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(server, body, param):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **body})
@@ -139,10 +140,18 @@ def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(serve
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": []}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"seed": 2**80}, "seed"),
 ])
 def test_unsupported_chat_fields_are_400(server, body, param):
     response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**63 - 1, -2**63])
+def test_every_signed_64_bit_seed_is_accepted(server, seed):
+    response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 1,
+                                                "seed": seed})
+    assert response.status_code == 200, response.text
 
 
 def test_context_limits(server, engine):

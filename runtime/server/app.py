@@ -254,7 +254,7 @@ def _params(body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: i
             prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), getattr(e, "field", None)) from None
 
 
 async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:
