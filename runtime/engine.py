@@ -360,6 +360,11 @@ class Engine:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise InputError("this engine has no tokenizer; pass token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: from a "\ud800" JSON escape, or argv that is not UTF-8
+            raise InputError(f"the prompt holds a lone surrogate {prompt[e.start]!r} at index {e.start}: it is not "
+                             "Unicode text, so no tokenizer takes it", "prompt") from None
         if not chat:
             return list(self.tokenizer(prompt)["input_ids"])
         ids = self.tokenizer.apply_chat_template(

@@ -142,6 +142,7 @@ def test_damaged_weights_are_named(tmp_path, tiny_artifact, damage):
 @pytest.mark.parametrize("args, needles", [
     (["--prompt", "x" * 600, "--max-tokens", "2"], ["600"]),  # longer than the context (512)
     (["--prompt", "hi", "--temperature", "1", "--seed", str(2**80)], ["seed", "9223372036854775807"]),
+    (["--prompt", "a\udcff"], ["surrogate", "\\udcff"]),  # `--prompt $'a\xff'`: argv is not UTF-8
 ])
 def test_requests_the_engine_cannot_serve(tiny_artifact, args, needles):
     assert_user_error(optc("run", tiny_artifact, *args), *needles)

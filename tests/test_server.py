@@ -39,8 +39,10 @@ def client(url: str, key: str = KEY) -> "openai.OpenAI":
 
 
 def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+    """POST `body` as ASCII JSON: a lone surrogate goes out as its `\\ud800` escape, as a client sends it
+    (httpx's `json=` encodes UTF-8 and cannot)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    return httpx.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
 
 
 def test_completions_sync_equal_the_engine_streaming_or_not(server, engine):
@@ -126,6 +128,7 @@ def test_output_logprobs(server, engine):
     ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"made_up": 1}, "made_up"), ({"max_tokens": "many"}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"top_p": 0}, "top_p"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["a\udfffb"]}, "prompt"),
     ({"seed": 2**80}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
 ])
 def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(server, body, param):
@@ -140,10 +143,22 @@ def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(serve
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": []}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
     ({"seed": 2**80}, "seed"),
 ])
 def test_unsupported_chat_fields_are_400(server, body, param):
     response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "\ud800": 1}, None),  # pydantic cannot read the key
+])
+def test_lone_surrogates_are_400_not_500(server, path, body, param):
+    response = post(server, path, body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
