@@ -27,7 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # None = drawn from the engine's generator
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None = up to the context; prompt + max_tokens must fit in it (the engine checks)
     stop: tuple[str, ...] = ()  # stop strings, checked on the detokenized output
     ignore_eos: bool = False  # keep generating after EOS (benchmarks)
     logprobs: int | None = None  # None = none; k = each output token's logprob and the k most likely
@@ -46,7 +46,7 @@ class SamplingParams:
             raise InputError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] (a signed 64-bit integer), got {self.seed}",
                              "seed")
         # max_tokens 0 only scores the prompt: it needs prompt_logprobs, and generates nothing
-        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise InputError(f"max_tokens must be >= 1 (0 with prompt_logprobs), got {self.max_tokens}", "max_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:

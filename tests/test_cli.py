@@ -141,6 +141,7 @@ def test_damaged_weights_are_named(tmp_path, tiny_artifact, damage):
 
 @pytest.mark.parametrize("args, needles", [
     (["--prompt", "x" * 600, "--max-tokens", "2"], ["600"]),  # longer than the context (512)
+    (["--prompt", "hi", "--max-tokens", str(10**12)], ["1000000000000", "512"]),
     (["--prompt", "hi", "--temperature", "1", "--seed", str(2**80)], ["seed", "9223372036854775807"]),
     (["--prompt", "a\udcff"], ["surrogate", "\\udcff"]),  # `--prompt $'a\xff'`: argv is not UTF-8
 ])

@@ -130,6 +130,7 @@ def test_output_logprobs(server, engine):
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["a\udfffb"]}, "prompt"),
     ({"seed": 2**80}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"max_tokens": 10**12}, "max_tokens"),
 ])
 def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(server, body, param):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **body})
@@ -145,7 +146,8 @@ def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(serve
     ({"messages": []}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
-    ({"seed": 2**80}, "seed"),
+    ({"seed": 2**80}, "seed"), ({"max_tokens": 10**12}, "max_tokens"),
+    ({"max_completion_tokens": 10**12}, "max_completion_tokens"),
 ])
 def test_unsupported_chat_fields_are_400(server, body, param):
     response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body})
@@ -174,11 +176,22 @@ def test_context_limits(server, engine):
     assert too_long.status_code == 400
     message = too_long.json()["error"]["message"]
     assert "600" in message and str(engine.max_model_len) in message
-    clipped = post(server, "/v1/completions", {"model": "tiny", "prompt": [5] * (engine.max_model_len - 3),
-                                               "max_tokens": 50, "temperature": 0})
-    assert clipped.status_code == 200
-    body = clipped.json()
+    near_full = [5] * (engine.max_model_len - 3)  # room for 3 tokens
+    for max_tokens in (4, 50, None):  # None: left out, OpenAI's default of 16
+        limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+        too_many = post(server, "/v1/completions", {"model": "tiny", "prompt": near_full, **limit})
+        error = too_many.json()["error"]
+        assert too_many.status_code == 400 and error["param"] == "max_tokens", too_many.text
+        assert all(str(n) in error["message"] for n in (len(near_full), max_tokens or 16, engine.max_model_len))
+    exact = post(server, "/v1/completions", {"model": "tiny", "prompt": near_full, "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True})
+    assert exact.status_code == 200
+    body = exact.json()
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+    # chat without max_tokens: up to the context
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": 0,
+                                                 "ignore_eos": True}).json()
+    assert chat["usage"]["total_tokens"] == engine.max_model_len and chat["choices"][0]["finish_reason"] == "length"
     bad_ids = post(server, "/v1/completions", {"model": "tiny", "prompt": [10**6], "max_tokens": 2})
     assert bad_ids.status_code == 400 and "vocabulary" in bad_ids.json()["error"]["message"]
 

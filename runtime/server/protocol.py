@@ -4,7 +4,8 @@ Every model forbids unknown fields, and fields the API has but this server does 
 accepted only at their neutral value (`n` 1, penalties 0, no tools, a text response format): any
 other value is an `ApiError` 400 naming the field, never silently ignored. `top_k`, `ignore_eos` and
 `return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422;
-so does text with a lone surrogate, which no tokenizer takes.
+so does text with a lone surrogate, which no tokenizer takes. Limits that need the prompt's length (it and
+max_tokens must fit in the context) and the seed's range are the engine's, named by its InputError's `field`.
 """
 
 from __future__ import annotations
