@@ -1,8 +1,37 @@
-"""`optc serve` as a live process on 127.0.0.1 (random:tiny), driven by the official `openai` client
+r"""`optc serve` as a live process on 127.0.0.1 (random:tiny), driven by the official `openai` client
 (sync and async, streaming and not) and by httpx: the answers equal the in-process engine's, logprobs
 equal transformers' log-softmax, and every error has OpenAI's shape and the documented status.
 Also 50 concurrent streams with 20 disconnects, and the load tester. Shutdown, a full server and
-SmolLM2 are in test_server_load.py."""
+SmolLM2 are in test_server_load.py.
+
+Every bad input the tests send, and its answer (status, `param`; the message names the field too):
+
+| endpoint     | input                                                                | status | param             |
+|--------------|----------------------------------------------------------------------|--------|-------------------|
+| completions  | `n` 2, `best_of` 3, `frequency_penalty` 0.5, `logit_bias`            | 400    | that field        |
+| completions  | an unknown field (`made_up`)                                         | 400    | `made_up`         |
+| completions  | `max_tokens` "many", `temperature` -1, `logprobs` 21, `top_p` 0      | 400    | that field        |
+| completions  | `prompt` of 2 prompts, `prompt` null                                 | 400    | `prompt`          |
+| completions  | `prompt` "\ud800" or ["a\udfffb"] (a lone surrogate)                 | 400    | `prompt`          |
+| completions  | `seed` 2**80, 2**63, -2**63 - 1 (outside the signed 64-bit range)    | 400    | `seed`            |
+| completions  | `max_tokens` 10**12                                                  | 400    | `max_tokens`      |
+| completions  | 600 prompt tokens (context: 512)                                     | 400    | `prompt`          |
+| completions  | 509 prompt tokens and `max_tokens` 4, 50 or left out (16)            | 400    | `max_tokens`      |
+| completions  | a prompt token id outside the vocabulary                             | 400    | `prompt`          |
+| completions  | a field named "\ud800" (pydantic cannot read the key)                | 400    | null              |
+| completions  | a body that is not JSON                                              | 400    | null              |
+| completions  | no key, a wrong key                                                  | 401    | null              |
+| completions  | `model` "gpt-4"                                                      | 404    | `model`           |
+| completions  | a request beyond max_num_seqs + max_waiting (test_server_load.py)    | 503    | null              |
+| chat         | `tools`, a JSON `response_format`, `top_logprobs` without `logprobs` | 400    | that field        |
+| chat         | `messages` empty, or a content part that is not text                 | 400    | `messages`        |
+| chat         | a message content (string or text part) with a lone surrogate        | 400    | `messages`        |
+| chat         | `seed` 2**80                                                         | 400    | `seed`            |
+| chat         | `max_tokens` 10**12; `max_completion_tokens` 10**12                  | 400    | that field        |
+| /tokenize    | `prompt` or a message with a lone surrogate                          | 400    | `prompt`/`messages` |
+| /detokenize  | token id -1                                                          | 400    | `tokens`          |
+| /v1/nothing  | an unknown route                                                     | 404    | null              |
+"""
 
 import asyncio
 import json
@@ -173,7 +202,7 @@ def test_every_signed_64_bit_seed_is_accepted(server, seed):
 
 def test_context_limits(server, engine):
     too_long = post(server, "/v1/completions", {"model": "tiny", "prompt": [5] * 600, "max_tokens": 2})
-    assert too_long.status_code == 400
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
     message = too_long.json()["error"]["message"]
     assert "600" in message and str(engine.max_model_len) in message
     near_full = [5] * (engine.max_model_len - 3)  # room for 3 tokens
@@ -194,6 +223,7 @@ def test_context_limits(server, engine):
     assert chat["usage"]["total_tokens"] == engine.max_model_len and chat["choices"][0]["finish_reason"] == "length"
     bad_ids = post(server, "/v1/completions", {"model": "tiny", "prompt": [10**6], "max_tokens": 2})
     assert bad_ids.status_code == 400 and "vocabulary" in bad_ids.json()["error"]["message"]
+    assert bad_ids.json()["error"]["param"] == "prompt"
 
 
 def test_keys_models_health_and_unknown_routes(server):
@@ -216,7 +246,8 @@ def test_tokenize_and_detokenize(server, engine):
     tokens = post(server, "/tokenize", {"prompt": PROMPT}).json()
     assert tokens["tokens"] == ids and tokens["count"] == len(ids)
     assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == engine.tokenizer.decode(ids)
-    assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+    bad = post(server, "/detokenize", {"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     chat = post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
     expected = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     assert chat == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
