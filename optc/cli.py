@@ -120,7 +120,9 @@ def run(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     prompt: str = typer.Option(..., "--prompt", help="Prompt text."),
     chat: bool = typer.Option(False, "--chat", help="Format the prompt with the model's chat template."),
-    max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Maximum new tokens."),
+    max_tokens: int = typer.Option(
+        64, "--max-tokens", min=1, help="Maximum new tokens; the prompt and these must fit in the context."
+    ),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),

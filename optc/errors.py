@@ -14,4 +14,12 @@ class UserError(Exception):
 
 
 class InputError(UserError, ValueError):
-    """A value the user gave that cannot be used: an option, a request's field, a data file's content."""
+    """A value the user gave that cannot be used: an option, a request's field, a data file's content.
+
+    `field`, when given, names the request field at fault (`"seed"`, `"max_tokens"`, `"prompt"`), so a
+    caller such as the server can point at it (its 400's `param`) without reading the message.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field

@@ -209,7 +209,8 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
         request_id: str | None = None,
     ) -> Request:
-        """Validate, tokenize and queue one prompt (InputError if it can never be served)."""
+        """Validate, tokenize and queue one prompt (InputError if it can never be served: empty, not
+        Unicode, outside the vocabulary, or it and max_tokens longer than the context)."""
         request = self._make_request(prompt, params or SamplingParams(), chat, request_id)
         self._add(request)
         return request
@@ -319,24 +320,23 @@ class Engine:
         prompt_ids = self._tokenize(prompt, chat)
         capacity = self.kv_manager.num_token_capacity
         if not prompt_ids:
-            raise InputError("the prompt is empty (0 tokens)")
+            raise InputError("the prompt is empty (0 tokens)", "prompt")
         if len(prompt_ids) > self.max_model_len:
             raise InputError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
-                f"(max_position_embeddings={self.model.max_position_embeddings}, "
-                f"max_seq_len={self.config.max_seq_len})"
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self._context_limit}", "prompt"
             )
         if len(prompt_ids) > capacity:
             raise InputError(
                 f"the prompt has {len(prompt_ids)} tokens but the KV pool holds at most {capacity} "
                 f"({self.kv_manager.num_blocks - 1} blocks of {self.config.block_size}); "
-                "raise kv_cache_memory"
+                "raise kv_cache_memory", "prompt"
             )
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise InputError(
-                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.model.vocab_size})"
+                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.model.vocab_size})", "prompt"
             )
+        params = self._fit_max_tokens(len(prompt_ids), params)
         if request_id is None:
             request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
         generator = None
@@ -349,6 +349,30 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
         )
 
+    @property
+    def _context_limit(self) -> str:
+        return (f"{self.max_model_len} (max_position_embeddings={self.model.max_position_embeddings}, "
+                f"max_seq_len={self.config.max_seq_len})")
+
+    def _fit_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """`params` with max_tokens None resolved to the room the prompt leaves in the context. A prompt and
+        max_tokens that together overflow the context are an InputError naming both (as OpenAI and vLLM
+        answer), never a silent cut. The KV pool, when smaller than the context, still cuts (finish "length")."""
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is None:
+            if room == 0:
+                raise InputError(f"the prompt has {num_prompt_tokens} tokens, the whole context "
+                                 f"{self._context_limit}: no room for an output token", "prompt")
+            return dataclasses.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise InputError(
+                f"the prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
+                f"{num_prompt_tokens + params.max_tokens} tokens, more than the context holds {self._context_limit}; "
+                + (f"lower max_tokens to {room} or fewer" if room else "shorten the prompt"),
+                "max_tokens" if room else "prompt",
+            )
+        return params
+
     def _add(self, request: Request) -> None:
         self.scheduler.add_request(request)
         self._num_prompt_tokens += request.num_prompt_tokens
@@ -360,6 +384,11 @@ class Engine:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise InputError("this engine has no tokenizer; pass token ids")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate: from a "\ud800" JSON escape, or argv that is not UTF-8
+            raise InputError(f"the prompt holds a lone surrogate {prompt[e.start]!r} at index {e.start}: it is not "
+                             "Unicode text, so no tokenizer takes it", "prompt") from None
         if not chat:
             return list(self.tokenizer(prompt)["input_ids"])
         ids = self.tokenizer.apply_chat_template(

@@ -16,6 +16,10 @@ import torch
 
 from optc.errors import InputError
 
+# Seeds are signed 64-bit integers, as in vLLM. torch.Generator.manual_seed also takes [2**63, 2**64),
+# but those alias the negatives (-1 is 2**64 - 1), and a larger int is its ValueError.
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,7 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # None = drawn from the engine's generator
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None = up to the context; prompt + max_tokens must fit in it (the engine checks)
     stop: tuple[str, ...] = ()  # stop strings, checked on the detokenized output
     ignore_eos: bool = False  # keep generating after EOS (benchmarks)
     logprobs: int | None = None  # None = none; k = each output token's logprob and the k most likely
@@ -33,19 +37,22 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         if not self.temperature >= 0.0:
-            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+            raise InputError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}", "top_k")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise InputError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] (a signed 64-bit integer), got {self.seed}",
+                             "seed")
         # max_tokens 0 only scores the prompt: it needs prompt_logprobs, and generates nothing
-        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
-            raise InputError(f"max_tokens must be >= 1 (0 with prompt_logprobs), got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InputError(f"max_tokens must be >= 1 (0 with prompt_logprobs), got {self.max_tokens}", "max_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise InputError(f"{name} must be >= 0 or None, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 0 or None, got {getattr(self, name)}", name)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise InputError(f"stop strings must be non-empty strings, got {stop!r}")
+            raise InputError(f"stop strings must be non-empty strings, got {stop!r}", "stop")
 
     @property
     def is_greedy(self) -> bool:

@@ -139,9 +139,14 @@ def test_damaged_weights_are_named(tmp_path, tiny_artifact, damage):
     assert_user_error(r, weights.name, "rebuild")
 
 
-def test_prompt_longer_than_context(tiny_artifact):
-    r = optc("run", tiny_artifact, "--prompt", "x" * 600, "--max-tokens", "2")
-    assert_user_error(r, "600")
+@pytest.mark.parametrize("args, needles", [
+    (["--prompt", "x" * 600, "--max-tokens", "2"], ["600"]),  # longer than the context (512)
+    (["--prompt", "hi", "--max-tokens", str(10**12)], ["1000000000000", "512"]),
+    (["--prompt", "hi", "--temperature", "1", "--seed", str(2**80)], ["seed", "9223372036854775807"]),
+    (["--prompt", "a\udcff"], ["surrogate", "\\udcff"]),  # `--prompt $'a\xff'`: argv is not UTF-8
+])
+def test_requests_the_engine_cannot_serve(tiny_artifact, args, needles):
+    assert_user_error(optc("run", tiny_artifact, *args), *needles)
 
 
 def test_cuda_artifact_on_cpu_names_the_fix(tmp_path, recipes, monkeypatch):

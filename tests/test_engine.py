@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from optc.errors import InputError
 from optc.runtime import Completion, Engine, EngineConfig, SamplingParams
 from optc.testing import assert_no_leaks
 
@@ -239,6 +240,28 @@ def test_invalid_requests_are_rejected_and_the_engine_keeps_serving(make_engine)
     assert out[0].token_ids == reference(PROMPTS[2], 8)
     # 20 prompt tokens in a 24-token pool: it stops at the pool's size.
     assert out[1].token_ids == reference([5] * 20, 4) and out[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("num_prompt_tokens, max_tokens, outcome", [
+    (30, 2, 2), (30, None, 2), (1, None, 31),  # None: up to the context (32)
+    (30, 3, r"prompt has 30 tokens and max_tokens is 3: 33 tokens, more than the context holds 32 \(.*lower "
+            "max_tokens to 2 or fewer"),
+    (30, 10**12, "max_tokens is 1000000000000: 1000000000030 tokens"),
+    (32, 1, "33 tokens, more than the context holds"),
+    (32, None, "the prompt has 32 tokens, the whole context 32 .*: no room for an output token"),
+])
+def test_prompt_and_max_tokens_must_fit_in_the_context(make_engine, num_prompt_tokens, max_tokens, outcome):
+    engine = make_engine(max_seq_len=32)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if isinstance(outcome, str):
+        with pytest.raises(InputError, match=outcome) as error:
+            engine.generate([[1] * num_prompt_tokens], params)
+        # the field to change: the prompt when it fills the context, else max_tokens
+        assert error.value.field == ("prompt" if num_prompt_tokens == 32 else "max_tokens")
+        assert not engine.has_unfinished()
+    else:
+        (out,) = engine.generate([[1] * num_prompt_tokens], params)
+        assert len(out.token_ids) == outcome and out.finish_reason == "length"
 
 
 def test_text_and_chat_prompts_use_the_tokenizer(make_engine):

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from optc.errors import InputError
 from optc.runtime.sampler import SamplingParams, apply_top_k_top_p, find_stop_string, sample
 
 NEG_INF = float("-inf")
@@ -103,11 +104,14 @@ def test_temperature_flattens_the_distribution():
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"top_k": -1}, "top_k must be >= 0"),
         ({"stop": ("",)}, "non-empty strings"),
+        ({"seed": 2**63}, r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
+        ({"seed": -2**63 - 1}, r"seed must be in \[-9223372036854775808, 9223372036854775807\]"),
     ],
 )
 def test_invalid_params_raise_clear_errors(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message) as error:
         SamplingParams(**kwargs)
+    assert error.value.field == next(iter(kwargs))  # what the server's 400 names as `param`
 
 
 def test_params_defaults_and_stop_normalization():

@@ -1,8 +1,37 @@
-"""`optc serve` as a live process on 127.0.0.1 (random:tiny), driven by the official `openai` client
+r"""`optc serve` as a live process on 127.0.0.1 (random:tiny), driven by the official `openai` client
 (sync and async, streaming and not) and by httpx: the answers equal the in-process engine's, logprobs
 equal transformers' log-softmax, and every error has OpenAI's shape and the documented status.
 Also 50 concurrent streams with 20 disconnects, and the load tester. Shutdown, a full server and
-SmolLM2 are in test_server_load.py."""
+SmolLM2 are in test_server_load.py.
+
+Every bad input the tests send, and its answer (status, `param`; the message names the field too):
+
+| endpoint     | input                                                                | status | param             |
+|--------------|----------------------------------------------------------------------|--------|-------------------|
+| completions  | `n` 2, `best_of` 3, `frequency_penalty` 0.5, `logit_bias`            | 400    | that field        |
+| completions  | an unknown field (`made_up`)                                         | 400    | `made_up`         |
+| completions  | `max_tokens` "many", `temperature` -1, `logprobs` 21, `top_p` 0      | 400    | that field        |
+| completions  | `prompt` of 2 prompts, `prompt` null                                 | 400    | `prompt`          |
+| completions  | `prompt` "\ud800" or ["a\udfffb"] (a lone surrogate)                 | 400    | `prompt`          |
+| completions  | `seed` 2**80, 2**63, -2**63 - 1 (outside the signed 64-bit range)    | 400    | `seed`            |
+| completions  | `max_tokens` 10**12                                                  | 400    | `max_tokens`      |
+| completions  | 600 prompt tokens (context: 512)                                     | 400    | `prompt`          |
+| completions  | 509 prompt tokens and `max_tokens` 4, 50 or left out (16)            | 400    | `max_tokens`      |
+| completions  | a prompt token id outside the vocabulary                             | 400    | `prompt`          |
+| completions  | a field named "\ud800" (pydantic cannot read the key)                | 400    | null              |
+| completions  | a body that is not JSON                                              | 400    | null              |
+| completions  | no key, a wrong key                                                  | 401    | null              |
+| completions  | `model` "gpt-4"                                                      | 404    | `model`           |
+| completions  | a request beyond max_num_seqs + max_waiting (test_server_load.py)    | 503    | null              |
+| chat         | `tools`, a JSON `response_format`, `top_logprobs` without `logprobs` | 400    | that field        |
+| chat         | `messages` empty, or a content part that is not text                 | 400    | `messages`        |
+| chat         | a message content (string or text part) with a lone surrogate        | 400    | `messages`        |
+| chat         | `seed` 2**80                                                         | 400    | `seed`            |
+| chat         | `max_tokens` 10**12; `max_completion_tokens` 10**12                  | 400    | that field        |
+| /tokenize    | `prompt` or a message with a lone surrogate                          | 400    | `prompt`/`messages` |
+| /detokenize  | token id -1                                                          | 400    | `tokens`          |
+| /v1/nothing  | an unknown route                                                     | 404    | null              |
+"""
 
 import asyncio
 import json
@@ -39,8 +68,10 @@ def client(url: str, key: str = KEY) -> "openai.OpenAI":
 
 
 def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
+    """POST `body` as ASCII JSON: a lone surrogate goes out as its `\\ud800` escape, as a client sends it
+    (httpx's `json=` encodes UTF-8 and cannot)."""
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    return httpx.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
 
 
 def test_completions_sync_equal_the_engine_streaming_or_not(server, engine):
@@ -126,6 +157,9 @@ def test_output_logprobs(server, engine):
     ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"made_up": 1}, "made_up"), ({"max_tokens": "many"}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"top_p": 0}, "top_p"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": None}, "prompt"),
+    ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["a\udfffb"]}, "prompt"),
+    ({"seed": 2**80}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"max_tokens": 10**12}, "max_tokens"),
 ])
 def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(server, body, param):
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, **body})
@@ -139,24 +173,57 @@ def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(serve
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": []}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
+    ({"seed": 2**80}, "seed"), ({"max_tokens": 10**12}, "max_tokens"),
+    ({"max_completion_tokens": 10**12}, "max_completion_tokens"),
 ])
 def test_unsupported_chat_fields_are_400(server, body, param):
     response = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "\ud800": 1}, None),  # pydantic cannot read the key
+])
+def test_lone_surrogates_are_400_not_500(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**63 - 1, -2**63])
+def test_every_signed_64_bit_seed_is_accepted(server, seed):
+    response = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 1,
+                                                "seed": seed})
+    assert response.status_code == 200, response.text
+
+
 def test_context_limits(server, engine):
     too_long = post(server, "/v1/completions", {"model": "tiny", "prompt": [5] * 600, "max_tokens": 2})
-    assert too_long.status_code == 400
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
     message = too_long.json()["error"]["message"]
     assert "600" in message and str(engine.max_model_len) in message
-    clipped = post(server, "/v1/completions", {"model": "tiny", "prompt": [5] * (engine.max_model_len - 3),
-                                               "max_tokens": 50, "temperature": 0})
-    assert clipped.status_code == 200
-    body = clipped.json()
+    near_full = [5] * (engine.max_model_len - 3)  # room for 3 tokens
+    for max_tokens in (4, 50, None):  # None: left out, OpenAI's default of 16
+        limit = {} if max_tokens is None else {"max_tokens": max_tokens}
+        too_many = post(server, "/v1/completions", {"model": "tiny", "prompt": near_full, **limit})
+        error = too_many.json()["error"]
+        assert too_many.status_code == 400 and error["param"] == "max_tokens", too_many.text
+        assert all(str(n) in error["message"] for n in (len(near_full), max_tokens or 16, engine.max_model_len))
+    exact = post(server, "/v1/completions", {"model": "tiny", "prompt": near_full, "max_tokens": 3, "temperature": 0,
+                                             "ignore_eos": True})
+    assert exact.status_code == 200
+    body = exact.json()
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+    # chat without max_tokens: up to the context
+    chat = post(server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": 0,
+                                                 "ignore_eos": True}).json()
+    assert chat["usage"]["total_tokens"] == engine.max_model_len and chat["choices"][0]["finish_reason"] == "length"
     bad_ids = post(server, "/v1/completions", {"model": "tiny", "prompt": [10**6], "max_tokens": 2})
     assert bad_ids.status_code == 400 and "vocabulary" in bad_ids.json()["error"]["message"]
+    assert bad_ids.json()["error"]["param"] == "prompt"
 
 
 def test_keys_models_health_and_unknown_routes(server):
@@ -179,7 +246,8 @@ def test_tokenize_and_detokenize(server, engine):
     tokens = post(server, "/tokenize", {"prompt": PROMPT}).json()
     assert tokens["tokens"] == ids and tokens["count"] == len(ids)
     assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == engine.tokenizer.decode(ids)
-    assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+    bad = post(server, "/detokenize", {"tokens": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     chat = post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
     expected = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     assert chat == list(expected["input_ids"] if hasattr(expected, "keys") else expected)

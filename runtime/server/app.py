@@ -1,8 +1,9 @@
 """The FastAPI app of `optc serve`: OpenAI's completions, chat completions and models endpoints, plus
 /health, /metrics, /tokenize and /detokenize, over one AsyncEngine.
 
-Every error is OpenAI's shape with a status: 400 for an invalid or unsupported body and for prompts
-the engine refuses (too long for the context: the message gives both lengths), 401 for a missing or
+Every error is OpenAI's shape with a status: 400 for an invalid or unsupported body and for requests
+the engine refuses (a prompt, or prompt + max_tokens, longer than the context: the message gives the
+numbers; `param` is the field the engine's InputError names), 401 for a missing or
 wrong key on /v1/* (compared in constant time), 404 for another model name, 503 while loading or
 draining and when `max_num_seqs + max_waiting` requests are already in flight, and a 500 that says
 nothing about the internals. A client that disconnects has its request aborted before the engine's
@@ -16,7 +17,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -73,8 +74,9 @@ class ServerState:
                            "model", "model_not_found")
 
     async def start(self, prompt: Prompt, params: SamplingParams, is_streaming: bool,
-                    param: str) -> tuple[Accepted, AsyncIterator[Output]]:
-        """Queue a request: its Accepted and the iterator of its outputs (a 400/503 ApiError instead)."""
+                    params_of: Mapping[str, str]) -> tuple[Accepted, AsyncIterator[Output]]:
+        """Queue a request: its Accepted and the iterator of its outputs (a 400/503 ApiError instead).
+        `params_of` maps the engine's field names (InputError.field; none = "prompt") to the body's."""
         if self.is_draining or not self.is_ready:
             raise ApiError(503, "the server is shutting down" if self.is_draining else "the model is loading")
         limit = self.engine.engine.config.max_num_seqs + self.config.max_waiting
@@ -85,7 +87,9 @@ class ServerState:
         try:
             accepted = await anext(outputs)
         except (ValueError, UserError) as e:
-            raise ApiError(400, str(e).splitlines()[0] if str(e) else type(e).__name__, param) from None
+            field = getattr(e, "field", None) or "prompt"
+            raise ApiError(400, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                           params_of.get(field, field)) from None
         return accepted, outputs
 
 
@@ -151,7 +155,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         params = _params(body, max_tokens, logprobs=body.logprobs,
                          prompt_logprobs=(body.logprobs or 0) if body.echo and body.logprobs is not None
                          or max_tokens == 0 else None)
-        accepted, outputs = await state.start(body.single_prompt, params, body.stream, "prompt")
+        accepted, outputs = await state.start(body.single_prompt, params, body.stream, {})
         ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
@@ -172,10 +176,11 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request, config))
         state.check_model(body.model)
-        engine = _engine(state)
-        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
+        max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to the context
         params = _params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        accepted, outputs = await state.start(body.chat_messages(), params, body.stream, "messages")
+        params_of = {"prompt": "messages",
+                     "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
+        accepted, outputs = await state.start(body.chat_messages(), params, body.stream, params_of)
         ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
         if body.stream:
             return _stream(request, outputs, body, lambda out, first: _chat_chunk(ids, out, first, body.logprobs),
@@ -245,7 +250,8 @@ async def _json(request: Request, config: ServerConfig) -> Any:
     return body
 
 
-def _params(body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+def _params(body: Any, max_tokens: int | None, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -254,7 +260,7 @@ def _params(body: Any, max_tokens: int, logprobs: int | None, prompt_logprobs: i
             prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), getattr(e, "field", None)) from None
 
 
 async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:

@@ -3,7 +3,9 @@
 Every model forbids unknown fields, and fields the API has but this server does not implement are
 accepted only at their neutral value (`n` 1, penalties 0, no tools, a text response format): any
 other value is an `ApiError` 400 naming the field, never silently ignored. `top_k`, `ignore_eos` and
-`return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422.
+`return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422;
+so does text with a lone surrogate, which no tokenizer takes. Limits that need the prompt's length (it and
+max_tokens must fit in the context) and the seed's range are the engine's, named by its InputError's `field`.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class CompletionRequest(_Sampling):
             if len(self.prompt) != 1:
                 raise ApiError(400, f"'prompt' holds {len(self.prompt)} prompts; this server takes one per "
                                "request", "prompt")
+        if isinstance(self.single_prompt, str):
+            _check_text(self.single_prompt, "prompt", "prompt")
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -148,6 +152,7 @@ class ChatCompletionRequest(_Sampling):
                 raise ApiError(400, f"'{name}' is not supported by this server (no tool calling)", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        _check_messages(self.messages)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -158,6 +163,11 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        if self.prompt is not None:
+            _check_text(self.prompt, "prompt", "prompt")
+        _check_messages(self.messages or [])
 
 
 class DetokenizeRequest(_Body):
@@ -183,3 +193,18 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     if hasattr(parsed, "check_supported"):
         parsed.check_supported()
     return parsed
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        _check_text(message.text(), f"messages[{i}].content", "messages")
+
+
+def _check_text(text: str, where: str, param: str) -> None:
+    """400 naming `param` when `text` holds a lone surrogate (a `\\ud800`-`\\udfff` JSON escape without its
+    pair): it has no UTF-8 form, so the tokenizer would raise (a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"'{where}' holds a lone surrogate {text[e.start]!r} at index {e.start}: it is not "
+                       "Unicode text (a \\ud800-\\udfff escape needs its pair)", param) from None
