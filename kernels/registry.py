@@ -1,11 +1,16 @@
-"""The Triton kernel table: per kernel name, the IR op it implements, a `supports` predicate over
-the node's shapes, formats and dtypes, and its launcher.
+"""The kernel table: per kernel name, the IR op it implements, the target it runs on (`cpu`, `cuda`),
+a `supports` predicate over the node's shapes, formats and dtypes, its launcher, an optional
+`prepare` that repacks the node's weights once into the layout the launcher reads, and the CUDA
+capability it needs beyond the runtime's floor.
 
 A launcher has its op's torch reference signature (optc.ops), so the op's own node -> arguments
-adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name. `select_kernels`
-(compiler) asks `select(query)` which kernel serves a node; the runtime loader asks `impls(names)`
-for the names recorded in the graph. The table is plain data: importing this module imports no
-Triton; a kernel module is imported when its kernel is bound.
+adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name, wrapped so that a kernel
+with `prepare` gets its node's params through it, prepared on the node's first call and kept. A
+prepared layout lives only in the loaded model; the artifact stores the format's own parts, so the
+reference (any device) still reads it. `select_kernels` (compiler) asks `select(query, target)` which
+kernel serves a node; the runtime loader asks `impls(names)` for the names recorded in the graph. The
+table is plain data: importing this module imports no Triton; a kernel module is imported when its
+kernel is bound.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from optc.formats import DTYPES, Format, FormatKind
-from optc.ops import OPS, Impl
+from optc.ops import OPS, Impl, Param
 
+TARGETS = ("cpu", "cuda")
 MAX_HIDDEN = 16384  # norm kernels keep one row in registers
 MAX_GROUP = 64  # query heads per KV head that the attention tiles hold
 
@@ -43,16 +49,41 @@ class KernelSpec:
     op: str
     supports: Callable[[KernelQuery], bool]
     launcher: str  # "module:function" in optc.kernels, with the op reference's signature
+    target: str = "cuda"  # where select_kernels may bind it: one of TARGETS
+    prepare: str | None = None  # "module:function" in optc.kernels: node params -> the params the launcher reads
+    min_capability: tuple[int, int] | None = None  # cuda: None when the runtime's floor is enough
+
+    def __post_init__(self) -> None:
+        assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"
 
     def bind(self) -> Impl:
         """Import the launcher and adapt it to the executor's Impl(node, inputs, params, step)."""
-        module, function = self.launcher.split(":")
-        return OPS[self.op].bind(getattr(importlib.import_module(f"optc.kernels.{module}"), function))
+        impl = OPS[self.op].bind(_load(self.launcher))
+        return impl if self.prepare is None else PreparedImpl(impl, _load(self.prepare))
 
 
-def select(query: KernelQuery) -> KernelSpec | None:
-    """The first kernel for the query's op that supports it, else None (the torch reference)."""
-    return next((k for k in KERNELS.values() if k.op == query.op and k.supports(query)), None)
+class PreparedImpl:
+    """An Impl whose node params pass through `prepare` on the node's first call; later calls reuse them.
+
+    The executor hands a node the same params dict on every call, so a node is prepared once per
+    loaded model (again only if its params dict is replaced).
+    """
+
+    def __init__(self, impl: Impl, prepare: Callable[[dict[str, Param]], dict[str, Param]]):
+        self.impl = impl
+        self.prepare = prepare
+        self._prepared: dict[str, tuple[dict[str, Param], dict[str, Param]]] = {}
+
+    def __call__(self, node, inputs, params, step):
+        hit = self._prepared.get(node.name)
+        if hit is None or hit[0] is not params:
+            hit = self._prepared[node.name] = (params, self.prepare(params))
+        return self.impl(node, inputs, hit[1], step)
+
+
+def select(query: KernelQuery, target: str) -> KernelSpec | None:
+    """The first kernel for `target` and the query's op that supports it, else None (the torch reference)."""
+    return next((k for k in KERNELS.values() if k.target == target and k.op == query.op and k.supports(query)), None)
 
 
 def impls(names: set[str] | list[str]) -> dict[str, Impl]:
@@ -61,6 +92,11 @@ def impls(names: set[str] | list[str]) -> dict[str, Impl]:
     if unknown:
         raise ValueError(f"unknown kernel(s) {unknown}; known: {', '.join(sorted(KERNELS))}")
     return {name: KERNELS[name].bind() for name in sorted(names)}
+
+
+def _load(path: str) -> Callable:
+    module, function = path.split(":")
+    return getattr(importlib.import_module(f"optc.kernels.{module}"), function)
 
 
 # --- supports predicates ------------------------------------------------------------------------
