@@ -52,6 +52,7 @@ class KernelSpec:
     target: str = "cuda"  # where select_kernels may bind it: one of TARGETS
     prepare: str | None = None  # "module:function" in optc.kernels: node params -> the params the launcher reads
     min_capability: tuple[int, int] | None = None  # cuda: None when the runtime's floor is enough
+    by_default: bool = True  # False: select_kernels binds it only when its `enable` option names it
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"
@@ -81,9 +82,11 @@ class PreparedImpl:
         return self.impl(node, inputs, hit[1], step)
 
 
-def select(query: KernelQuery, target: str) -> KernelSpec | None:
-    """The first kernel for `target` and the query's op that supports it, else None (the torch reference)."""
-    return next((k for k in KERNELS.values() if k.target == target and k.op == query.op and k.supports(query)), None)
+def select(query: KernelQuery, target: str, enabled: tuple[str, ...] = ()) -> KernelSpec | None:
+    """The first kernel for `target` and the query's op that supports it, else None (the torch reference);
+    a kernel that is not on by default counts only when `enabled` names it."""
+    return next((k for k in KERNELS.values() if k.target == target and k.op == query.op
+                 and (k.by_default or k.name in enabled) and k.supports(query)), None)
 
 
 def impls(names: set[str] | list[str]) -> dict[str, Impl]:
@@ -131,6 +134,12 @@ def _w4a16_ok(q: KernelQuery) -> bool:
             and len(q.weight_shape) == 2 and q.weight_shape[1] % w.group_size == 0 and q.weight_shape[1] % 8 == 0)
 
 
+def _int4pack_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+            and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
 def _w8a16_ok(q: KernelQuery) -> bool:
     w = q.weight
     return _dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and len(q.weight_shape) == 2
@@ -145,4 +154,7 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
+    # opt-in until kernel choice is measured per M on the build machine and evaluation runs bound graphs
+    KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
+               prepare="int4_cpu:prepare_int4pack", by_default=False),
 )}

@@ -18,6 +18,9 @@ class SelectKernels(Pass):
     class Options:
         disable: tuple[str, ...] = field(default=(), metadata={
             "choices": tuple(KERNELS), "help": "kernels not to use (ablations); their nodes get torch"})
+        enable: tuple[str, ...] = field(default=(), metadata={
+            "choices": tuple(k.name for k in KERNELS.values() if not k.by_default),
+            "help": "kernels that are off unless named here"})
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]
@@ -36,7 +39,7 @@ class SelectKernels(Pass):
                 raise AssertionError(f"{n.name} ({n.op}) is bound to {kernel!r}")
 
     def _choose(self, graph: Graph, node: Node, target: str) -> str:
-        spec = select(_query(graph, node), target)
+        spec = select(_query(graph, node), target, self.options.enable)
         return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE_KERNEL
 
 
