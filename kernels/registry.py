@@ -1,11 +1,16 @@
-"""The Triton kernel table: per kernel name, the IR op it implements, a `supports` predicate over
-the node's shapes, formats and dtypes, and its launcher.
+"""The kernel table: per kernel name, the IR op it implements, the target it runs on (`cpu`, `cuda`),
+a `supports` predicate over the node's shapes, formats and dtypes, its launcher, an optional
+`prepare` that repacks the node's weights once into the layout the launcher reads, and the CUDA
+capability it needs beyond the runtime's floor.
 
 A launcher has its op's torch reference signature (optc.ops), so the op's own node -> arguments
-adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name. `select_kernels`
-(compiler) asks `select(query)` which kernel serves a node; the runtime loader asks `impls(names)`
-for the names recorded in the graph. The table is plain data: importing this module imports no
-Triton; a kernel module is imported when its kernel is bound.
+adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name, wrapped so that a kernel
+with `prepare` gets its node's params through it, prepared on the node's first call and kept. A
+prepared layout lives only in the loaded model; the artifact stores the format's own parts, so the
+reference (any device) still reads it. `select_kernels` (compiler) asks `select(query, target)` which
+kernel serves a node; the runtime loader asks `impls(names)` for the names recorded in the graph. The
+table is plain data: importing this module imports no Triton; a kernel module is imported when its
+kernel is bound.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from optc.formats import DTYPES, Format, FormatKind
-from optc.ops import OPS, Impl
+from optc.ops import OPS, Impl, Param
 
+TARGETS = ("cpu", "cuda")
 MAX_HIDDEN = 16384  # norm kernels keep one row in registers
 MAX_GROUP = 64  # query heads per KV head that the attention tiles hold
 
@@ -43,16 +49,44 @@ class KernelSpec:
     op: str
     supports: Callable[[KernelQuery], bool]
     launcher: str  # "module:function" in optc.kernels, with the op reference's signature
+    target: str = "cuda"  # where select_kernels may bind it: one of TARGETS
+    prepare: str | None = None  # "module:function" in optc.kernels: node params -> the params the launcher reads
+    min_capability: tuple[int, int] | None = None  # cuda: None when the runtime's floor is enough
+    by_default: bool = True  # False: select_kernels binds it only when its `enable` option names it
+
+    def __post_init__(self) -> None:
+        assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"
 
     def bind(self) -> Impl:
         """Import the launcher and adapt it to the executor's Impl(node, inputs, params, step)."""
-        module, function = self.launcher.split(":")
-        return OPS[self.op].bind(getattr(importlib.import_module(f"optc.kernels.{module}"), function))
+        impl = OPS[self.op].bind(_load(self.launcher))
+        return impl if self.prepare is None else PreparedImpl(impl, _load(self.prepare))
 
 
-def select(query: KernelQuery) -> KernelSpec | None:
-    """The first kernel for the query's op that supports it, else None (the torch reference)."""
-    return next((k for k in KERNELS.values() if k.op == query.op and k.supports(query)), None)
+class PreparedImpl:
+    """An Impl whose node params pass through `prepare` on the node's first call; later calls reuse them.
+
+    The executor hands a node the same params dict on every call, so a node is prepared once per
+    loaded model (again only if its params dict is replaced).
+    """
+
+    def __init__(self, impl: Impl, prepare: Callable[[dict[str, Param]], dict[str, Param]]):
+        self.impl = impl
+        self.prepare = prepare
+        self._prepared: dict[str, tuple[dict[str, Param], dict[str, Param]]] = {}
+
+    def __call__(self, node, inputs, params, step):
+        hit = self._prepared.get(node.name)
+        if hit is None or hit[0] is not params:
+            hit = self._prepared[node.name] = (params, self.prepare(params))
+        return self.impl(node, inputs, hit[1], step)
+
+
+def select(query: KernelQuery, target: str, enabled: tuple[str, ...] = ()) -> KernelSpec | None:
+    """The first kernel for `target` and the query's op that supports it, else None (the torch reference);
+    a kernel that is not on by default counts only when `enabled` names it."""
+    return next((k for k in KERNELS.values() if k.target == target and k.op == query.op
+                 and (k.by_default or k.name in enabled) and k.supports(query)), None)
 
 
 def impls(names: set[str] | list[str]) -> dict[str, Impl]:
@@ -61,6 +95,11 @@ def impls(names: set[str] | list[str]) -> dict[str, Impl]:
     if unknown:
         raise ValueError(f"unknown kernel(s) {unknown}; known: {', '.join(sorted(KERNELS))}")
     return {name: KERNELS[name].bind() for name in sorted(names)}
+
+
+def _load(path: str) -> Callable:
+    module, function = path.split(":")
+    return getattr(importlib.import_module(f"optc.kernels.{module}"), function)
 
 
 # --- supports predicates ------------------------------------------------------------------------
@@ -95,6 +134,12 @@ def _w4a16_ok(q: KernelQuery) -> bool:
             and len(q.weight_shape) == 2 and q.weight_shape[1] % w.group_size == 0 and q.weight_shape[1] % 8 == 0)
 
 
+def _int4pack_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+            and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
 def _w8a16_ok(q: KernelQuery) -> bool:
     w = q.weight
     return _dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and len(q.weight_shape) == 2
@@ -109,4 +154,7 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
+    # opt-in until kernel choice is measured per M on the build machine and evaluation runs bound graphs
+    KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
+               prepare="int4_cpu:prepare_int4pack", by_default=False),
 )}

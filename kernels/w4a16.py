@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Format, FormatKind
+from optc.formats import INT4_PACKING, Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot
 from optc.kernels._splitk import config
@@ -140,7 +140,7 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """linear_ref for an int4_g weight: x (..., K) -> (..., N) in x's dtype. `split_k` overrides the
     GEMV's split heuristic (M <= 16 only)."""
-    assert fmt.kind is FormatKind.INT4_G, f"w4a16 needs an int4_g weight, got {fmt.kind.value}"
+    assert fmt.bits == 4 and fmt.packing == INT4_PACKING, f"w4a16 needs an int4_g weight, got {fmt.kind.value}"
     qweight, scales, zeros = parts["qweight"], parts["scales"], parts.get("zeros")
     n, k, group = qweight.shape[0], qweight.shape[1] * 8, fmt.group_size
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Format, FormatKind
+from optc.formats import Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config
@@ -69,7 +69,7 @@ def w8a16_linear(
 ) -> torch.Tensor:
     """linear_ref for an int8_wo weight: x (..., K) -> (..., N) in x's dtype. `split_k` overrides the
     GEMV's split heuristic (M <= 16 only)."""
-    assert fmt.kind is FormatKind.INT8_WO, f"w8a16 needs an int8_wo weight, got {fmt.kind.value}"
+    assert fmt.bits == 8 and fmt.group_size is None, f"w8a16 needs an int8_wo weight, got {fmt.kind.value}"
     qweight, scales = parts["qweight"], parts["scales"]
     n, k = qweight.shape
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"

@@ -6,6 +6,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import torch
 import optc
 from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
 from optc.errors import UserError
+from optc.ir import Graph
+from optc.kernels.registry import KERNELS, KernelSpec
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
 from optc.recipe import Recipe, RecipeError, load_recipe
@@ -89,7 +92,7 @@ def build(options: BuildOptions) -> Path:
         recipe_sha256=recipe.sha256(),
         passes=[{"name": r.name, "options": r.options, "changed": r.changed, "stats": r.stats} for r in records],
         model=graph.config,
-        target=Target(recipe.target.value, MIN_CUDA_CAPABILITY if cuda else None),
+        target=Target(recipe.target.value, min_cuda_capability(graph) if cuda else None),
         kv_layout=KVLayout(**(sections.get("kv_layout") or {"block_size": 16, "dtype": recipe.dtype})),
         toolchain=_toolchain(),
         runtime=recipe.to_json()["runtime"],
@@ -111,6 +114,14 @@ def build(options: BuildOptions) -> Path:
     say(f"writing {out}")
     return write(out, graph, store, manifest, report, source.save_tokenizer, force=options.force, progress=say,
                  started=t0)
+
+
+def min_cuda_capability(graph: Graph, kernels: Mapping[str, KernelSpec] = KERNELS) -> tuple[int, int]:
+    """The least CUDA compute capability that runs `graph`: the runtime's floor (MIN_CUDA_CAPABILITY),
+    raised by the scheme of any weight format it uses and by any kernel its nodes are bound to."""
+    needs = [graph.tensors[t].format.scheme.min_capability for t in graph.used_tensors()]
+    needs += [kernels[n.kernel].min_capability for n in graph.nodes if n.kernel in kernels]
+    return max([MIN_CUDA_CAPABILITY, *(c for c in needs if c is not None)])
 
 
 def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):

@@ -1,13 +1,12 @@
 """Shared by fuse_qkv and fuse_gate_up: merge sibling linears (same input, same weight format) into
 one linear with `split` sizes whose outputs keep the original value names, so consumers are untouched.
 
-Parts are concatenated along the output dimension, which is valid for every format here: int8 scales
-are per output channel and int4 groups run along the input dimension.
+Parts are concatenated along the output dimension by the format's scheme (`concat_rows`), for the
+formats whose scheme allows it (`can_fuse`): int8 scales are per output channel and int4 groups run
+along the input dimension; int4 weights with their own input permutation (act_order) do not fuse.
 """
 
 from __future__ import annotations
-
-import torch
 
 from optc.formats import part_name
 from optc.ir import Graph, Node, TensorInfo
@@ -22,6 +21,9 @@ def can_fuse(graph: Graph, nodes: list[Node | None]) -> bool:
     formats = {graph.tensors[n.params["weight"]].format for n in nodes}
     has_bias = {"bias" in n.params for n in nodes}
     if len(formats) != 1 or len(has_bias) != 1:
+        return False
+    fmt = formats.pop()
+    if not fmt.scheme.can_concat_rows(fmt):
         return False
     if has_bias == {True} and len({graph.tensors[n.params["bias"]].format for n in nodes}) != 1:
         return False
@@ -50,9 +52,8 @@ def fuse(graph: Graph, store: TensorStore, groups: list[list[Node]], fused_name:
             for prole, (pshape, _) in fmt.part_shapes(shape).items():
                 keys = [part_name(s, prole, fmt) for s in srcs]
                 first = store.entry(keys[0])
-                entries[part_name(tensor, prole, fmt)] = Entry(
-                    tuple(pshape), first.dtype, (lambda keys=keys: torch.cat([store.get(k) for k in keys], 0))
-                )
+                load = lambda keys=keys, r=prole, f=fmt: f.scheme.concat_rows(r, [store.get(k) for k in keys], f)
+                entries[part_name(tensor, prole, fmt)] = Entry(tuple(pshape), first.dtype, load)
             params[role] = tensor
         attrs = {**group[0].attrs, "out_features": sum(sizes), "split": sizes}
         replace[group[0].name] = Node(

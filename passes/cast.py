@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from optc.formats import DTYPES, FormatKind, part_name
+from optc.formats import DTYPES, part_name
 from optc.ir import Graph, TensorInfo
 from optc.passmanager import Pass, PassContext, PassResult
 from optc.store import TensorStore, transformed
@@ -29,10 +29,9 @@ class Cast(Pass):
             fmt = info.format
             if fmt.dtype == dtype:
                 continue
-            # dense: the weight itself; quantized: only the scales carry the float dtype
-            role = "weight" if fmt.kind is FormatKind.DENSE else "scales"
-            key = part_name(name, role, fmt)
-            entries[key] = transformed(store.entry(key), lambda t, to=to: t.to(to), dtype=to)
+            for role in fmt.scheme.float_roles:  # dense: the weight itself; quantized: the scales
+                key = part_name(name, role, fmt)
+                entries[key] = transformed(store.entry(key), lambda t, to=to: t.to(to), dtype=to)
             new_graph.tensors[name] = TensorInfo(info.shape, replace(fmt, dtype=dtype))
             cast += 1
         if not cast and graph.config.dtype == dtype:

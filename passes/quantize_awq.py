@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -12,16 +13,13 @@ from optc.passmanager import Pass, PassContext, PassResult
 from optc.quant.awq import fold_into_linear, fold_into_norm, input_mean, search_clip, search_scale
 from optc.quant.blocks import (
     BlockRunner,
-    apply,
     branch,
     dense_param,
     fold_target,
     linear_groups,
-    progress,
-    start_calibration,
-    to_host,
 )
-from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
+from optc.quant.calibrated import Calibration, run_calibrated
+from optc.quant.options import WeightQuantOptions, ensure_quantized
 from optc.quant.rtn import quantize_weight
 from optc.store import TensorStore
 
@@ -45,44 +43,37 @@ class QuantizeAwq(Pass):
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
-        targets = set(dense_linear_weights(graph))
-        if not targets:
-            return PassResult(graph, store, changed=False, stats={"quantized": 0})
-        runner, blocks = start_calibration(graph, store, ctx, self.name)
-        consumers = graph.consumers()
-        quantized, folded, alphas = {}, {}, []
-        for block in progress(ctx, blocks, self.name):
-            params = runner.load(block.nodes)
-            groups = [g for g in linear_groups(block.nodes) if all(n.params["weight"] in targets for n in g)]
-            for group in groups:  # 1. scales, folded one group at a time
-                alpha = self._scale_group(graph, block.nodes, group, runner, params, folded)
-                if alpha is not None:
-                    alphas.append(alpha)
-            env = runner.run(block.nodes, params)  # 2. inputs of every linear with the scaled weights
-            for group in groups:  # 3. clip and round
-                x = env[group[0].inputs[0]]
-                for n in group:
-                    name = n.params["weight"]
-                    fmt = o.format(graph.tensors[name].format.dtype)
-                    w = params[name].parts["weight"]
-                    feeds_rope = any(c.op in ROPE_OPS for v in n.outputs for c in consumers.get(v, []))
-                    clip = search_clip(x, w, fmt, o.n_grid) if o.clip and not feeds_rope else None
-                    parts = quantize_weight(w, fmt, name, clip=clip)
-                    quantized[name] = (fmt, to_host(parts))
-                    params[name] = Param(parts, fmt)
-            runner.advance(block.nodes, params, block.outputs)
-        missing = sorted(targets - set(quantized))
-        if missing:
-            raise ValueError(f"{self.name}: linears outside any decoder block: {missing[:3]}")
-        graph, store = apply(graph, store, quantized, {t: w for t, w in folded.items() if t not in quantized})
-        section = {"method": "awq", **o.record(), "n_grid": o.n_grid, "clip": o.clip,
-                   "search_samples": o.search_samples, "calibration": dict(ctx.calibration_record)}
-        stats = {"quantized": len(quantized), "scaled_groups": len(alphas),
-                 "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None}
-        return PassResult(graph, store, changed=True, stats=stats, manifest={"quantization": section})
+        alphas: list[float] = []
+
+        def stats() -> dict:
+            return {"scaled_groups": len(alphas),
+                    "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None}
+
+        return run_calibrated(self.name, "awq", o, graph, store, ctx, partial(self._quantize_block, alphas=alphas),
+                              {"n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples}, stats)
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)
+
+    def _quantize_block(self, run: Calibration, nodes: list[Node], params: dict[str, Param],
+                        alphas: list[float]) -> None:
+        o = self.options
+        consumers = run.graph.consumers()
+        groups = [g for g in linear_groups(nodes) if all(n.params["weight"] in run.targets for n in g)]
+        for group in groups:  # 1. scales, folded one group at a time
+            alpha = self._scale_group(run.graph, nodes, group, run.runner, params, run.folded)
+            if alpha is not None:
+                alphas.append(alpha)
+        env = run.runner.run(nodes, params)  # 2. inputs of every linear with the scaled weights
+        for group in groups:  # 3. clip and round
+            x = env[group[0].inputs[0]]
+            for n in group:
+                name = n.params["weight"]
+                fmt = o.format(run.graph.tensors[name].format.dtype)
+                w = params[name].parts["weight"]
+                feeds_rope = any(c.op in ROPE_OPS for v in n.outputs for c in consumers.get(v, []))
+                clip = search_clip(x, w, fmt, o.n_grid) if o.clip and not feeds_rope else None
+                run.keep(name, fmt, quantize_weight(w, fmt, name, clip=clip), params)
 
     def _scale_group(self, graph: Graph, nodes: list[Node], group: list[Node], runner: BlockRunner,
                      params: dict[str, Param], folded: dict[str, torch.Tensor]) -> float | None:

@@ -1,4 +1,4 @@
-"""Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
+"""Bind every node to the first kernel for the recipe's target that supports it, else the torch reference."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ from optc.store import TensorStore
 
 
 class SelectKernels(Pass):
-    """Bind every node to a kernel: a Triton kernel where one supports it on target cuda, else the torch reference."""
+    """Bind every node to the first kernel for the recipe's target that supports it, else the torch reference."""
 
     @dataclass(frozen=True)
     class Options:
         disable: tuple[str, ...] = field(default=(), metadata={
-            "choices": tuple(KERNELS), "help": "Triton kernels not to use (ablations); their nodes get torch"})
+            "choices": tuple(KERNELS), "help": "kernels not to use (ablations); their nodes get torch"})
+        enable: tuple[str, ...] = field(default=(), metadata={
+            "choices": tuple(k.name for k in KERNELS.values() if not k.by_default),
+            "help": "kernels that are off unless named here"})
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]
@@ -36,9 +39,7 @@ class SelectKernels(Pass):
                 raise AssertionError(f"{n.name} ({n.op}) is bound to {kernel!r}")
 
     def _choose(self, graph: Graph, node: Node, target: str) -> str:
-        if target != "cuda":
-            return REFERENCE_KERNEL
-        spec = select(_query(graph, node))
+        spec = select(_query(graph, node), target, self.options.enable)
         return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE_KERNEL
 
 

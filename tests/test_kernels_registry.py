@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from optc.formats import Format, FormatKind
-from optc.kernels.registry import KERNELS, KernelQuery, impls, select
+from optc.kernels.registry import KERNELS, TARGETS, KernelQuery, PreparedImpl, impls, select
 from optc.ops import OPS
 
 
@@ -17,18 +17,18 @@ def _int4(group):
 
 
 def test_registry_kernel_names_and_ops():
-    assert all(name.startswith("triton.") for name in KERNELS)
+    assert all(name.startswith(f"{'triton' if k.target == 'cuda' else k.target}.") for name, k in KERNELS.items())
     assert {k.op for k in KERNELS.values()} == {"rms_norm", "add_rms_norm", "silu_mul", "rope", "rope_kv_store",
                                                 "attention", "linear"}
 
 
 def test_registry_selects_w4a16_only_when_groups_divide_k():
     ok = KernelQuery("linear", "bfloat16", _int4(128), (4096, 4096))
-    assert select(ok).name == "triton.w4a16"
-    assert select(KernelQuery("linear", "bfloat16", _int4(128), (4096, 4160))) is None
+    assert select(ok, "cuda").name == "triton.w4a16"
+    assert select(KernelQuery("linear", "bfloat16", _int4(128), (4096, 4160)), "cuda") is None
     int8 = Format(FormatKind.INT8_WO, dtype="float16", bits=8)
-    assert select(KernelQuery("linear", "float16", int8, (64, 64))).name == "triton.w8a16"
-    assert select(KernelQuery("linear", "float16", Format(dtype="float16"), (64, 64))) is None  # dense: cuBLAS
+    assert select(KernelQuery("linear", "float16", int8, (64, 64)), "cuda").name == "triton.w8a16"
+    assert select(KernelQuery("linear", "float16", Format(dtype="float16"), (64, 64)), "cuda") is None  # dense: cuBLAS
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,expected", [
@@ -38,14 +38,14 @@ def test_registry_selects_w4a16_only_when_groups_divide_k():
 def test_registry_attention_support_by_head_dim_and_group(head_dim, num_heads, num_kv_heads, expected):
     q = KernelQuery("attention", "bfloat16", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     kv_dtype="bfloat16", kv_block_size=16)
-    assert (select(q).name if select(q) else None) == expected
+    assert (select(q, "cuda").name if select(q, "cuda") else None) == expected
 
 
 def test_registry_rejects_unknown_dtype_and_hidden_size():
-    assert select(KernelQuery("rms_norm", "float64", hidden_size=64)) is None
-    assert select(KernelQuery("rms_norm", "float16", hidden_size=32768)) is None
-    assert select(KernelQuery("rms_norm", "float16", hidden_size=4096)).name == "triton.rms_norm"
-    assert select(KernelQuery("embedding", "float16")) is None
+    assert select(KernelQuery("rms_norm", "float64", hidden_size=64), "cuda") is None
+    assert select(KernelQuery("rms_norm", "float16", hidden_size=32768), "cuda") is None
+    assert select(KernelQuery("rms_norm", "float16", hidden_size=4096), "cuda").name == "triton.rms_norm"
+    assert select(KernelQuery("embedding", "float16"), "cuda") is None
 
 
 def test_registry_impls_binds_every_kernel_and_refuses_unknown_names():
@@ -70,3 +70,34 @@ def test_registry_launchers_take_their_op_references_arguments(name):
 def test_registry_import_does_not_import_triton():
     code = "import sys, optc.kernels.registry; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_select_binds_only_kernels_of_the_asked_target():
+    assert {k.target for k in KERNELS.values()} <= set(TARGETS)
+    queries = [KernelQuery("linear", dtype, _int4(128), (4096, 4096)) for dtype in ("bfloat16", "float32")]
+    queries += [KernelQuery("rms_norm", "bfloat16", hidden_size=4096), KernelQuery("silu_mul", "float32")]
+    for q in queries:
+        assert select(q, "cuda").target == "cuda"
+        assert select(q, "cpu") is None or select(q, "cpu").target == "cpu"
+    assert select(KernelQuery("rms_norm", "bfloat16", hidden_size=4096), "cpu") is None  # Triton is cuda's
+
+
+def test_prepared_impl_prepares_each_node_once_and_passes_the_prepared_params():
+    from optc.ir import Node
+
+    prepared, seen = [], []
+
+    def prepare(params):
+        prepared.append(params)
+        return {"weight": f"packed {params['weight']}"}
+
+    impl = PreparedImpl(lambda node, inputs, params, step: seen.append(params["weight"]) or [], prepare)
+    a, b = (Node(n, "linear", ["x"], [f"{n}_out"], {}, {"weight": f"{n}.weight"}) for n in ("a", "b"))
+    params_a, params_b = {"weight": "A"}, {"weight": "B"}
+    for _ in range(3):
+        impl(a, [None], params_a, None)
+        impl(b, [None], params_b, None)
+    assert prepared == [params_a, params_b]
+    assert seen == ["packed A", "packed B"] * 3
+    impl(a, [None], {"weight": "A2"}, None)  # new params (a reloaded model): prepared again
+    assert len(prepared) == 3 and seen[-1] == "packed A2"

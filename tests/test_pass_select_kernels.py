@@ -83,3 +83,18 @@ def test_select_kernels_triton_logits_match_reference_on_random_tiny():
     out = run_dense(Executor(bound, bind_params(bound, store), impls(names)), ids)
     diff = (out - ref).abs()
     assert diff.max() < 1e-4, f"max diff {diff.max():.3g}, mean diff {diff.mean():.3g}"
+
+
+def test_min_cuda_capability_is_the_floor_raised_by_the_bound_kernels():
+    from dataclasses import replace
+
+    from optc.artifact import MIN_CUDA_CAPABILITY
+    from optc.build import min_cuda_capability
+    from optc.kernels.registry import KERNELS
+
+    cuda = make_pass("select_kernels").run(_graph(), None, PassContext(target="cuda")).graph
+    assert min_cuda_capability(cuda) == MIN_CUDA_CAPABILITY == (8, 0)
+    hopper = {**KERNELS, "triton.w4a16": replace(KERNELS["triton.w4a16"], min_capability=(9, 0))}
+    assert min_cuda_capability(cuda, hopper) == (9, 0)  # qkv is bound to w4a16
+    off = make_pass("select_kernels", {"disable": ("triton.w4a16",)}).run(_graph(), None, PassContext(target="cuda"))
+    assert min_cuda_capability(off.graph, hopper) == (8, 0)

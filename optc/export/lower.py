@@ -28,10 +28,8 @@ from optc.export.onnx_builder import (
     GraphBuilder,
     embedding_table,
     float32,
-    matmul_operand_dense,
-    matmul_operand_int8,
 )
-from optc.formats import Format, FormatKind, part_name
+from optc.formats import Format, part_name
 from optc.ir import Graph, Node
 from optc.rope import cos_sin_table
 from optc.store import TensorStore
@@ -151,13 +149,7 @@ class Lowering:
         if fmt.act_order:  # stored column j is input channel perm[j]
             perm = b.initializer(f"{tensor}.perm", parts["perm"].to(torch.int64).numpy())
             x = b.op1("Gather", [x, perm], base=tensor, axis=-1)
-        if fmt.kind is FormatKind.INT4_G:
-            return self.int4_matmul(x, tensor, parts, fmt)
-        if fmt.kind is FormatKind.INT8_WO:
-            w = matmul_operand_int8(b, tensor, parts)
-        else:
-            w = matmul_operand_dense(b, tensor, parts, fmt)
-        return b.op1("MatMul", [x, w], base=tensor)
+        return fmt.scheme.onnx_matmul(self, x, tensor, parts, fmt)
 
     def rms_norm(self, x: str, weight: str, eps: float, base: str) -> str:
         # x * 1 / sqrt(mean(x^2) + eps) * w, in float32 like rms_norm_ref

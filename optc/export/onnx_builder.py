@@ -20,7 +20,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from optc.formats import Format, FormatKind, dequantize
+from optc.formats import Format, dequantize
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
@@ -134,7 +134,7 @@ def matmulnbits_inputs(b: GraphBuilder, name: str, parts: dict[str, torch.Tensor
 
 def embedding_table(parts: dict[str, torch.Tensor], fmt: Format) -> np.ndarray:
     """The (V, H) float32 table Gather reads; a quantized embedding is dequantized (exact in float32)."""
-    return dense_weight(parts, fmt) if fmt.kind is not FormatKind.DENSE else float32(parts["weight"])
+    return dense_weight(parts, fmt)
 
 
 def _pack_nibbles(values: np.ndarray) -> bytes:

@@ -21,10 +21,9 @@ from onnx import TensorProto
 from optc.errors import UserError
 from optc.export.lower import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, Lowering
 from optc.export.onnx_builder import matmul_operand_int4_blocked
-from optc.formats import Format, FormatKind
+from optc.formats import Format
 from optc.ir import Graph, Node
 
-PORTABLE_INT4_GROUP_SIZES = (64, 128)
 MASK_VALUE = float(np.finfo(np.float32).min)
 
 
@@ -36,15 +35,9 @@ def check_portable(graph: Graph) -> None:
     """Refuse int4 formats TensorRT cannot take (zero points, group 32), naming the recipe options that fit."""
     for name in graph.used_tensors():
         fmt = graph.tensors[name].format
-        if fmt.kind is not FormatKind.INT4_G:
-            continue
-        if fmt.zero_point or fmt.group_size not in PORTABLE_INT4_GROUP_SIZES:
-            have = f"int4_g group_size={fmt.group_size} zero_point={str(fmt.zero_point).lower()}"
-            raise ExportFormatError(
-                f"tensor {name} is {have}; the portable flavor (TensorRT) takes int4 only symmetric in blocks of "
-                f"64 or 128: rebuild with `zero_point: false` and `group_size: 64` or `128` in the quantization "
-                f"pass, or export with --flavor ort"
-            )
+        refusal = fmt.scheme.export_refusal(fmt, "portable")
+        if refusal is not None:
+            raise ExportFormatError(f"tensor {name} is {refusal}")
 
 
 class PortableLowering(Lowering):

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from optc.errors import InputError
-from optc.formats import FormatKind
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
 from optc.models import UnsupportedModelError
 from optc.rope import SUPPORTED_ROPE_TYPES
@@ -173,7 +172,8 @@ def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype)
     from transformers import LlamaForCausalLM
 
     graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
-    quantized = sorted({graph.tensors[t].format.kind.value for t in graph.used_tensors()} - {FormatKind.DENSE.value})
+    formats = [graph.tensors[t].format for t in graph.used_tensors()]
+    quantized = sorted({f.kind.value for f in formats if f.is_quantized})
     if quantized:
         raise InputError(f"--compare-hf: {path} holds {', '.join(quantized)} weights and its source has no "
                          "transformers checkpoint; transformers can only be rebuilt from a dense artifact "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optc.formats import Format, FormatKind
+from optc.formats import Format
 from optc.quant.rtn import fake_quantize
 
 Forward = Callable[[list[torch.Tensor]], torch.Tensor]  # the group's weights (fp32) -> block output
@@ -85,7 +85,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, fmt: Format, n_grid: int = 20,
     x (..., K) are the linear's inputs (already divided by the AWQ scales), w (N, K).
     -> (N, K // G) fp32.
     """
-    if fmt.kind is not FormatKind.INT4_G:
+    if fmt.group_size is None:
         raise ValueError(f"clip search is for grouped int4 formats, not {fmt.kind.value}")
     n, k = w.shape
     g = fmt.group_size

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from optc.errors import UserError
-from optc.formats import INT4_GROUP_SIZES, INT4_PACKING, Format, FormatKind, pack_int4, part_name
+from optc.formats import INT4_GROUP_SIZES, Format, pack_int4, part_name, quantized_format
 from optc.ir import TensorInfo
 from optc.store import Entry, TensorStore
 
@@ -198,8 +198,7 @@ def _int4(group_size: int, zero_point: bool, dtype: torch.dtype, act_order: bool
     names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
     if dtype not in names:
         raise CheckpointError(f"scales of dtype {dtype} are not supported; supported: {list(names.values())}")
-    return Format(kind=FormatKind.INT4_G, dtype=names[dtype], bits=4, group_size=group_size,
-                  zero_point=zero_point, packing=INT4_PACKING, act_order=act_order)
+    return quantized_format(4, names[dtype], group_size, zero_point, act_order)
 
 
 def _expect(t: torch.Tensor | Entry, shape: tuple[int, int], name: str, role: str) -> None:

@@ -10,7 +10,8 @@ Where it differs from the reference implementation (AutoGPTQ `fasterquant`), and
   for groups that start inside a lazy block; the reference reads the block-start copy there.
   So `block_size` must be a multiple of the group size.
 - `act_order=True` uses static groups (AutoGPTQ's `static_groups=True`): every group's parameters
-  come from the original weight before the pass, then columns are processed by decreasing
+  come from the original weight before the pass (as for per-channel formats, whose one group per
+  row is the whole row), then columns are processed by decreasing
   H diagonal. Our int4_g format has no g_idx, so groups must stay contiguous in the original input
   order; with static groups the stored parts still dequantize to exactly the weights the error
   feedback assumed.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from optc.errors import InputError
-from optc.formats import Format, FormatKind
+from optc.formats import Format
 from optc.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
 
 
@@ -71,15 +72,16 @@ class Gptq:
         if self.num_samples == 0:
             raise ValueError(f"{self.name}: GPTQ needs calibration inputs; add_batch was never called")
         n, k = self.weight.shape
-        g = k if fmt.kind is FormatKind.INT8_WO else fmt.group_size
-        if block_size % g and fmt.kind is FormatKind.INT4_G:
+        g = fmt.scheme.group_width(fmt, k)
+        per_channel = fmt.group_size is None  # one group per row: its parameters come from the original weight
+        if block_size % g and not per_channel:
             raise InputError(f"{self.name}: block_size {block_size} must be a multiple of group size {g}")
         w = self.weight.float().clone()
         h = self.hessian.clone()
         dead = torch.diagonal(h) == 0  # inputs that were always zero: their weights do not matter
         h[dead, dead] = 1
         w[:, dead] = 0
-        static = act_order or fmt.kind is FormatKind.INT8_WO
+        static = act_order or per_channel
         scales = torch.zeros(n, k // g, device=w.device)
         zeros = torch.zeros(n, k // g, device=w.device)
         if static:  # every group's parameters from the original weight
@@ -114,8 +116,6 @@ class Gptq:
             w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
         inv = torch.argsort(perm)
         q_int, q_deq = q_int[:, inv], q_deq[:, inv]
-        if fmt.kind is FormatKind.INT8_WO:
-            scales, zeros = scales[:, 0], zeros[:, 0]
         return GptqResult(pack_parts(q_int, scales, zeros, fmt), q_deq, float(loss) / 2)
 
 

@@ -1,0 +1,50 @@
+"""int4_g linear on the CPU through torch's packed int4 matmul (`aten._weight_int4pack_mm_for_cpu`).
+
+`prepare_int4pack` repacks a node's int4_g weight once, when the loaded model first runs the node:
+the k8_lsb nibbles unpacked to (N, K) int32 and handed to `aten._convert_weight_to_int4pack_for_cpu`,
+and the scales and zero points turned into the kernel's (K / G, N, 2) table in the activation dtype.
+The kernel computes w = (q - 8) * s + b per group, so our w = (q - z) * s has b = (8 - z) * s (b = 0
+when symmetric). The launcher `int4pack_linear` has linear_ref's signature and reads those prepared
+parts; the artifact keeps the format's own parts, which the reference reads.
+
+Where it pays (measured in docs/PERF.md): with bfloat16 activations it is several times faster than
+dequantizing per call; with float32 activations it is 30-100x slower than the reference at M >= 64,
+so the table offers it for bfloat16 only. Its one rounding that the reference does not have is b in
+bfloat16 (the reference rounds (q - z) * s once, in fp32): tests bound the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optc.formats import Format, unpack_int4
+from optc.ops import Param
+
+INNER_K_TILES = 2  # the packing's K tile count: any of 1, 2, 4, 8 gives the same product on the CPU
+N_MULTIPLE = 16  # the packing needs whole tiles of 16 output rows
+
+
+def prepare_int4pack(params: dict[str, Param]) -> dict[str, Param]:
+    """A linear node's params -> the same with the weight as {"int4pack", "scales_and_zeros"} parts."""
+    w = params["weight"]
+    fmt, parts = w.format, w.parts
+    q = unpack_int4(parts["qweight"]).to(torch.int32)  # (N, K)
+    s = parts["scales"].float()  # (N, K / G)
+    z = parts["zeros"].float() if fmt.zero_point else torch.full_like(s, 8.0)
+    table = torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous().to(fmt.torch_dtype)  # (K / G, N, 2)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INNER_K_TILES)
+    return {**params, "weight": Param({"int4pack": packed, "scales_and_zeros": table}, fmt)}
+
+
+def int4pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref for an int4_g weight prepared by `prepare_int4pack`: x (..., K) -> (..., N) in x's dtype."""
+    table = parts["scales_and_zeros"]
+    n, k = table.shape[1], table.shape[0] * fmt.group_size
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
+    assert x.dtype == table.dtype, f"x is {x.dtype}, the prepared scales {table.dtype}"
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, k).contiguous(), parts["int4pack"],
+                                                   fmt.group_size, table)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,75 @@
+"""cpu.int4pack: torch's packed int4 CPU matmul on prepared int4_g parts against linear_ref, its selection
+(target cpu, bfloat16, opt-in) and a tiny model's logits with it bound."""
+
+import pytest
+import torch
+
+from optc.execute import Executor, bind_params, run_dense
+from optc.formats import Format, FormatKind, dequantize, linear_ref, pack_int4
+from optc.kernels.int4_cpu import int4pack_linear, prepare_int4pack
+from optc.kernels.registry import KernelQuery, impls, select
+from optc.ops import Param
+from optc.passmanager import PassContext, make_pass
+from optc.sources import load_source
+
+
+def _weight(n, k, group, zero_point, seed=0) -> Param:
+    g = torch.Generator().manual_seed(seed)
+    fmt = Format(FormatKind.INT4_G, dtype="bfloat16", bits=4, group_size=group, zero_point=zero_point,
+                 packing="k8_lsb")
+    parts = {"qweight": pack_int4(torch.randint(0, 16, (n, k), generator=g)),
+             "scales": (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16)}
+    if zero_point:
+        parts["zeros"] = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    return Param(parts, fmt)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("group,zero_point", [(32, True), (64, False), (128, True)])
+def test_int4pack_matches_linear_ref(m, group, zero_point):
+    w = _weight(48, 256, group, zero_point)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    prepared = prepare_int4pack({"weight": w, "bias": Param({"weight": bias}, Format(dtype="bfloat16"))})
+    assert prepared["bias"].parts["weight"] is bias
+    assert set(prepared["weight"].parts) == {"int4pack", "scales_and_zeros"}
+    y = int4pack_linear(x, prepared["weight"].parts, w.format, bias)
+    ref = linear_ref(x, w.parts, w.format, bias)
+    exact = x.double() @ dequantize(w.parts, w.format, torch.float64).T + bias.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 48)
+    # both round to bfloat16 at the end; the packed kernel also rounds (8 - z) * s to bfloat16
+    scale = exact.abs().max()
+    assert (ref.double() - exact).abs().max() <= 0.01 * scale
+    assert (y.double() - exact).abs().max() <= 0.02 * scale, float((y.double() - exact).abs().max() / scale)
+    x3 = x.reshape(1, m, 256)  # leading dimensions are kept
+    assert torch.equal(int4pack_linear(x3, prepared["weight"].parts, w.format, bias).reshape(m, 48), y)
+
+
+def test_int4pack_is_selected_only_for_cpu_bfloat16_int4_when_enabled():
+    fmt = _weight(48, 256, 64, True).format
+    q = KernelQuery("linear", "bfloat16", fmt, (48, 256))
+    assert select(q, "cpu") is None  # off by default
+    assert select(q, "cpu", ("cpu.int4pack",)).name == "cpu.int4pack"
+    assert select(q, "cuda", ("cpu.int4pack",)).name == "triton.w4a16"  # a cpu kernel never binds for cuda
+    assert select(KernelQuery("linear", "float32", fmt, (48, 256)), "cpu", ("cpu.int4pack",)) is None
+    assert select(KernelQuery("linear", "bfloat16", fmt, (40, 256)), "cpu", ("cpu.int4pack",)) is None  # N % 16
+
+
+def test_tiny_model_logits_with_int4pack_bound():
+    src = load_source("random:tiny")
+    ctx = PassContext(target="cpu", dtype="bfloat16")
+    graph, store = src.graph, src.store
+    for name, options in (("cast", {"dtype": "bfloat16"}), ("quantize_rtn", {"bits": 4, "group_size": 32}),
+                          ("fuse_qkv", {})):
+        result = make_pass(name, options).run(graph, store, ctx)
+        graph, store = result.graph, result.store
+    reference = make_pass("select_kernels").run(graph, store, ctx).graph  # every node on torch
+    graph = make_pass("select_kernels", {"enable": ("cpu.int4pack",)}).run(graph, store, ctx).graph
+    bound = {n.name for n in graph.nodes if n.kernel == "cpu.int4pack"}
+    assert bound and bound == {n.name for n in graph.nodes if n.op == "linear" and n.attrs["out_features"] % 16 == 0}
+    params = bind_params(graph, store)
+    ids = torch.randint(0, graph.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    fast = run_dense(Executor(graph, params, impls({"cpu.int4pack"})), ids)
+    ref = run_dense(Executor(reference, params), ids)
+    assert (fast - ref).abs().max() <= 0.05 * ref.abs().max(), float((fast - ref).abs().max() / ref.abs().max())
+    assert all("qweight" in p.parts for p in params.values() if p.format.is_quantized)  # prepared aside, not in place
