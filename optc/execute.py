@@ -4,7 +4,9 @@ their last use.
 Used by the runtime (paged KV caches that persist across steps) and by calibration and evaluation
 in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer). Binding is
 by `Node.kernel`: `torch` (the default) is the op's reference in optc.ops; other names resolve
-through the `impls` table the caller passes (the runtime passes the Triton table). This
+through the `impls` table the caller passes (the runtime passes the Triton table). With
+`use_references`, every node runs its op's reference whatever kernel it is bound to: evaluation and
+calibration score the graph's math, which every kernel is tested to match, on any device. This
 module imports no runtime machinery: a batch is any object with ForwardBatch's fields.
 """
 
@@ -57,22 +59,11 @@ def bind_params(graph: Graph, store: TensorStore, device: torch.device | str = "
 class Executor:
     """A graph bound to implementations and loaded params."""
 
-    def __init__(self, graph: Graph, params: dict[str, Param], impls: dict[str, Impl] | None = None):
+    def __init__(self, graph: Graph, params: dict[str, Param], impls: dict[str, Impl] | None = None,
+                 use_references: bool = False):
         self.graph = graph
         self.params = params
-        impls = impls or {}
-        self._impls: list[Impl] = []
-        for n in graph.nodes:
-            kernel = n.kernel
-            if kernel == REFERENCE_KERNEL:
-                self._impls.append(OPS[n.op].ref)
-            elif kernel in impls:
-                self._impls.append(impls[kernel])
-            else:
-                raise ValueError(
-                    f"node {n.name!r} is bound to kernel {kernel!r}, which this runtime lacks "
-                    f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
-                )
+        self._impls = [_resolve(n, impls or {}, use_references) for n in graph.nodes]
         self._node_params = [{r: params[t] for r, t in n.params.items()} for n in graph.nodes]
         last_use: dict[str, int] = {}
         for i, n in enumerate(graph.nodes):
@@ -96,6 +87,18 @@ class Executor:
             for v in self._dead_after[i]:
                 del env[v]
         return {v: env[v] for v in self.graph.outputs}
+
+
+def _resolve(node: Node, impls: dict[str, Impl], use_references: bool) -> Impl:
+    """The implementation a node runs: its op's reference, or the kernel it is bound to from `impls`."""
+    if use_references or node.kernel == REFERENCE_KERNEL:
+        return OPS[node.op].ref
+    if node.kernel not in impls:
+        raise ValueError(
+            f"node {node.name!r} is bound to kernel {node.kernel!r}, which this runtime lacks "
+            f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
+        )
+    return impls[node.kernel]
 
 
 @dataclass
