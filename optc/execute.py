@@ -19,6 +19,7 @@ import torch
 
 from optc.formats import DTYPES, part_name
 from optc.ir import REFERENCE_KERNEL, Graph, Node
+from optc.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, KVCacheSpec
 from optc.ops import OPS, Impl, Param
 from optc.store import TensorStore
 
@@ -29,17 +30,17 @@ class Step:
     batch: object  # ForwardBatch fields: block_tables, seq_lens, query_start_loc, slot_mapping
     cos_sin: torch.Tensor  # (P, head_dim) fp32
     logits_indices: torch.Tensor | None  # rows that get logits; None = all
-    kv_caches: list[torch.Tensor] | None = None  # per layer; None = transient (see kv_cache)
-    cache_shape: tuple[int, ...] = ()  # shape of a transient per-layer cache
-    cache_dtype: torch.dtype = torch.float32
-    _transient: dict[int, torch.Tensor] = field(default_factory=dict)
+    kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
+    new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
+    _transient: dict[int, KVCache] = field(default_factory=dict)
 
-    def kv_cache(self, layer: int) -> torch.Tensor:
+    def kv_cache(self, layer: int) -> KVCache:
+        """The layer's cache as the ops take it (data plus optional scales)."""
         if self.kv_caches is not None:
             return self.kv_caches[layer]
         if layer not in self._transient:  # one layer at a time: drop the others' caches
             self._transient.clear()
-            self._transient[layer] = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.positions.device)
+            self._transient[layer] = self.new_transient_cache()
         return self._transient[layer]
 
 
@@ -115,10 +116,13 @@ def dense_step(
     seq_len: int,
     device="cpu",
     dtype=torch.float32,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     all_logits: bool = True,
 ) -> Step:
-    """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches."""
+    """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches
+    of the KV spec (`block_size`, `dtype`)."""
+    from functools import partial
+
     from optc.rope import cos_sin_table
 
     cfg = graph.config
@@ -133,13 +137,13 @@ def dense_step(
         slot_mapping=slots.to(device),
     )
     last = None if all_logits else (torch.arange(1, num_seqs + 1) * seq_len - 1).to(device)
+    spec = KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
     return Step(
         pos.to(device),
         batch,
         cos_sin_table(cfg, max(seq_len, 1)).to(device),
         last,
-        cache_shape=(1 + num_seqs * per_seq, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-        cache_dtype=dtype,
+        new_transient_cache=partial(spec.allocate_layer, cfg, 1 + num_seqs * per_seq, device),
     )
 
 

@@ -43,8 +43,8 @@ import torch
 
 from optc.ir import Graph
 from optc.ops import host_syncing_nodes
-from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables
+from optc.settings import CUDA_GRAPH_BATCH_SIZES
 
 NUM_WARMUP_RUNS = 2
 
@@ -65,7 +65,7 @@ class GraphConfig:
         object.__setattr__(self, "max_blocks_per_request", -(-self.max_seq_len // self.block_size))
 
     @property
-    def max_batch_size(self) -> int:
+    def max_capture_size(self) -> int:
         return self.batch_sizes[-1]
 
 
@@ -96,7 +96,7 @@ class StaticBatch:
     """The input buffers every graph reads, sized for the largest bucket; padding rows by default."""
 
     def __init__(self, config: GraphConfig, device: torch.device | str = "cpu") -> None:
-        rows, width = config.max_batch_size, config.max_blocks_per_request
+        rows, width = config.max_capture_size, config.max_blocks_per_request
         i32, i64 = torch.int32, torch.int64
         device = torch.device(device)
         # the buffers a step changes: views of one device buffer, written from one host mirror

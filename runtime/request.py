@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optc.runtime.detokenizer import IncrementalDetokenizer, held_back
 from optc.runtime.sampler import Logprobs, SamplingParams
+from optc.runtime.text import IncrementalDetokenizer, held_back
 
 
 class RequestStatus(enum.Enum):
