@@ -1,18 +1,20 @@
-"""Speculative decoding: its config, the n-gram proposer, and the `Speculator` the engine drives.
+"""Speculative decoding: the n-gram proposer and the `Speculator` the engine and its model runner
+drive (the config, `SpeculativeConfig`, lives in optc/settings.py with the other runtime settings).
 
 Each step, before scheduling, the speculator gives every running request that is decoding (one
 token behind) up to k draft tokens (`Request.draft_token_ids`); the scheduler runs them as more
 query tokens of their request and the target returns logits at each of them plus one. After the
 forward, `verify` keeps the accepted prefix and one more token (runtime/verifier.py: rejection
-sampling, lossless) and the engine rolls the request's computed count back over the rejected ones.
+sampling, lossless; the model runner calls it) and the engine rolls the request's computed count
+back over the rejected ones.
 
 Proposers share one small interface: `propose(requests, num_tokens) -> (draft ids, draft probs)`,
 probabilities None for one-hot drafts, and `release(request_id)` when a request leaves or is
 preempted. `NgramProposer` (prompt lookup) is here; the draft-model proposer is runtime/draft.py.
 
 Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
-batch holds more than `disable_above_num_requests` running requests does not speculate (a large batch already
-keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
+batch holds more than `disable_above_num_requests` running requests does not speculate (a large
+batch already keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
 picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
 in 0..K that maximizes expected tokens per step over its relative cost,
 (1 + a + a^2 + ... + a^k) / (1 + token_cost * k). A request whose k drops to 0 drifts back to the
