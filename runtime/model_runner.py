@@ -36,7 +36,7 @@ class RunnerOutput:
     """What one step produced, by index into the scheduler output's requests."""
 
     ready: list[int] = field(default_factory=list)  # requests whose computed count reaches their token count
-    token_ids: dict[int, list[int]] = field(default_factory=dict)  # ready requests that generate: tokens to emit
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # ready requests that generate, in batch order
     logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)  # per emitted token, for requests that ask
 
 
@@ -97,15 +97,17 @@ class ModelRunner:
         plain = [b for b in ready if num_drafts[b] == 0]
         spec = [b for b in ready if num_drafts[b] > 0]
         first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token
+        new_tokens: dict[int, list[int]] = {}
         if plain:
             rows = [last_rows[b] for b in plain]
             selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
             sampled = sample(selected, [requests[b].params for b in plain], [requests[b].generator for b in plain])
-            result.token_ids.update((b, [t]) for b, t in zip(plain, sampled.tolist(), strict=True))
+            new_tokens.update((b, [t]) for b, t in zip(plain, sampled.tolist(), strict=True))
         if spec:
             verified = self.speculator.verify(
                 [requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
-            result.token_ids.update(zip(spec, verified, strict=True))
+            new_tokens.update(zip(spec, verified, strict=True))
+        result.token_ids = {b: new_tokens[b] for b in ready}  # in batch order, as the engine processes them
         for b in ready:
             num_top = requests[b].params.logprobs
             if num_top is not None:
