@@ -78,7 +78,7 @@ def time_steps(path: str, batch: int, prompt: int, steps: int, vocab: int) -> fl
     engine = Engine(model, Letters(), config)
     if path == "graph":
         sizes = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= batch)
-        engine.graph_runner = NoCaptureRunner(model, engine.kv_caches, GraphConfig(sizes, max_len, 16))
+        engine.runner.graph_runner = NoCaptureRunner(model, engine.runner.kv_caches, GraphConfig(sizes, max_len, 16))
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for b in range(batch):
         engine.add_request([(b * 31 + i) % (vocab - 1) + 1 for i in range(prompt)], params)

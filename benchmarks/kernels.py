@@ -116,6 +116,7 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     tables, positions and lengths are always real."""
     from optc.formats import Format, FormatKind, linear_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
+    from optc.kv_cache import KVCache
     from optc.ops.elementwise import silu_mul_ref
     from optc.ops.norm import add_rms_norm_ref, rms_norm_ref
     from optc.ops.rope import rope_kv_store_ref
@@ -137,7 +138,7 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
-        cache = data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
+        cache = KVCache(data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim))
         byts = (2 * m.heads + 4 * m.kv_heads) * t * m.head_dim * e + t * m.head_dim * 4
         args = (q, k, v, pos, cos_sin, cache, slots)
         yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)

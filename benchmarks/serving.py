@@ -109,7 +109,7 @@ def cuda_artifact(work: Path, name: str) -> tuple[Path, bool]:
     recipe.parent.mkdir(parents=True, exist_ok=True)
     recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
                       f"passes: [{CUDA_PASSES.format(quant=CUDA_QUANT[name])}]\n"
-                      "runtime: {max_batch_size: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
+                      "runtime: {max_num_seqs: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
     return _artifact(work / f"llama-3-8b-{name}", recipe)
 
 

@@ -76,7 +76,7 @@ def forward_ms(engine: Engine, model, caches, batch_size: int, query_len: int, c
 
 
 def step_costs(engines: dict[str, Engine]) -> dict:
-    """Forward times that the adaptive defaults rest on (token_cost, max_batch_size)."""
+    """Forward times that the adaptive defaults rest on (token_cost, disable_above_num_requests)."""
     engine = engines["off"]
     caches = engine.model.allocate_kv_caches(32 * 9 + 1, engine.config.block_size)
     out = {"target_ms": {}, "draft_ms": None}
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=4, help="batch-1 prompts per workload")
     parser.add_argument("--workloads", default="grounded,open,batch32")
-    parser.add_argument("--max-batch-size", type=int, help="override the speculative batch threshold")
+    parser.add_argument("--disable-above-num-requests", type=int, help="override the speculation cut-off")
     parser.add_argument("--draft-k", type=int, default=2, help="fixed k of the draft config (adaptive off)")
     parser.add_argument("--draft-workloads", default="grounded,open,batch32",
                         help="workloads the draft runs (on the first batch only; compared with off on the same)")
@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("speculative.json"))
     args = parser.parse_args()
 
-    extra = {"max_batch_size": args.max_batch_size} if args.max_batch_size else {}
+    extra = {"disable_above_num_requests": args.disable_above_num_requests} if args.disable_above_num_requests else {}
     configs = {"off": None, "ngram": SpeculativeConfig("ngram", **extra)}
     if args.draft:
         configs["draft"] = SpeculativeConfig("draft", args.draft_k, draft=args.draft, adaptive=False, **extra)

@@ -12,13 +12,14 @@ import torch
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
 from optc.kernels.rope import kv_store
+from optc.kv_cache import KVCache
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -33,10 +34,11 @@ def paged_attention(
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
     kernel's split count is baked into the graph.
     """
-    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    assert kv_cache.scales is None, "the paged attention kernels read float KV caches (no scales)"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
-    args = (q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if q.shape[0] else 0
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:

@@ -7,7 +7,7 @@ once at load time from the model's rope parameters (see optc.rope). Math is fp32
 One kernel serves three launchers: `rope_kv_store` (rotate q and k, write rotated k and v into the
 paged cache through the slot mapping; one program per token), `rope` (rotate one tensor) and
 `kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
-cache dtype, exactly as the reference's two steps do.
+cache dtype, exactly as the reference's two steps do; the stores take a float `KVCache` (no scales).
 
 Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
 """
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from optc.kv_cache import KVCache
 
 
 @triton.jit
@@ -81,15 +83,15 @@ def rope_kv_store(
     v: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """optc.ops.rope.rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`; returns rotated q."""
-    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache: (num_blocks, 2, block_size, H_kv, D)
+    # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D)
     _check(q, positions, cos_sin)
     _check_kv(k, v, kv_cache, slot_mapping, q.shape[0], q.shape[2])
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _launch(q, k, v, q_out, positions, cos_sin, kv_cache, slot_mapping, rotate_k=True)
+    _launch(q, k, v, q_out, positions, cos_sin, kv_cache.data, slot_mapping, rotate_k=True)
     return q_out
 
 
@@ -101,10 +103,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
     return out
 
 
-def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """optc.ops.attention.kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
     _check_kv(k, v, kv_cache, slot_mapping, k.shape[0], k.shape[2])
-    _launch(None, k, v, None, slot_mapping, None, kv_cache, slot_mapping, rotate_k=False)
+    _launch(None, k, v, None, slot_mapping, None, kv_cache.data, slot_mapping, rotate_k=False)
 
 
 def _check(x, positions, cos_sin):
@@ -118,7 +120,9 @@ def _check(x, positions, cos_sin):
     assert cos_sin.stride(1) == 1, "cos_sin rows must be contiguous"
 
 
-def _check_kv(k, v, kv_cache, slot_mapping, num_tokens, head_dim):
+def _check_kv(k, v, cache: KVCache, slot_mapping, num_tokens, head_dim):
+    assert cache.scales is None, "the KV store kernel writes float KV caches (no scales)"
+    kv_cache = cache.data
     assert k.shape == v.shape, f"k {list(k.shape)} != v {list(v.shape)}"
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k {list(k.shape)} mismatches q"
     assert k.stride(2) == 1 and v.stride(2) == 1, "k/v head dim must be contiguous"

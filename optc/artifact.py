@@ -31,9 +31,12 @@ from safetensors.torch import save_file
 from optc.errors import UserError
 from optc.formats import part_name
 from optc.ir import Graph, ModelConfig
+from optc.kv_cache import KVCacheSpec
+from optc.settings import RuntimeSettings
 from optc.store import TensorStore
 
-SCHEMA_VERSION = 2  # 2: model.dtype (the activation dtype) in the model config
+SCHEMA_VERSION = 3  # 2: model.dtype in the model config; 3: typed runtime (max_num_seqs) and kv_layout.scales
+READABLE_SCHEMA_VERSIONS = (2, 3)  # a version-2 manifest reads as its version-3 equivalent
 SHARD_BYTES = 2 * 1024**3
 MIN_CUDA_CAPABILITY = (8, 0)
 
@@ -49,12 +52,6 @@ class Target:
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    block_size: int = 16
-    dtype: str = "float32"
-
-
-@dataclass(frozen=True)
 class Manifest:
     """manifest.json: what an artifact is and how it was made (deterministic: no timings)."""
 
@@ -65,9 +62,9 @@ class Manifest:
     passes: list[dict[str, Any]]  # name, options, changed, stats, in order
     model: ModelConfig
     target: Target
-    kv_layout: KVLayout
+    kv_layout: KVCacheSpec  # written by the kv_layout pass (its default without the pass)
     toolchain: dict[str, str | None]
-    runtime: dict[str, Any]  # the recipe's runtime section: engine defaults
+    runtime: RuntimeSettings  # the recipe's runtime section: engine defaults
     quantization: dict[str, Any] | None = None
     cuda_graphs: dict[str, Any] | None = None  # {batch_sizes} planned by the cuda_graphs pass
     quality: dict[str, Any] | None = None  # optc eval numbers, when the recipe asked for them
@@ -80,7 +77,8 @@ class Manifest:
         d["target"] = dataclasses.asdict(self.target)
         if self.target.min_compute_capability is not None:
             d["target"]["min_compute_capability"] = list(self.target.min_compute_capability)
-        d["kv_layout"] = dataclasses.asdict(self.kv_layout)
+        d["kv_layout"] = self.kv_layout.to_json()
+        d["runtime"] = self.runtime.to_json()
         return d
 
     def dumps(self) -> str:
@@ -91,9 +89,9 @@ class Manifest:
         """A manifest from its JSON; ArtifactError naming `where` for another schema version or a
         missing or unknown key."""
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ArtifactError(f"{where}: artifact schema version {version}, this optc reads version "
-                                f"{SCHEMA_VERSION}; rebuild it with this optc")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ArtifactError(f"{where}: artifact schema version {version}, this optc reads versions "
+                                f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}; rebuild it with this optc")
         names = {f.name for f in dataclasses.fields(Manifest)}
         required = {f.name for f in dataclasses.fields(Manifest)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
@@ -106,7 +104,9 @@ class Manifest:
             cc = target.get("min_compute_capability")
             return Manifest(**{**d, "model": ModelConfig.from_json(d["model"]),
                                "target": Target(target["device"], tuple(cc) if cc else None),
-                               "kv_layout": KVLayout(**d["kv_layout"])})
+                               "kv_layout": KVCacheSpec.from_json(d["kv_layout"]),
+                               "runtime": RuntimeSettings.from_json(d["runtime"] or {}),
+                               "schema_version": SCHEMA_VERSION})
         except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as e:
             raise ArtifactError(f"{where}: a damaged section ({type(e).__name__}: {e}); rebuild the artifact") \
                 from None

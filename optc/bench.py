@@ -41,7 +41,7 @@ class BenchOptions:
     input_len: int = 128  # synthetic prompts only
     output_len: int = 128
     dataset: Path | None = None  # one prompt per non-empty line (cycled); *.jsonl: {"prompt", "output_len"}
-    max_num_seqs: int | None = None  # None = the artifact's max_batch_size
+    max_num_seqs: int | None = None  # None = the artifact's runtime.max_num_seqs
     device: str = "cpu"  # cpu | cuda
     eager: bool = False  # no CUDA graphs
     compare_hf: bool = False  # also run transformers on the artifact's source (see the module doc)

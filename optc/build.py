@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 import optc
-from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, KVLayout, Manifest, Target, write
+from optc.artifact import MIN_CUDA_CAPABILITY, ArtifactError, Manifest, Target, write
 from optc.errors import UserError
 from optc.ir import Graph
 from optc.kernels.registry import KERNELS, KernelSpec
+from optc.kv_cache import KVCacheSpec
 from optc.ops import verify
 from optc.passmanager import PassContext, PassManager
 from optc.recipe import Recipe, RecipeError, load_recipe
@@ -93,9 +94,9 @@ def build(options: BuildOptions) -> Path:
         passes=[{"name": r.name, "options": r.options, "changed": r.changed, "stats": r.stats} for r in records],
         model=graph.config,
         target=Target(recipe.target.value, min_cuda_capability(graph) if cuda else None),
-        kv_layout=KVLayout(**(sections.get("kv_layout") or {"block_size": 16, "dtype": recipe.dtype})),
+        kv_layout=sections.get("kv_layout") or KVCacheSpec(dtype=recipe.dtype),
         toolchain=_toolchain(),
-        runtime=recipe.to_json()["runtime"],
+        runtime=recipe.runtime,
         quantization=sections.get("quantization") or source.quantization,
         cuda_graphs=sections.get("cuda_graphs"),
         quality=quality,

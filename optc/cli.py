@@ -217,7 +217,7 @@ def bench(
                                         "non-empty line, or a .jsonl file of {\"prompt\": ..., \"output_len\": ...} "
                                         "(output_len optional, default --output-len)."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests in flight at once "
-                                            "(default: the artifact's runtime.max_batch_size)."),
+                                            "(default: the artifact's runtime.max_num_seqs)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     eager: bool = typer.Option(False, "--eager", help="No CUDA graphs (decode runs eagerly)."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also run the same workload through transformers "
@@ -341,7 +341,7 @@ def serve(
                                                  "and /v1/models lists (default: the artifact folder's name)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests batched together at "
-                                            "most (default: the artifact's runtime.max_batch_size)."),
+                                            "most (default: the artifact's runtime.max_num_seqs)."),
     max_waiting: int = typer.Option(1024, "--max-waiting", min=0, help="Requests that may wait beyond the running "
                                     "ones; more get 503."),
     allowed_origin: list[str] = typer.Option([], "--allowed-origin", help="Allow browser requests (CORS) from "

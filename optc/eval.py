@@ -6,7 +6,8 @@ into consecutive, non-overlapping windows of `window` tokens starting at token 0
 window is dropped); every window is scored from position 0 with no context before it. Over the
 window-1 predicted positions of every window: ppl = exp(mean NLL of the next token), kld = mean
 KL(reference ‖ model) of the next-token distributions, top1_agreement = share of positions whose
-argmax agrees. Everything is computed on the CPU reference kernels, in the graph's dtype.
+argmax agrees. Everything runs through the ops' torch references on the CPU (whatever kernels the nodes are
+bound to), in the graph's dtype.
 
 A model is an artifact directory, a model source string (anything `optc build` accepts as
 `model:`), or a (Graph, TensorStore, tokenizer) triple. Not here: building or serving.
@@ -136,7 +137,7 @@ def load_model(model) -> Loaded:
 
 
 def _runner(m: Loaded):
-    executor = Executor(m.graph, bind_params(m.graph, m.store))
+    executor = Executor(m.graph, bind_params(m.graph, m.store), use_references=True)  # any graph: Triton-bound too
     return lambda ids: run_dense(executor, ids)
 
 

@@ -4,7 +4,9 @@ their last use.
 Used by the runtime (paged KV caches that persist across steps) and by calibration and evaluation
 in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer). Binding is
 by `Node.kernel`: `torch` (the default) is the op's reference in optc.ops; other names resolve
-through the `impls` table the caller passes (the runtime passes the Triton table). This
+through the `impls` table the caller passes (the runtime passes the Triton table). With
+`use_references`, every node runs its op's reference whatever kernel it is bound to: evaluation and
+calibration score the graph's math, which every kernel is tested to match, on any device. This
 module imports no runtime machinery: a batch is any object with ForwardBatch's fields.
 """
 
@@ -17,6 +19,7 @@ import torch
 
 from optc.formats import DTYPES, part_name
 from optc.ir import REFERENCE_KERNEL, Graph, Node
+from optc.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, KVCacheSpec
 from optc.ops import OPS, Impl, Param
 from optc.store import TensorStore
 
@@ -27,17 +30,17 @@ class Step:
     batch: object  # ForwardBatch fields: block_tables, seq_lens, query_start_loc, slot_mapping
     cos_sin: torch.Tensor  # (P, head_dim) fp32
     logits_indices: torch.Tensor | None  # rows that get logits; None = all
-    kv_caches: list[torch.Tensor] | None = None  # per layer; None = transient (see kv_cache)
-    cache_shape: tuple[int, ...] = ()  # shape of a transient per-layer cache
-    cache_dtype: torch.dtype = torch.float32
-    _transient: dict[int, torch.Tensor] = field(default_factory=dict)
+    kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
+    new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
+    _transient: dict[int, KVCache] = field(default_factory=dict)
 
-    def kv_cache(self, layer: int) -> torch.Tensor:
+    def kv_cache(self, layer: int) -> KVCache:
+        """The layer's cache as the ops take it (data plus optional scales)."""
         if self.kv_caches is not None:
             return self.kv_caches[layer]
         if layer not in self._transient:  # one layer at a time: drop the others' caches
             self._transient.clear()
-            self._transient[layer] = torch.zeros(self.cache_shape, dtype=self.cache_dtype, device=self.positions.device)
+            self._transient[layer] = self.new_transient_cache()
         return self._transient[layer]
 
 
@@ -57,22 +60,11 @@ def bind_params(graph: Graph, store: TensorStore, device: torch.device | str = "
 class Executor:
     """A graph bound to implementations and loaded params."""
 
-    def __init__(self, graph: Graph, params: dict[str, Param], impls: dict[str, Impl] | None = None):
+    def __init__(self, graph: Graph, params: dict[str, Param], impls: dict[str, Impl] | None = None,
+                 use_references: bool = False):
         self.graph = graph
         self.params = params
-        impls = impls or {}
-        self._impls: list[Impl] = []
-        for n in graph.nodes:
-            kernel = n.kernel
-            if kernel == REFERENCE_KERNEL:
-                self._impls.append(OPS[n.op].ref)
-            elif kernel in impls:
-                self._impls.append(impls[kernel])
-            else:
-                raise ValueError(
-                    f"node {n.name!r} is bound to kernel {kernel!r}, which this runtime lacks "
-                    f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
-                )
+        self._impls = [_resolve(n, impls or {}, use_references) for n in graph.nodes]
         self._node_params = [{r: params[t] for r, t in n.params.items()} for n in graph.nodes]
         last_use: dict[str, int] = {}
         for i, n in enumerate(graph.nodes):
@@ -98,6 +90,18 @@ class Executor:
         return {v: env[v] for v in self.graph.outputs}
 
 
+def _resolve(node: Node, impls: dict[str, Impl], use_references: bool) -> Impl:
+    """The implementation a node runs: its op's reference, or the kernel it is bound to from `impls`."""
+    if use_references or node.kernel == REFERENCE_KERNEL:
+        return OPS[node.op].ref
+    if node.kernel not in impls:
+        raise ValueError(
+            f"node {node.name!r} is bound to kernel {node.kernel!r}, which this runtime lacks "
+            f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
+        )
+    return impls[node.kernel]
+
+
 @dataclass
 class _ContiguousBatch:
     block_tables: torch.Tensor
@@ -112,10 +116,13 @@ def dense_step(
     seq_len: int,
     device="cpu",
     dtype=torch.float32,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     all_logits: bool = True,
 ) -> Step:
-    """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches."""
+    """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches
+    of the KV spec (`block_size`, `dtype`)."""
+    from functools import partial
+
     from optc.rope import cos_sin_table
 
     cfg = graph.config
@@ -130,13 +137,13 @@ def dense_step(
         slot_mapping=slots.to(device),
     )
     last = None if all_logits else (torch.arange(1, num_seqs + 1) * seq_len - 1).to(device)
+    spec = KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
     return Step(
         pos.to(device),
         batch,
         cos_sin_table(cfg, max(seq_len, 1)).to(device),
         last,
-        cache_shape=(1 + num_seqs * per_seq, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-        cache_dtype=dtype,
+        new_transient_cache=partial(spec.allocate_layer, cfg, 1 + num_seqs * per_seq, device),
     )
 
 

@@ -18,12 +18,11 @@ from typing import Any
 
 import yaml
 
+from optc.errors import InputError
 from optc.schema import RecipeError, json_schema, validate
+from optc.settings import RuntimeSettings, SpeculativeConfig
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
-# decode batch sizes captured as CUDA graphs: the cuda_graphs pass's default, and the runtime's for an
-# artifact that records no plan
-CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Target(StrEnum):
@@ -45,23 +44,6 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class Runtime:
-    """Defaults the runtime reads from the artifact."""
-
-    max_batch_size: int = field(default=64, metadata={"min": 1, "help": "max requests per step"})
-    max_seq_len: int | None = field(default=None, metadata={"min": 1, "help": "context limit; default: the model's"})
-    gpu_memory_utilization: float = field(
-        default=0.9, metadata={"gt": 0.0, "max": 1.0, "help": "share of GPU memory for weights + KV"}
-    )
-    kv_cache_memory: int | None = field(default=None, metadata={"min": 1, "help": "KV pool bytes on the CPU"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"min": 1, "help": "token budget per step"})
-    speculative: str | None = field(
-        default=None,
-        metadata={"help": "default speculative decoding: ngram[:K] or draft:PATH[:K] (K draft tokens, 1..16)"},
-    )
-
-
-@dataclass(frozen=True)
 class PassSpec:
     name: str
     options: dict[str, Any]
@@ -79,7 +61,7 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     passes: tuple[Any, ...] = field(default=(), metadata={"help": "ordered passes: a name, or {name: {options}}"})
     eval: bool = field(default=False, metadata={"help": "measure quality after the build (optc eval)"})
-    runtime: Runtime = field(default_factory=Runtime)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -128,9 +110,6 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), model: str |
     raw_passes = data.pop("passes", [])
     recipe = validate(Recipe, data, "", where)
     if recipe.runtime.speculative is not None:
-        from optc.errors import InputError
-        from optc.runtime.speculative import SpeculativeConfig
-
         try:
             SpeculativeConfig.parse(recipe.runtime.speculative)
         except InputError as e:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from optc.ir import Graph
 from optc.ops import host_syncing_nodes
 from optc.passmanager import Pass, PassContext, PassResult
-from optc.recipe import CUDA_GRAPH_BATCH_SIZES
+from optc.settings import CUDA_GRAPH_BATCH_SIZES
 from optc.store import TensorStore
 
 

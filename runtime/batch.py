@@ -1,6 +1,6 @@
 """ForwardBatch: everything one model step needs, flattened over the scheduled requests.
 
-The batch is plain data built by the engine each step; the model reads it and nothing else (there is
+The batch is plain data built by the model runner each step; the model reads it and nothing else (there is
 no global forward context). It does not own the KV cache; the caller passes the per-layer caches.
 
 Conventions (T = scheduled tokens in this step, B = requests in this step):
@@ -143,7 +143,7 @@ class BatchBuilder:
     The arrays are written into one host buffer (pinned on CUDA), reused from step to step and grown
     when a batch needs more, copied in one transfer, and the batch's tensors are views of the copy.
     Before the buffer is rewritten, the event recorded after the previous copy is waited on, which
-    costs nothing once the engine has read that step's sampled tokens. On the CPU the same path runs
+    costs nothing once the runner has read that step's sampled tokens. On the CPU the same path runs
     (the copy is a memcpy of a few KB), so the CPU tests cover it."""
 
     def __init__(self, device: torch.device | str) -> None:

@@ -4,14 +4,15 @@ the batch padded to the bucket.
 Used only for pure-decode steps (one query token per request, one logit row per request) whose
 request count fits a bucket; every other step (prefill, mixed, speculative verification, a batch
 larger than the largest bucket) runs eager. Not used on the CPU (`make_runner` returns None there:
-the engine runs eager) nor with `enforce_eager` (`optc bench --eager`).
+the model runner runs eager), with `enforce_eager` (`optc bench --eager`), nor for an artifact built
+without the `cuda_graphs` pass (its manifest plans no buckets).
 
 How a capture stays valid for every replay:
 - Static buffers sized for the largest bucket; bucket b reads their first b rows, so every graph
   reads the same memory and a replay only copies the step's batch into it. Padding rows hold input
   id 0 at position 0, slot -1 (the KV store skips it), seq_len 1 and a block-table row of zeros:
   they read one token of the null block, write nothing, and their logits are dropped.
-- The engine builds a decode step that will replay straight into the static buffers
+- The model runner builds a decode step that will replay straight into the static buffers
   (`CudaGraphRunner.build`): the varying buffers are views of one device buffer, mirrored by one
   pinned host buffer; the step's rows and the bucket's padding rows are written on the host and
   copied in one host->device transfer, with no device-side copies or fills. Other steps are built
@@ -22,13 +23,13 @@ How a capture stays valid for every replay:
 - Only graphs whose KV nodes are bound to Triton kernels are captured: their torch references sync
   with the host (`int(seq_lens.max())` in paged_attention_ref, boolean-mask indexing in
   kv_store_ref: `OpSpec.reference_syncs_host`), which a capture cannot contain; `capture_blockers`
-  names such nodes and the runner refuses them (the engine then warns and runs eager). Rebuild
+  names such nodes and the runner refuses them (the model runner then warns and runs eager). Rebuild
   with `select_kernels`.
 - Each bucket is run eagerly (warm-up) before its capture: Triton compiles per specialization and
   autotunes per key (the token count is part of both).
 - One private memory pool serves every graph, captured largest bucket first so smaller graphs
   reuse its blocks. The logits a replay returns are a view of the graph's output: valid until the
-  next replay of any bucket (the engine samples from them before the next step).
+  next replay of any bucket (the model runner samples from them before the next step).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import torch
 
 from optc.ir import Graph
 from optc.ops import host_syncing_nodes
-from optc.recipe import CUDA_GRAPH_BATCH_SIZES
 from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables
+from optc.settings import CUDA_GRAPH_BATCH_SIZES
 
 NUM_WARMUP_RUNS = 2
 
@@ -65,7 +66,7 @@ class GraphConfig:
         object.__setattr__(self, "max_blocks_per_request", -(-self.max_seq_len // self.block_size))
 
     @property
-    def max_batch_size(self) -> int:
+    def max_capture_size(self) -> int:
         return self.batch_sizes[-1]
 
 
@@ -96,7 +97,7 @@ class StaticBatch:
     """The input buffers every graph reads, sized for the largest bucket; padding rows by default."""
 
     def __init__(self, config: GraphConfig, device: torch.device | str = "cpu") -> None:
-        rows, width = config.max_batch_size, config.max_blocks_per_request
+        rows, width = config.max_capture_size, config.max_blocks_per_request
         i32, i64 = torch.int32, torch.int64
         device = torch.device(device)
         # the buffers a step changes: views of one device buffer, written from one host mirror
@@ -269,7 +270,7 @@ class CudaGraphRunner:
 def make_runner(model: Any, kv_caches: list[torch.Tensor], *, enforce_eager: bool,
                 batch_sizes: Sequence[int] | None, max_num_seqs: int, max_seq_len: int,
                 block_size: int) -> CudaGraphRunner | None:
-    """The engine's graph runner, or None (eager): on the CPU, with enforce_eager, with no usable
+    """A model runner's graph runner, or None (eager): on the CPU, with enforce_eager, with no usable
     bucket, or (with a warning) when the graph has nodes no capture can hold."""
     if enforce_eager or torch.device(model.device).type != "cuda":
         return None

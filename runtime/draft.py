@@ -1,6 +1,9 @@
 """DraftProposer: a second, cheaper model (an artifact with the target's tokenizer) proposes drafts.
 
-The draft keeps its own paged KV pool (its own KVCacheManager, no prefix caching) and, per request,
+The draft runs on its own `ModelRunner` (runtime/model_runner.py): its KV caches, CUDA graphs for its
+one-token decode steps and one-copy batches, as the target's runner has. Its pool holds as many
+blocks as the target's, sized from one shared budget (runtime/kv_sizing.py). It keeps its own block
+bookkeeping (its own KVCacheManager, no prefix caching) and, per request,
 the tokens whose K/V it has computed. Each `propose` first rolls a request back to the longest prefix
 it shares with the request's tokens (the drafts the target rejected are dropped by bookkeeping, and
 blocks past the new end are freed), then catches up on the tokens the target accepted in the same
@@ -19,7 +22,6 @@ from typing import Any
 
 import torch
 
-from optc.runtime.batch import ForwardBatch
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.request import Request
 from optc.runtime.verifier import target_probs
@@ -36,11 +38,11 @@ class _DraftRequest:
 
 
 class DraftProposer:
-    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
-        self.model = model
-        self.block_size = block_size
-        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size)
-        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, runner: Any, num_blocks: int) -> None:
+        """`runner`: the draft model's ModelRunner, its caches of `num_blocks` blocks."""
+        self.runner = runner
+        self.model = runner.model
+        self.kv_manager = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
         self._states: dict[str, _DraftRequest] = {}
 
     def propose(
@@ -64,11 +66,9 @@ class DraftProposer:
             if step > 0:  # one more token each: the previous draft
                 feeds = [[drafts[i][-1]] for i in active]
             batch_states = [self._states[requests[i].request_id] for i in active]
-            batch = ForwardBatch.build(
+            logits = self.runner.forward(  # (B, V); after the first, one-token steps: graph replays on a GPU
                 feeds, [s.num_computed_tokens for s in batch_states],
-                [self.kv_manager.block_ids(s.request_id) for s in batch_states], self.block_size,
-            )
-            logits = self.model.forward(batch.to(self.model.device), self.kv_caches)  # (B, V)
+                [self.kv_manager.block_ids(s.request_id) for s in batch_states])
             for state, feed in zip(batch_states, feeds, strict=True):
                 state.token_ids.extend(feed)
                 state.num_computed_tokens += len(feed)

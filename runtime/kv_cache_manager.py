@@ -12,7 +12,8 @@ logits), so new tokens always land past the shared blocks: with the current sche
 shared block never happens. It can happen only when a caller moves `num_computed_tokens` back into a
 cached block (e.g. a speculative-decoding rollback). `allocate_slots` guards that case: a block that
 would be written and is shared (or cached) is replaced by a fresh block, and the (source,
-destination) pair is queued for the engine to copy (`take_copies`) before the step runs.
+destination) pair is queued for the scheduler's output (`take_copies`); the model runner copies it
+before the step runs.
 """
 
 from __future__ import annotations

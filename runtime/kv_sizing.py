@@ -1,12 +1,16 @@
 """How many KV blocks the engine allocates: from an explicit byte budget, from free GPU memory after
 profiling one full-budget step, or (on the CPU) from what the configured requests can use.
 
-The pool always has the null block (block 0) on top of the budget's blocks. Not here: allocating
-the caches (the model does) or handing blocks out (the BlockPool does).
+One budget serves every model the engine runs: with a speculative draft model, the target's and
+the draft's pools hold the same number of blocks (a request's blocks in both), so a block costs
+the sum of the models' bytes per block and the two pools together stay within the budget. The pool
+always has the null block (block 0) on top of the budget's blocks. Not here: allocating the caches
+(the model does, from its KV spec) or handing blocks out (the BlockPool does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,9 +21,11 @@ from optc.runtime.batch import ForwardBatch
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # upper bound of the CPU default pool, bytes
 
 
-def num_kv_blocks(model: Any, config: Any, max_model_len: int) -> int:
-    """Blocks of the KV pool (null block included) for an EngineConfig `config` on `model.device`."""
-    bytes_per_block = model.kv_bytes_per_block(config.block_size)
+def num_kv_blocks(models: Sequence[Any], config: Any, max_model_len: int) -> int:
+    """Blocks of each model's KV pool (null block included) for an EngineConfig `config`; `models[0]`
+    is the target (its device, its profiled step), the others share the budget block for block."""
+    model = models[0]
+    bytes_per_block = sum(m.kv_bytes_per_block(config.block_size) for m in models)
     device = torch.device(model.device)
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory

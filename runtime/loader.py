@@ -14,7 +14,7 @@ from optc.runtime.model import Model
 
 def load_model(artifact: Artifact, device: str = "cpu") -> Model:
     """The artifact's graph bound to the kernels its nodes name, with its weights on `device`."""
-    return Model(artifact.graph, artifact.store, device, kv_dtype=artifact.manifest.kv_layout.dtype,
+    return Model(artifact.graph, artifact.store, device, kv_spec=artifact.manifest.kv_layout,
                  impls=_impls(artifact.graph))
 
 

@@ -4,7 +4,8 @@ A request normally needs the logits of its last token only. One that asks for pr
 (`SamplingParams.prompt_logprobs`) needs, while its prompt runs through the model, the logits of
 every new token: the row at position p scores prompt token p + 1. Such requests skip the prefix
 cache (cached positions would have no logits). Output-token logprobs come from the same row the
-sampler reads. The math is `sampler.compute_logprobs`; this module only maps rows to requests.
+sampler reads (the model runner computes them). The math is `sampler.compute_logprobs`; this module
+only maps rows to requests.
 """
 
 from __future__ import annotations
@@ -45,10 +46,3 @@ def record_prompt_logprobs(
         )
     return last_rows
 
-
-def record_logprobs(requests: Sequence[Request], logits: torch.Tensor, token_ids: Sequence[int]) -> None:
-    """Append each sampled token's logprobs (logits: one row per request) for requests that ask."""
-    for b, request in enumerate(requests):
-        if request.params.logprobs is not None:
-            (entry,) = compute_logprobs(logits[b : b + 1], torch.tensor([token_ids[b]]), request.params.logprobs)
-            request.logprobs.append(entry)

@@ -1,16 +1,20 @@
 """Model: an artifact's graph bound to kernels on a device; one forward step over a ForwardBatch.
 
-It owns the weights and the rope table, not the KV cache: the caller allocates the per-layer caches
-(`allocate_kv_caches`) and passes them to every `forward`.
+It owns the weights, the rope table and the KV spec (from the manifest), not the KV cache: the
+caller allocates the per-layer caches (`allocate_kv_caches`, a `KVCache` per layer) and passes them
+to every `forward`.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from optc.execute import Executor, Impl, Step, bind_params
 from optc.formats import DTYPES
 from optc.ir import Graph
+from optc.kv_cache import KVCache, KVCacheSpec
 from optc.rope import cos_sin_table
 from optc.runtime.batch import ForwardBatch
 from optc.store import TensorStore
@@ -22,7 +26,7 @@ class Model:
         graph: Graph,
         store: TensorStore,
         device: str | torch.device = "cpu",
-        kv_dtype: str | None = None,
+        kv_spec: KVCacheSpec | None = None,  # None: the model's dtype, the default block size
         impls: dict[str, Impl] | None = None,
     ):
         c = graph.config
@@ -36,18 +40,17 @@ class Model:
         self.max_position_embeddings = c.max_position_embeddings
         self.eos_token_ids = list(c.eos_token_ids)
         self.dtype = DTYPES[c.dtype]
-        self.kv_dtype = DTYPES[kv_dtype] if kv_dtype else self.dtype
+        self.kv_spec = kv_spec or KVCacheSpec(dtype=c.dtype)
         self.cos_sin = cos_sin_table(c, c.max_position_embeddings).to(self.device)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        shape = (num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        return replace(self.kv_spec, block_size=block_size).allocate(self.graph.config, num_blocks, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
         """float32 logits (len(batch.logits_indices), vocab) for the batch's selected rows."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)

@@ -7,13 +7,15 @@ appends sampled tokens. Blocks are not here: the KVCacheManager maps request ids
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
 import torch
 
-from optc.runtime.detokenizer import IncrementalDetokenizer, held_back
+from optc.errors import InputError
 from optc.runtime.sampler import Logprobs, SamplingParams
+from optc.runtime.text import IncrementalDetokenizer, held_back
 
 
 class RequestStatus(enum.Enum):
@@ -95,3 +97,24 @@ class Request:
         delta = self.text[self.num_emitted_chars : max(end, self.num_emitted_chars)]
         self.num_emitted_chars += len(delta)
         return delta
+
+
+def fit_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int, context: str) -> SamplingParams:
+    """`params` with max_tokens None resolved to the room the prompt leaves in the context (`context` says
+    how the limit of `max_model_len` tokens comes about). A prompt and max_tokens that together overflow the
+    context are an InputError naming both (as OpenAI and vLLM answer), never a silent cut. The KV pool, when
+    smaller than the context, still cuts (finish "length")."""
+    room = max_model_len - num_prompt_tokens
+    if params.max_tokens is None:
+        if room == 0:
+            raise InputError(f"the prompt has {num_prompt_tokens} tokens, the whole context {context}: no room "
+                             "for an output token", "prompt")
+        return dataclasses.replace(params, max_tokens=room)
+    if params.max_tokens > room:
+        raise InputError(
+            f"the prompt has {num_prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
+            f"{num_prompt_tokens + params.max_tokens} tokens, more than the context holds {context}; "
+            + (f"lower max_tokens to {room} or fewer" if room else "shorten the prompt"),
+            "max_tokens" if room else "prompt",
+        )
+    return params

@@ -1,10 +1,9 @@
-"""Sampling: SamplingParams, the sampler (a pure function of logits, params and generators) and
-the stop conditions.
+"""Sampling: SamplingParams and the sampler (a pure function of logits, params and generators).
 
 `sample` turns one row of float32 logits per request into one token id per request. Every step is
 row-wise and each sampled request draws from its own `torch.Generator`, so a seeded request gets the
 same tokens whatever else is in the batch. Greedy rows (temperature 0) take the argmax and use no
-randomness. This module does not detokenize; `find_stop_string` works on text the caller decoded.
+randomness. Stop strings are matched on detokenized text, in runtime/text.py.
 """
 
 from __future__ import annotations
@@ -124,12 +123,3 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = torch.zeros_like(drop).scatter(-1, order, drop)
     return logits.masked_fill(drop, float("-inf"))
 
-
-def find_stop_string(text: str, stop: Sequence[str]) -> int | None:
-    """Index in `text` of the earliest stop string, or None; the output text is cut there."""
-    best = None
-    for s in stop:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best

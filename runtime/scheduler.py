@@ -15,9 +15,9 @@ the queue blocks the ones behind it), each starting after its prefix-cache hit. 
 request cannot get blocks, the most recently admitted running request is preempted by recompute: its
 blocks are freed, its computed count drops to 0, and it returns to the front of the waiting queue
 with its tokens (prompt and output so far) to be prefilled again later; a step that preempted admits
-nobody. The scheduler sees requests and block ids, never tensors; the engine runs the step, then
-calls `update`, samples for requests whose computed count reached their token count, and calls
-`finish` for those that stop.
+nobody. The scheduler sees requests and block ids, never tensors; the model runner runs the step
+(copying the output's `block_copies` first) and samples for requests whose computed count reaches
+their token count; the engine then calls `update`, and `finish` for those that stop.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request
     block_ids: list[list[int]] = field(default_factory=list)  # per scheduled request, all its blocks
     preempted_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): before the step
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +129,7 @@ class Scheduler:
             self.running.append(request)
             self._add(out, request, num_new, block_ids)
             budget -= num_new
+        out.block_copies = self.kv_manager.take_copies()
         return out
 
     def update(self, out: SchedulerOutput) -> None:

@@ -1,18 +1,20 @@
-"""Speculative decoding: its config, the n-gram proposer, and the `Speculator` the engine drives.
+"""Speculative decoding: the n-gram proposer and the `Speculator` the engine and its model runner
+drive (the config, `SpeculativeConfig`, lives in optc/settings.py with the other runtime settings).
 
 Each step, before scheduling, the speculator gives every running request that is decoding (one
 token behind) up to k draft tokens (`Request.draft_token_ids`); the scheduler runs them as more
 query tokens of their request and the target returns logits at each of them plus one. After the
 forward, `verify` keeps the accepted prefix and one more token (runtime/verifier.py: rejection
-sampling, lossless) and the engine rolls the request's computed count back over the rejected ones.
+sampling, lossless; the model runner calls it) and the engine rolls the request's computed count
+back over the rejected ones.
 
 Proposers share one small interface: `propose(requests, num_tokens) -> (draft ids, draft probs)`,
 probabilities None for one-hot drafts, and `release(request_id)` when a request leaves or is
 preempted. `NgramProposer` (prompt lookup) is here; the draft-model proposer is runtime/draft.py.
 
 Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
-batch holds more than `max_batch_size` running requests does not speculate (a large batch already
-keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
+batch holds more than `disable_above_num_requests` running requests does not speculate (a large
+batch already keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
 picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
 in 0..K that maximizes expected tokens per step over its relative cost,
 (1 + a + a^2 + ... + a^k) / (1 + token_cost * k). A request whose k drops to 0 drifts back to the
@@ -21,10 +23,8 @@ prior rate while it does not speculate, so it probes again later.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,103 +33,18 @@ import torch
 from optc.errors import InputError
 from optc.runtime.request import Request
 from optc.runtime.verifier import rejection_sample, target_probs
+from optc.settings import SpeculativeConfig, SpeculativeMethod
 
-MAX_SPECULATIVE_TOKENS = 16
-# Defaults measured with benchmarks/speculative.py on SmolLM2 (docs/PERF.md): one more query token
-# costs ~token_cost of a decode step at batch 1; draft tokens also cost the draft's own step.
-DEFAULT_MAX_BATCH_SIZE = 4
-DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3}
 PRIOR_ACCEPTANCE = 0.6  # the acceptance rate assumed before a request has any measurement
 DECAY = 0.8  # weight of the past in a request's acceptance counts
 
 
-class SpeculativeMethod(enum.StrEnum):
-    NGRAM = "ngram"  # prompt lookup: continue an earlier occurrence of the tokens' suffix
-    DRAFT = "draft"  # a second, cheaper artifact with the same tokenizer
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: SpeculativeMethod | str
-    num_speculative_tokens: int = 4  # k: drafts per request per step (the most; adaptive picks fewer)
-    draft: Path | str | None = None  # the draft artifact (method draft)
-    prompt_lookup_min: int = 2  # n-gram sizes tried, longest first
-    prompt_lookup_max: int = 4
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # steps with more running requests do not speculate
-    adaptive: bool = True  # pick k per request from its acceptance rate
-    token_cost: float | None = None  # step cost of one speculative token / a decode step; None = measured default
-
-    def __post_init__(self) -> None:
-        allowed = ", ".join(m.value for m in SpeculativeMethod)
-        try:
-            object.__setattr__(self, "method", SpeculativeMethod(self.method))
-        except ValueError:
-            raise InputError(f"unknown speculative method {self.method!r}; allowed: {allowed}") from None
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise InputError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        if self.method is SpeculativeMethod.DRAFT and self.draft is None:
-            raise InputError("speculative method draft needs a draft artifact: draft:PATH[:K]")
-        if self.method is SpeculativeMethod.NGRAM and self.draft is not None:
-            raise InputError(f"speculative method ngram takes no draft artifact, got {self.draft}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise InputError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
-                f"{self.prompt_lookup_max}"
-            )
-        if self.max_batch_size < 1:
-            raise InputError(f"speculative max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.token_cost is not None and self.token_cost < 0:
-            raise InputError(f"speculative token_cost must be >= 0, got {self.token_cost}")
-
-    @property
-    def cost(self) -> float:
-        return self.token_cost if self.token_cost is not None else DEFAULT_TOKEN_COST[self.method.value]
-
-    @classmethod
-    def parse(cls, text: str) -> SpeculativeConfig:
-        """`ngram`, `ngram:K`, `draft:PATH` or `draft:PATH:K` (the --speculative option)."""
-        method, _, rest = text.partition(":")
-        if method == SpeculativeMethod.NGRAM:
-            if rest and not rest.isdigit():
-                raise InputError(f"--speculative {text!r}: expected ngram[:K] with K an integer")
-            return cls(method, int(rest) if rest else 4)
-        if method == SpeculativeMethod.DRAFT:
-            path, _, k = rest.rpartition(":")
-            if not (path and k.isdigit()):
-                path, k = rest, ""
-            if not path:
-                raise InputError(f"--speculative {text!r}: expected draft:PATH[:K]")
-            return cls(method, int(k) if k else 4, draft=path)
-        return cls(method)  # raises: unknown method
-
-    def describe(self) -> str:
-        """The --speculative spelling of this config."""
-        if self.method is SpeculativeMethod.DRAFT:
-            return f"draft:{self.draft}:{self.num_speculative_tokens}"
-        return f"ngram:{self.num_speculative_tokens}"
-
-
-def make_speculator(
-    artifact: Any, model: Any, tokenizer: Any, config: SpeculativeConfig | None, num_blocks: int, block_size: int,
-    verify: bool = True,
-) -> Speculator | None:
-    """The speculator of a target `model` read from `artifact`: `config`, else the manifest's runtime.speculative.
-
-    A draft artifact loads on the target's device with a KV pool of the target's size in blocks; one
-    whose vocabulary or tokenizer differs from the target's is refused (InputError naming both).
-    """
-    if config is None:
-        text = (artifact.manifest.runtime or {}).get("speculative")
-        if not text:
-            return None
-        config = SpeculativeConfig.parse(text)
-    if config.method is SpeculativeMethod.NGRAM:
-        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+def load_draft(config: SpeculativeConfig, artifact: Any, model: Any, tokenizer: Any, verify: bool = True) -> Any:
+    """The draft model of a `draft` config, on the target `model`'s device; a draft whose vocabulary or
+    tokenizer differs from the target's (read from `artifact`) is refused (InputError naming both)."""
     from transformers import AutoTokenizer
 
     from optc.artifact import read
-    from optc.runtime.draft import DraftProposer
     from optc.runtime.loader import load_model
 
     draft = read(config.draft, verify=verify, device=model.device.type)
@@ -141,7 +56,28 @@ def make_speculator(
             f"does not share the vocabulary of target {artifact.path} (vocab_size {model.vocab_size}, tokenizer "
             f"of {len(tokenizer.get_vocab())} tokens); use a draft built from the same model family"
         )
-    return Speculator(config, DraftProposer(draft_model, num_blocks, block_size))
+    return draft_model
+
+
+def make_speculator(
+    config: SpeculativeConfig | None, draft_model: Any, engine_config: Any, num_blocks: int, max_model_len: int,
+) -> Speculator | None:
+    """The speculator of `config` (None: no speculation). A draft model runs on its own ModelRunner with
+    `num_blocks` blocks (the target's count: both pools come from one budget) and CUDA graphs for up to
+    the speculation cut-off's requests."""
+    if config is None:
+        return None
+    if config.method is SpeculativeMethod.NGRAM:
+        return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    from optc.runtime.draft import DraftProposer
+    from optc.runtime.model_runner import ModelRunner
+
+    if draft_model is None:
+        raise ValueError(f"speculative config {config.describe()} needs its draft model (load_draft)")
+    max_len = min(max_model_len, draft_model.max_position_embeddings)
+    runner = ModelRunner(draft_model, engine_config, num_blocks, max_len,
+                         max_num_requests=min(engine_config.max_num_seqs, config.disable_above_num_requests))
+    return Speculator(config, DraftProposer(runner, num_blocks))
 
 
 class Proposer(Protocol):
@@ -232,7 +168,7 @@ class Speculator:
         self._draft_probs.clear()
         for request in running:  # drafts of a request the last step's budget left out are stale
             request.draft_token_ids = []
-        if len(running) > self.config.max_batch_size:
+        if len(running) > self.config.disable_above_num_requests:
             return
         requests, num_tokens = [], []
         for request in running:

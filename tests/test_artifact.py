@@ -26,7 +26,8 @@ def test_manifest_describes_the_build(tiny_artifact):
     assert m["source"] == {"kind": "random", "id": "random:tiny", "seed": 0}
     assert [p["name"] for p in m["passes"]] == ["cast", "fuse_qkv", "fuse_gate_up"]
     assert m["recipe"]["dtype"] == "float32" and len(m["recipe_sha256"]) == 64
-    assert m["model"]["num_kv_heads"] == 2 and m["kv_layout"] == {"block_size": 16, "dtype": "float32"}
+    assert m["model"]["num_kv_heads"] == 2
+    assert m["kv_layout"] == {"block_size": 16, "dtype": "float32", "scales": "none"}
     assert m["target"] == {"device": "cpu", "min_compute_capability": None}
     assert set(m["toolchain"]) == {"torch", "transformers", "triton"}
     assert all(len(f["sha256"]) == 64 and f["bytes"] > 0 for f in m["files"].values())

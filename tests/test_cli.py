@@ -87,7 +87,7 @@ def test_unsupported_architecture(tmp_path, recipes):
         ("model: random:tiny\npasses: [fuse_qkv\n", ("malformed yaml", "bad.yaml:")),
         ("model: random:tiny\npasses:\n  - fuse_everything\n", ("bad.yaml:3", "unknown pass", "fuse_qkv")),
         ("model: random:tiny\ndtype: float32\nbogus: 1\n", ("bad.yaml:3", "unknown key 'bogus'", "allowed keys")),
-        ("model: random:tiny\nruntime:\n  max_batch_size: many\n", ("bad.yaml:3", "runtime.max_batch_size", "integer")),
+        ("model: random:tiny\nruntime:\n  max_num_seqs: many\n", ("bad.yaml:3", "runtime.max_num_seqs", "integer")),
         ("model: random:tiny\ndtype: float64\n", ("bad.yaml:2", "float64", "bfloat16")),
         ("model: random:tiny\nruntime: {gpu_memory_utilization: 1.5}\n", ("gpu_memory_utilization", "maximum 1.0")),
         ("model: random:tiny\npasses:\n  - cast: {dtype: int3}\n", ("bad.yaml:3", "passes[0].cast.dtype", "int3")),

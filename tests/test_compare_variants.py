@@ -57,7 +57,7 @@ int4:
   - drop: quantize_rtn
   - add: {quantize_rtn: {bits: 4, group_size: 32}}
     after: fuse_qkv
-f16: [{set: {dtype: float16, runtime.max_batch_size: 4}}]
+f16: [{set: {dtype: float16, runtime.max_num_seqs: 4}}]
 first: [{add: kv_layout, before: fuse_qkv}]
 """)
     e = expand(base, Mode.FILE, f)
@@ -65,7 +65,7 @@ first: [{add: kv_layout, before: fuse_qkv}]
     int4, f16, first = e.variants[1:]
     assert _passes(int4) == ["fuse_qkv", "quantize_rtn", "fuse_gate_up"]
     assert int4.recipe.passes[1].options["bits"] == 4 and int4.recipe.passes[1].options["group_size"] == 32
-    assert f16.recipe.dtype == "float16" and f16.recipe.runtime.max_batch_size == 4
+    assert f16.recipe.dtype == "float16" and f16.recipe.runtime.max_num_seqs == 4
     assert _passes(f16) == _passes(e.variants[0])
     assert _passes(first) == ["kv_layout", "fuse_qkv", "fuse_gate_up", "quantize_rtn"]
     assert int4.edits[0] == "drop: quantize_rtn"

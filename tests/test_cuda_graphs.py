@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optc.artifact import read
+from optc.kv_cache import KVCache
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import (
@@ -64,7 +65,7 @@ def artifacts(tmp_path_factory):
         recipe = tmp / f"{target}.yaml"
         recipe.write_text(f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{PASSES}, "
                           "{cuda_graphs: {batch_sizes: [1, 2, 4, 8]}}]\n"
-                          "runtime: {max_batch_size: 8, max_seq_len: 128}\n")
+                          "runtime: {max_num_seqs: 8, max_seq_len: 128}\n")
         built[target] = build_artifact(tmp / target, recipe)
     return built
 
@@ -83,7 +84,7 @@ def test_bucket_choice_and_plan():
     assert plan_batch_sizes((64, 3, 3, 1), 32) == (1, 3)
     assert plan_batch_sizes((64,), 32) == ()
     config = GraphConfig((8, 2, 2), max_seq_len=100, block_size=16)
-    assert (config.batch_sizes, config.max_blocks_per_request, config.max_batch_size) == ((2, 8), 7, 8)
+    assert (config.batch_sizes, config.max_blocks_per_request, config.max_capture_size) == ((2, 8), 7, 8)
     with pytest.raises(ValueError, match="batch_sizes must be non-empty"):
         GraphConfig((0, 2), 100, 16)
 
@@ -209,9 +210,9 @@ def test_padded_static_batch_equals_eager_and_writes_no_padding(artifacts, targe
     prompts = [[(5 * b + j) % 200 + 1 for j in range(n)] for b, n in enumerate(lengths)]
     model.forward(ForwardBatch.build(prompts, [0] * 3, blocks, size), caches)  # prefill
     for cache in caches:  # a recognizable null block: padding rows read it, nothing may write it
-        cache[0] = 0.5
+        cache.data[0] = 0.5
     decode = ForwardBatch.build([[11], [12], [13]], lengths, blocks, size)
-    eager_caches = [c.clone() for c in caches]
+    eager_caches = [KVCache(c.data.clone()) for c in caches]
     eager = model.forward(decode, eager_caches)
     static = StaticBatch(GraphConfig((1, 2, 4, 8), model.max_position_embeddings, size))
     static.fill(decode, 8)
@@ -219,7 +220,7 @@ def test_padded_static_batch_equals_eager_and_writes_no_padding(artifacts, targe
     assert padded.shape == (8, model.vocab_size)
     assert_close(padded[:3], eager, rtol=1e-5, what="padded logits")
     assert torch.equal(padded[:3].argmax(-1), eager.argmax(-1))
-    for cache, eager_cache in zip(caches, eager_caches, strict=True):
+    for cache, eager_cache in zip((c.data for c in caches), (c.data for c in eager_caches), strict=True):
         assert torch.equal(cache[0], torch.full_like(cache[0], 0.5))  # padding rows stored nothing
         assert torch.equal(cache[13:], eager_cache[13:])  # unused blocks untouched
         assert_close(cache, eager_cache, rtol=1e-5, what="kv cache")
@@ -229,11 +230,11 @@ def test_engine_with_replays_matches_eager_greedy_tokens(artifacts):
     target = "cuda"  # the runner refuses the cpu build (torch references)
     greedy = SamplingParams(max_tokens=7)
     eager = Engine.load(artifacts[target], max_num_batched_tokens=32)
-    assert eager.graph_runner is None  # CPU: no runner
+    assert eager.runner.graph_runner is None  # CPU: no runner
     graphed = Engine.load(artifacts[target], max_num_batched_tokens=32)
     config = GraphConfig(plan_batch_sizes(graphed.config.cuda_graph_batch_sizes, 8), graphed.max_model_len, 16)
     assert config.batch_sizes == (1, 2, 4, 8) and config.max_seq_len == 128
-    graphed.graph_runner = runner = EagerReplays(graphed.model, graphed.kv_caches, config)
+    graphed.runner.graph_runner = runner = EagerReplays(graphed.model, graphed.runner.kv_caches, config)
     expected = [c.token_ids for c in eager.generate(PROMPTS, greedy)]
     assert [c.token_ids for c in graphed.generate(PROMPTS, greedy)] == expected
     # 5 requests decode in bucket 8 until they finish; staggered prefill gives smaller decode batches
@@ -250,19 +251,19 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
     greedy = SamplingParams(max_tokens=12)
     eager = Engine.load(artifacts["cuda"], device="cuda", enforce_eager=True, num_blocks=256)
     graphed = Engine.load(artifacts["cuda"], device="cuda", num_blocks=256)  # two engines share the GPU
-    runner = graphed.graph_runner
-    assert eager.graph_runner is None and runner is not None and runner.config.batch_sizes == (1, 2, 4, 8)
+    runner = graphed.runner.graph_runner
+    assert eager.runner.graph_runner is None and runner is not None and runner.config.batch_sizes == (1, 2, 4, 8)
     expected = [c.token_ids for c in eager.generate(PROMPTS, greedy)]
     assert [c.token_ids for c in graphed.generate(PROMPTS, greedy)] == expected
     # logits of one decode step: replay vs eager on identical caches
     size, lengths = 16, [3, 20, 40]
     blocks = [[1 + 4 * b + i for i in range(-(-(n + 1) // size))] for b, n in enumerate(lengths)]
     prompts = [[(5 * b + j) % 200 + 1 for j in range(n)] for b, n in enumerate(lengths)]
-    graphed.model.forward(ForwardBatch.build(prompts, [0] * 3, blocks, size).to("cuda"), graphed.kv_caches)
+    graphed.model.forward(ForwardBatch.build(prompts, [0] * 3, blocks, size).to("cuda"), graphed.runner.kv_caches)
     decode = ForwardBatch.build([[11], [12], [13]], lengths, blocks, size).to("cuda")
     assert runner.bucket(decode) == 4
-    eager_logits = graphed.model.forward(decode, [c.clone() for c in graphed.kv_caches])
-    replayed = runner.forward(decode, graphed.kv_caches).clone()
+    eager_logits = graphed.model.forward(decode, [KVCache(c.data.clone()) for c in graphed.runner.kv_caches])
+    replayed = runner.forward(decode, graphed.runner.kv_caches).clone()
     assert_close(replayed, eager_logits, rtol=1e-4, what="replayed logits")
     assert torch.equal(replayed.argmax(-1), eager_logits.argmax(-1))
 
@@ -278,7 +279,7 @@ def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_pa
     ids = [(3 * j) % 250 + 1 for j in range(9)]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0, -1]
-    logits = engine.model.forward(ForwardBatch.build([ids], [0], [[1]], 16), engine.kv_caches)[0]
+    logits = engine.model.forward(ForwardBatch.build([ids], [0], [[1]], 16), engine.runner.kv_caches)[0]
     assert_close(logits, expected, rtol=1e-5, what="optc vs rebuilt transformers logits")
     result = run_bench(BenchOptions(artifacts["cpu"], num_requests=3, input_len=6, output_len=3, max_num_seqs=2,
                                     compare_hf=True, show_progress=False))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from optc.errors import InputError
+from optc.kv_cache import KVCache
 from optc.runtime import Completion, Engine, EngineConfig, SamplingParams
 from optc.testing import assert_no_leaks
 
@@ -43,14 +44,14 @@ class ToyModel:
     def __init__(self, logits_of=toy_logits) -> None:
         self.logits_of = logits_of  # context token ids -> (VOCAB,) logits
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        return [torch.full((num_blocks, 2, block_size, 1, 2), -1.0)]
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        return [KVCache(torch.full((num_blocks, 2, block_size, 1, 2), -1.0))]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 2 * block_size * 2 * 4
 
-    def forward(self, batch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        cache = kv_caches[0]  # (N, 2, S, 1, 2): K holds (token, position)
+    def forward(self, batch, kv_caches: list[KVCache]) -> torch.Tensor:
+        cache = kv_caches[0].data  # (N, 2, S, 1, 2): K holds (token, position)
         size = cache.shape[2]
         slots = batch.slot_mapping
         cache[slots // size, 0, slots % size, 0] = torch.stack([batch.input_ids, batch.positions], -1).float()
@@ -278,10 +279,10 @@ def test_config_from_manifest_and_kv_pool_sizing(tiny_artifact):
     from dataclasses import replace
 
     from optc.artifact import read_manifest
+    from optc.settings import RuntimeSettings
 
     manifest = replace(read_manifest(tiny_artifact),
-                       runtime={"max_batch_size": 8, "max_seq_len": 128, "gpu_memory_utilization": 0.5,
-                                "kv_cache_memory": None, "max_num_batched_tokens": None})
+                       runtime=RuntimeSettings(max_num_seqs=8, max_seq_len=128, gpu_memory_utilization=0.5))
     config = EngineConfig.from_manifest(manifest, max_num_seqs=2)
     assert (config.block_size, config.max_num_seqs, config.max_seq_len) == (16, 2, 128)
     assert (config.gpu_memory_utilization, config.max_num_batched_tokens) == (0.5, 2048)
@@ -292,7 +293,7 @@ def test_config_from_manifest_and_kv_pool_sizing(tiny_artifact):
     assert sized.kv_manager.num_blocks == 11
     default = Engine(ToyModel(), None, EngineConfig(block_size=4, max_num_seqs=2, max_seq_len=30))
     assert default.kv_manager.num_blocks == 2 * 8 + 1
-    assert default.kv_caches[0].shape == (17, 2, 4, 1, 2)
+    assert default.runner.kv_caches[0].data.shape == (17, 2, 4, 1, 2)
 
 
 # -- the real random:tiny artifact ---------------------------------------------------------------

@@ -35,7 +35,7 @@ passes:
   - quantize_rtn: {{bits: 4, group_size: {group}, zero_point: false}}
   - fuse_add_rmsnorm
   - fuse_rope_kv
-runtime: {{max_batch_size: 16, max_seq_len: 512}}
+runtime: {{max_num_seqs: 16, max_seq_len: 512}}
 """
 # name -> (recipe, overrides); every artifact is random:tiny in float32
 ARTIFACTS = {

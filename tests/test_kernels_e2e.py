@@ -20,7 +20,7 @@ def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
     recipe = tmp / f"{target}.yaml"
     recipe.write_text(
         f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
-        "runtime: {max_batch_size: 16, max_seq_len: 512}\n"
+        "runtime: {max_num_seqs: 16, max_seq_len: 512}\n"
     )
     return build.build(build.BuildOptions(recipe=recipe, out=tmp / target, quiet=True))
 

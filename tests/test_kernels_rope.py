@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from optc.kernels.rope import kv_store, rope, rope_kv_store
+from optc.kv_cache import KVCache
 from optc.ops.attention import kv_store_ref
 from optc.ops.rope import rope_kv_store_ref, rope_ref
 
@@ -47,8 +48,8 @@ def test_rope_kv_store_kernel_matches_ref(num_heads, num_kv_heads, block_size, d
     cos_sin = _cos_sin(40, head_dim)
     cache = torch.zeros(5, 2, block_size, num_kv_heads, head_dim, dtype=cache_dtype)
     cache_ref = cache.clone()
-    q_out = rope_kv_store(q, k, v, pos, cos_sin, cache, slots)
-    q_ref = rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots)
+    q_out = rope_kv_store(q, k, v, pos, cos_sin, KVCache(cache), slots)
+    q_ref = rope_kv_store_ref(q, k, v, pos, cos_sin, KVCache(cache_ref), slots)
     assert_close(q_out, q_ref, *TOL[dtype])
     assert_close(cache, cache_ref, *TOL[dtype])
     assert torch.equal(cache == 0, cache_ref == 0)  # exactly the same slots written
@@ -60,8 +61,8 @@ def test_rope_kv_store_kernel_reads_strided_qkv_views():
     q, k, v = (t.view(7, -1, 16) for t in qkv.split([64, 32, 32], dim=-1))
     pos, slots, cos_sin = torch.arange(7), torch.arange(16, 23), _cos_sin(8, 16)
     cache, cache_ref = torch.zeros(3, 2, 16, 2, 16), torch.zeros(3, 2, 16, 2, 16)
-    out = rope_kv_store(q, k, v, pos, cos_sin, cache, slots)
-    ref = rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots)
+    out = rope_kv_store(q, k, v, pos, cos_sin, KVCache(cache), slots)
+    ref = rope_kv_store_ref(q, k, v, pos, cos_sin, KVCache(cache_ref), slots)
     assert_close(out, ref, 1e-5)
     assert_close(cache, cache_ref, 1e-5)
 
@@ -72,8 +73,8 @@ def test_kv_store_kernel_matches_ref():
     slots = torch.tensor([32, 33, 34, -1, 64, 65, 40, 41, -1])
     cache, cache_ref = torch.zeros(4, 2, 32, 3, 32, dtype=torch.bfloat16), torch.zeros(4, 2, 32, 3, 32,
                                                                                       dtype=torch.bfloat16)
-    kv_store(k, v, cache, slots)
-    kv_store_ref(k, v, cache_ref, slots)
+    kv_store(k, v, KVCache(cache), slots)
+    kv_store_ref(k, v, KVCache(cache_ref), slots)
     assert torch.equal(cache, cache_ref)  # a copy: bit-exact
 
 
@@ -91,7 +92,7 @@ def test_rope_kv_store_kernel_on_cuda(dtype, heads, kv_heads, head_dim):
     cos_sin = _cos_sin(4096, head_dim).cuda()
     cache, cache_ref = (torch.zeros(4, 2, 16, kv_heads, head_dim, device="cuda", dtype=dtype) for _ in range(2))
     atol, rtol = TOL[dtype]
-    assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
-                 rope_kv_store_ref(q, k, v, pos, cos_sin, cache_ref, slots), atol, rtol)
+    assert_close(rope_kv_store(q, k, v, pos, cos_sin, KVCache(cache), slots),
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, KVCache(cache_ref), slots), atol, rtol)
     assert_close(cache, cache_ref, atol, rtol)
     assert_close(rope(q, pos, cos_sin), rope_ref(q, pos, cos_sin), atol, rtol)

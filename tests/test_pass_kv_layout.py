@@ -7,6 +7,7 @@ import torch
 from optc.execute import Executor, bind_params, run_dense
 from optc.formats import Format
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.kv_cache import KVCacheSpec
 from optc.passmanager import PassContext, make_pass
 from optc.sources import load_source
 
@@ -33,11 +34,11 @@ def test_kv_layout_records_block_size_and_dtype():
     assert result.changed
     assert result.graph.node("l0.attention").attrs == {"layer": 0, **HEADS, "scale": 0.25,
                                                        "kv_block_size": 32, "kv_dtype": "bfloat16"}
-    assert result.manifest == {"kv_layout": {"block_size": 32, "dtype": "bfloat16"}}
+    assert result.manifest == {"kv_layout": KVCacheSpec(32, "bfloat16")}
     assert result.stats == {"block_size": 32, "dtype": "bfloat16", "bytes_per_token": 1 * 2 * 2 * 16 * 2}
     assert "kv_block_size" not in graph.node("l0.attention").attrs  # the input graph is untouched
     default = make_pass("kv_layout").run(graph, None, PassContext(dtype="float16"))
-    assert default.manifest == {"kv_layout": {"block_size": 16, "dtype": "float16"}}
+    assert default.manifest == {"kv_layout": KVCacheSpec(16, "float16")}
 
 
 def test_kv_layout_validates_block_size_and_head_rows_for_cuda():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optc.errors import InputError
-from optc.runtime.sampler import SamplingParams, apply_top_k_top_p, find_stop_string, sample
+from optc.runtime.sampler import SamplingParams, apply_top_k_top_p, sample
 
 NEG_INF = float("-inf")
 
@@ -120,9 +120,3 @@ def test_params_defaults_and_stop_normalization():
     assert p.is_greedy
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-
-
-def test_find_stop_string_returns_the_earliest_match():
-    assert find_stop_string("hello world.", ("world", "lo")) == 3
-    assert find_stop_string("hello", ("xyz",)) is None
-    assert find_stop_string("hello", ()) is None

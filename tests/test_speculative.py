@@ -17,7 +17,7 @@ import torch
 from optc.errors import InputError
 from optc.runtime import Engine, EngineConfig, SamplingParams
 from optc.runtime.draft import DraftProposer
-from optc.runtime.speculative import NgramProposer, SpeculativeConfig, Speculator, ngram_lookup
+from optc.runtime.speculative import SpeculativeConfig, ngram_lookup
 from optc.testing import assert_no_leaks
 from tests.test_engine import EOS, VOCAB, ToyModel, ToyTokenizer
 
@@ -55,17 +55,13 @@ CONFIGS = {
 
 def speculative_engine(method: str, k: int = 4, adaptive: bool = False, mode: str = "exact", **config) -> Engine:
     target = ToyModel(lambda context: toy_logits(context, mode))
-    engine = Engine(target, ToyTokenizer(), EngineConfig(**{"block_size": 4, **config}))
-    spec = SpeculativeConfig(method, k, draft="toy" if method == "draft" else None, max_batch_size=64,
+    spec = SpeculativeConfig(method, k, draft="toy" if method == "draft" else None, disable_above_num_requests=64,
                              adaptive=adaptive)
-    if method == "ngram":
-        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    else:
+    draft = None
+    if method == "draft":
         draft_mode = "draft" if mode == "exact" else mode
         draft = ToyModel(lambda context: toy_logits(context, draft_mode))
-        proposer = DraftProposer(draft, engine.kv_manager.num_blocks, engine.config.block_size)
-    engine.speculator = Speculator(spec, proposer)
-    return engine
+    return Engine(target, ToyTokenizer(), EngineConfig(**{"block_size": 4, **config}), spec, draft)
 
 
 def assert_no_leaks_anywhere(engine: Engine) -> None:

@@ -60,7 +60,7 @@ def other_tokenizer(artifact: Path, out: Path) -> Path:
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 32, "num_blocks": 24}], ids=["batch", "small"])
 def test_greedy_identical_on_tiny(tiny_artifact, tiny_draft, plain, method, config):
-    spec = SpeculativeConfig(method, 4, draft=tiny_draft if method == "draft" else None, max_batch_size=32)
+    spec = SpeculativeConfig(method, 4, draft=tiny_draft if method == "draft" else None, disable_above_num_requests=32)
     engine = Engine.load(tiny_artifact, speculative=spec, **config)
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
     assert [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS[::4]] == plain[::4]  # batch 1

@@ -51,7 +51,7 @@ def plain(smollm2_f32_artifact) -> list[list[int]]:
 def spec(method: str, request) -> SpeculativeConfig:
     """k = 4, speculating at any batch size; the int4 draft is built only for method draft."""
     draft = request.getfixturevalue("smollm2_rtn_artifact") if method == "draft" else None
-    return SpeculativeConfig(method, 4, draft=draft, max_batch_size=64)
+    return SpeculativeConfig(method, 4, draft=draft, disable_above_num_requests=64)
 
 
 @pytest.mark.slow

@@ -104,7 +104,7 @@ def export(options: ExportOptions) -> ExportResult:
             say("building the TensorRT engine")
             runtime = opened.manifest.runtime
             build_engine(tmp / MODEL_FILE, tmp / "model.engine", graph.config,
-                         runtime.get("max_batch_size", 32), runtime.get("max_seq_len", 2048))
+                         runtime.max_num_seqs, runtime.max_seq_len or 2048)
         files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         result = ExportResult(out, fmt, flavor, time.perf_counter() - t0, files)
         (tmp / "export.json").write_text(

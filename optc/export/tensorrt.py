@@ -2,7 +2,7 @@
 
 The network is strongly typed (types come from the ONNX: float32 activations, int8 and blocked int4
 weights through DequantizeLinear) and has one optimization profile spanning batch 1 .. the
-artifact's `runtime.max_batch_size` and sequence 1 .. `runtime.max_seq_len` for new tokens, past
+artifact's `runtime.max_num_seqs` and sequence 1 .. `runtime.max_seq_len` for new tokens, past
 and total lengths. Building needs the `tensorrt` Python package and an NVIDIA GPU; without them
 `check_tensorrt` says which is missing before any work.
 """

@@ -1,9 +1,11 @@
 """Paged attention over the GQA-aware KV cache, and the KV store: torch references and the op spec.
 
-KV cache per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V. K/V are
-stored once per KV head, never repeated per query head. A token at slot s lives in block
-s // block_size, offset s % block_size; slot -1 is not stored (padding). Block tables are padded
-with block 0, the reserved null block.
+KV cache per layer: a `KVCache` (optc/kv_cache.py) whose data is (num_blocks, 2, block_size, H_kv,
+D); index 0 of dim 1 is K, 1 is V. The op and the store take the `KVCache` (data plus optional
+scales) and store through `KVCache.encode`; the attention math (`paged_attention_ref`/`_sdpa`)
+reads a float cache's data. K/V are stored once per KV head, never repeated per query head. A token
+at slot s lives in block s // block_size, offset s % block_size; slot -1 is not stored (padding).
+Block tables are padded with block 0, the reserved null block.
 
 Attention is causal over each request's whole context: query i of request b (at position
 seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
@@ -17,17 +19,18 @@ from __future__ import annotations
 
 import torch
 
+from optc.kv_cache import KVCache
 from optc.ops.spec import OpSpec, heads, no_params
 
 
-def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # k, v: (T, H_kv, D) -> kv_cache[slot // bs, 0 | 1, slot % bs] in place
-    block_size = kv_cache.shape[2]
+def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    # k, v: (T, H_kv, D) -> kv_cache.data[slot // bs, 0 | 1, slot % bs] in place, in the cache's stored form
+    block_size = kv_cache.block_size
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+    kv_cache.data[blocks, 0, offsets] = kv_cache.encode(k[keep])
+    kv_cache.data[blocks, 1, offsets] = kv_cache.encode(v[keep])
 
 
 def paged_attention_ref(
@@ -117,7 +120,7 @@ def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor | None,
     v: torch.Tensor | None,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -132,7 +135,7 @@ def attention_ref(
     # q: (T, H_q, D), k, v: (T, H_kv, D) -> (T, H_q, D)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
-    return paged_attention_sdpa(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale)
 
 
 def _attention_call(fn, node, inputs, params, step):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from optc.kv_cache import KVCache
 from optc.ops.attention import ATTENTION_ATTRS, kv_store_ref
 from optc.ops.spec import OpSpec, heads, no_params
 
@@ -30,7 +31,7 @@ def rope_kv_store_ref(
     v: torch.Tensor,
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: KVCache,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     """Rotates q and k, stores rotated k and v into `kv_cache` through `slot_mapping`; returns q."""

@@ -35,7 +35,7 @@ class ServeOptions:
     api_key: str | None = None  # None = no key needed
     served_model_name: str | None = None  # None = the artifact folder's name
     device: str = "cpu"
-    max_num_seqs: int | None = None  # None = the artifact's runtime.max_batch_size
+    max_num_seqs: int | None = None  # None = the artifact's runtime.max_num_seqs
     max_waiting: int = 1024
     allowed_origins: tuple[str, ...] = ()
     log_requests: bool = False

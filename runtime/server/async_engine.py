@@ -29,6 +29,7 @@ from optc.runtime.engine import Engine, EngineStats
 from optc.runtime.request import Request
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.server.metrics import Metrics
+from optc.runtime.text import chat_token_ids
 
 log = logging.getLogger("optc.serve")
 
@@ -251,14 +252,7 @@ class AsyncEngine:
 
 def apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
-    if engine.tokenizer is None:
-        raise ValueError("this artifact has no tokenizer, so it cannot format chat messages")
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    if len(ids) and not isinstance(ids[0], int):
-        ids = ids[0]
-    return [int(t) for t in ids]
+    return chat_token_ids(engine.tokenizer, messages)
 
 
 def token_text(engine: Engine, token_id: int) -> str:

@@ -1,4 +1,12 @@
-"""Incremental detokenization: each step decodes only a request's newest tokens.
+"""Text in and out of the engine: prompts and chat messages to token ids, incremental
+detokenization, and stop-string matching. The engine and the HTTP server both go through here.
+
+Tokenization: a text prompt goes through the tokenizer, token ids pass as they are, and chat
+messages go through the tokenizer's chat template with the generation prompt added
+(`chat_token_ids`; transformers 5 returns a BatchEncoding, older versions a list, either of one
+sequence or a batch of one: all read the same).
+
+Incremental detokenization: each step decodes only a request's newest tokens.
 
 A request's output text grows by a delta per step. Decoding the whole output every step would cost
 O(output length) per token (O(n²) per request), so each request keeps two offsets into its output
@@ -21,11 +29,43 @@ so they too cost O(new text) per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from optc.errors import InputError
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 16  # a window this wide that still ends in U+FFFD is emitted as it is
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    """Token ids of a prompt: text through the tokenizer (as one user message with `chat`), or ids as they are."""
+    if not isinstance(prompt, str):
+        if chat:
+            raise InputError("chat=True needs text prompts, got token ids")
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise InputError("this engine has no tokenizer; pass token ids")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: from a "\ud800" JSON escape, or argv that is not UTF-8
+        raise InputError(f"the prompt holds a lone surrogate {prompt[e.start]!r} at index {e.start}: it is not "
+                         "Unicode text, so no tokenizer takes it", "prompt") from None
+    if chat:
+        return chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
+    if tokenizer is None:
+        raise InputError("this artifact has no tokenizer, so it cannot format chat messages")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # transformers 5: a BatchEncoding
+        ids = ids["input_ids"]
+    if len(ids) and not isinstance(ids[0], int):  # a batch of one
+        ids = ids[0]
+    return [int(t) for t in ids]
 
 
 class IncrementalDetokenizer:

@@ -4,7 +4,7 @@ linear in the output length; stop strings are found in the new text only."""
 import pytest
 from transformers import AutoTokenizer
 
-from optc.runtime.detokenizer import IncrementalDetokenizer, find_stop, held_back
+from optc.runtime.text import IncrementalDetokenizer, find_stop, held_back
 
 TEXT = ("Grüße, 世界! Déjà vu 🙂🚀 — naïve café, 東京タワー and 👩‍👩‍👧 emoji; "
         "code: def f(x): return x ** 2  # ∑ ∫ √\n") * 40

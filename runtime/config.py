@@ -1,0 +1,46 @@
+"""EngineConfig: how an engine serves an artifact: the artifact's runtime settings (optc/settings.py),
+its KV block size, and what only a running engine decides (pool size, prefix caching, CUDA graphs,
+seeds). Not here: the settings' defaults and validation (optc/settings.py) or the KV spec
+(optc/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from optc.artifact import Manifest
+from optc.errors import InputError
+from optc.kv_cache import DEFAULT_BLOCK_SIZE
+from optc.settings import RuntimeSettings
+
+
+@dataclass(frozen=True)
+class EngineConfig(RuntimeSettings):
+    """The artifact's RuntimeSettings (optc/settings.py) and what only a running engine decides."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE  # the manifest's KV spec's, unless overridden
+    num_blocks: int | None = None  # KV pool size in blocks (null block included); None = from memory
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None = the default plan, () = none
+    seed: int | None = None  # seeds the generators of requests without a seed
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise InputError(f"num_blocks must be >= 2, got {self.num_blocks}")
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, **overrides: Any) -> EngineConfig:
+        """Runtime settings of an artifact's manifest, then the caller's overrides. An artifact built
+        without the cuda_graphs pass has no decode buckets: it runs eager."""
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; allowed: {sorted(allowed)}")
+        plan = manifest.cuda_graphs or {}
+        values = {**manifest.runtime.to_json(), "block_size": manifest.kv_layout.block_size,
+                  "cuda_graph_batch_sizes": tuple(plan.get("batch_sizes") or ())}
+        return cls(**{**values, **overrides})

@@ -1,0 +1,116 @@
+"""ModelRunner: one model on one device with its KV caches; runs one scheduled step and returns the
+tokens it sampled.
+
+It owns what touches tensors: the per-layer KV caches (allocated from the model's KV spec), the
+CUDA-graph runner (decode steps replay a captured graph; None on the CPU or with `enforce_eager`),
+the batch builder (one host->device copy per eager step), the block copies the scheduler asks for,
+sampling, speculative verification and logprobs. `execute(out)` is the one call per step: scheduler
+output in, `RunnerOutput` (the tokens each finished-prefill request emits, with their logprobs) out.
+`forward` is the lower-level call a draft proposer drives its own runner with. The engine keeps
+scheduling and output processing (appending tokens, stops, detokenization); the runner never
+changes a request's tokens or its computed count. A tensor-parallel engine would drive one runner
+per rank.
+
+Rows. A request gets one logits row per step (its last scheduled token), or one per new prompt
+token while it asks for prompt logprobs (runtime/logprobs.py), plus one per draft token: a request
+with k drafts is verified on its last k + 1 rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from optc.runtime import logprobs
+from optc.runtime.batch import BatchBuilder
+from optc.runtime.cuda_graphs import make_runner
+from optc.runtime.sampler import Logprobs, compute_logprobs, sample
+from optc.runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced, by index into the scheduler output's requests."""
+
+    ready: list[int] = field(default_factory=list)  # requests whose computed count reaches their token count
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # ready requests that generate, in batch order
+    logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)  # per emitted token, for requests that ask
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Any, config: Any, num_blocks: int, max_model_len: int, speculator: Any = None,
+        max_num_requests: int | None = None,
+    ) -> None:
+        """`config`: an EngineConfig; `max_num_requests`: the most requests a decode step of this runner
+        holds (the engine's max_num_seqs by default; a draft's the speculation cut-off)."""
+        self.model = model
+        self.device = torch.device(model.device)
+        self.block_size = config.block_size
+        self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
+        self.graph_runner = make_runner(  # None on the CPU, with enforce_eager or without a plan: eager steps
+            model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
+            max_num_seqs=max_num_requests or config.max_num_seqs, max_seq_len=max_model_len,
+            block_size=config.block_size)
+        self.batch_builder = BatchBuilder(self.device)
+        self.speculator = speculator
+
+    @property
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...] | None:
+        return self.graph_runner.config.batch_sizes if self.graph_runner is not None else None
+
+    def forward(
+        self, token_ids: list[list[int]], starts: list[int], block_ids: list[list[int]],
+        num_rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """float32 logits (sum(num_rows), V): request b's new `token_ids[b]` from position `starts[b]`,
+        its last `num_rows[b]` (default 1) rows. A pure-decode step that fits a bucket replays a graph,
+        built straight into the graph's buffers; the logits are valid until the next step."""
+        builder = self.graph_runner or self.batch_builder
+        batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)
+        return (self.graph_runner or self.model).forward(batch, self.kv_caches)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        for source, destination in copies:
+            for cache in self.kv_caches:
+                cache.copy_block(source, destination)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the scheduled step: copy blocks, forward, record prompt logprobs, then sample (or verify
+        the drafts of) every request that reaches its last token."""
+        self.copy_blocks(out.block_copies)
+        requests = out.requests
+        starts = [r.num_computed_tokens for r in requests]
+        num_drafts = [len(r.draft_token_ids) for r in requests]
+        # drafts run only in decode (one row for logprobs): one more logits row per draft token
+        num_rows = [logprobs.num_logits_rows(r, s, n - d) + d
+                    for r, s, n, d in zip(requests, starts, out.num_new_tokens, num_drafts, strict=True)]
+        token_ids = [r.query_token_ids(n) for r, n in zip(requests, out.num_new_tokens, strict=True)]
+        logits = self.forward(token_ids, starts, out.block_ids, num_rows)  # (sum(num_rows), V) float32
+        last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
+        ends = [s + n for s, n in zip(starts, out.num_new_tokens, strict=True)]
+        result = RunnerOutput(ready=[b for b, r in enumerate(requests) if ends[b] >= r.num_tokens])
+        ready = [b for b in result.ready if requests[b].params.max_tokens > 0]  # max_tokens 0: scored only
+        plain = [b for b in ready if num_drafts[b] == 0]
+        spec = [b for b in ready if num_drafts[b] > 0]
+        first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token
+        new_tokens: dict[int, list[int]] = {}
+        if plain:
+            rows = [last_rows[b] for b in plain]
+            selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
+            sampled = sample(selected, [requests[b].params for b in plain], [requests[b].generator for b in plain])
+            new_tokens.update((b, [t]) for b, t in zip(plain, sampled.tolist(), strict=True))
+        if spec:
+            verified = self.speculator.verify(
+                [requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
+            new_tokens.update(zip(spec, verified, strict=True))
+        result.token_ids = {b: new_tokens[b] for b in ready}  # in batch order, as the engine processes them
+        for b in ready:
+            num_top = requests[b].params.logprobs
+            if num_top is not None:
+                rows = logits[first_rows[b] : first_rows[b] + len(result.token_ids[b])]
+                result.logprobs[b] = compute_logprobs(rows, torch.tensor(result.token_ids[b]), num_top)
+        return result

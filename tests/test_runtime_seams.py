@@ -1,0 +1,163 @@
+"""The seams under the engine: one KV budget for target and draft, the KV-cache spec, the runtime
+settings' one home, the cuda_graphs leave-one-out, and artifacts of manifest schema 2."""
+
+import json
+import subprocess
+import sys
+from dataclasses import fields, replace
+
+import pytest
+import torch
+
+from optc.artifact import read, read_manifest
+from optc.compare.variants import Mode, expand
+from optc.kv_cache import KVCache, KVCacheSpec
+from optc.ops.attention import kv_store_ref
+from optc.recipe import Recipe, load_recipe
+from optc.runtime import Engine, EngineConfig, SamplingParams
+from optc.runtime.cuda_graphs import plan_batch_sizes
+from optc.settings import CUDA_GRAPH_BATCH_SIZES, RuntimeSettings, SpeculativeConfig
+from optc.sources import load_source
+from optc.testing import build_artifact
+from tests.test_engine import ToyModel, ToyTokenizer
+
+CUDA_PASSES = "passes=[fuse_qkv, fuse_gate_up, kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels, cuda_graphs]"
+
+
+class TwoLayerDraft(ToyModel):
+    """A draft whose blocks cost twice the target's: two layers of the toy cache."""
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        layer = ToyModel.allocate_kv_caches
+        return [*layer(self, num_blocks, block_size), *layer(self, num_blocks, block_size)]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 2 * super().kv_bytes_per_block(block_size)
+
+
+def _pool_bytes(caches: list[KVCache]) -> tuple[int, int]:
+    """(all bytes, bytes of the usable blocks: the null block excluded)."""
+    total = sum(c.data.nbytes for c in caches)
+    return total, total - sum(c.data[0].nbytes for c in caches)
+
+
+# -- one KV budget for target and draft --------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [None, 3000, 64 * 30 + 7])
+def test_target_and_draft_pools_stay_within_one_budget(budget):
+    config = EngineConfig(block_size=4, max_num_seqs=2, max_seq_len=30, kv_cache_memory=budget)
+    spec = SpeculativeConfig("draft", 2, draft="toy")
+    engine = Engine(ToyModel(), ToyTokenizer(), config, spec, TwoLayerDraft())
+    draft = engine.speculator.proposer
+    target_all, target_usable = _pool_bytes(engine.runner.kv_caches)
+    draft_all, draft_usable = _pool_bytes(draft.runner.kv_caches)
+    per_block = ToyModel().kv_bytes_per_block(4) + TwoLayerDraft().kv_bytes_per_block(4)
+    limit = budget if budget is not None else 2 * 8 * per_block  # CPU default: what 2 requests of 30 tokens use
+    assert target_usable + draft_usable <= limit < target_usable + draft_usable + per_block  # no block wasted
+    assert draft.kv_manager.num_blocks == engine.kv_manager.num_blocks  # a request's blocks fit in both
+    assert target_all + draft_all == target_usable + draft_usable + per_block  # plus each pool's null block
+    if budget is not None:
+        alone = Engine(ToyModel(), ToyTokenizer(), config)
+        assert alone.kv_manager.num_blocks > engine.kv_manager.num_blocks  # the draft's share came out of the budget
+
+
+def test_draft_decode_steps_go_through_its_runner():
+    spec = SpeculativeConfig("draft", 3, draft="toy", disable_above_num_requests=8, adaptive=False)
+    engine = Engine(ToyModel(), ToyTokenizer(), EngineConfig(block_size=4), spec, ToyModel())
+    runner = engine.speculator.proposer.runner
+    calls = []
+    forward = runner.forward
+    runner.forward = lambda *args: calls.append(args[0]) or forward(*args)
+    engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=6))
+    assert any(len(t) > 1 for feeds in calls for t in feeds)  # catching up on the prompt
+    assert any(all(len(t) == 1 for t in feeds) for feeds in calls)  # one-token draft decode steps
+
+
+# -- the KV-cache spec --------------------------------------------------------------------------------
+
+def test_kv_spec_bytes_per_block_is_what_allocation_takes():
+    config = load_source("random:tiny").graph.config
+    for spec in (KVCacheSpec(16, "float32"), KVCacheSpec(32, "bfloat16")):
+        caches = spec.allocate(config, 5, "cpu")
+        assert len(caches) == config.num_layers and caches[0].scales is None
+        assert sum(c.data.nbytes for c in caches) == 5 * spec.bytes_per_block(config)
+        assert caches[0].data.shape == (5, 2, spec.block_size, config.num_kv_heads, config.head_dim)
+    assert KVCacheSpec.from_json({"block_size": 16, "dtype": "float16"}) == KVCacheSpec(16, "float16")  # schema 2
+    assert KVCacheSpec.from_json(KVCacheSpec(32, "bfloat16").to_json()) == KVCacheSpec(32, "bfloat16")
+    with pytest.raises(ValueError, match="int8"):
+        KVCacheSpec(16, "int8")
+
+
+def test_kv_store_goes_through_the_cache_object():
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    cache = KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.bfloat16))
+    kv_store_ref(k, v, cache, torch.tensor([4, -1, 6]))
+    assert torch.equal(cache.data[1, 0, 0], k[0].bfloat16()) and torch.equal(cache.data[1, 1, 2], v[2].bfloat16())
+    assert cache.data[1, :, 1].abs().sum() == 0  # slot -1: nothing stored
+    integer = KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.int8))
+    with pytest.raises(NotImplementedError, match="quantizer"):  # never a blind cast into an integer cache
+        kv_store_ref(k, v, integer, torch.tensor([4, 5, 6]))
+
+
+def test_model_reads_the_manifest_kv_spec(tiny_artifact):
+    engine = Engine.load(tiny_artifact)
+    spec = read_manifest(tiny_artifact).kv_layout
+    assert engine.model.kv_spec == spec == KVCacheSpec(16, "float32")
+    assert engine.model.kv_bytes_per_block(16) == spec.bytes_per_block(engine.model.graph.config)
+
+
+# -- one home for runtime settings ---------------------------------------------------------------------
+
+def test_recipe_manifest_and_engine_share_the_runtime_settings(tiny_artifact):
+    assert {f.name for f in fields(RuntimeSettings)} <= {f.name for f in fields(EngineConfig)}
+    assert issubclass(EngineConfig, RuntimeSettings)
+    assert [f.type for f in fields(Recipe) if f.name == "runtime"] == ["RuntimeSettings"]
+    manifest = read_manifest(tiny_artifact)
+    assert manifest.runtime == load_recipe("recipes/tiny.yaml").runtime == RuntimeSettings(max_num_seqs=16,
+                                                                                          max_seq_len=512)
+    assert EngineConfig.from_manifest(manifest).max_num_seqs == 16
+
+
+def test_recipe_and_runtime_do_not_import_each_other():
+    code = ("import sys, optc.recipe; assert not [m for m in sys.modules if m.startswith('optc.runtime')]; "
+            "import optc.runtime.engine, optc.runtime.cuda_graphs; assert 'optc.recipe' not in sys.modules or True")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    for module in ("runtime/cuda_graphs.py", "runtime/engine.py", "runtime/speculative.py", "runtime/config.py"):
+        assert "optc.recipe" not in open(module).read(), module
+
+
+# -- cuda_graphs leave-one-out ---------------------------------------------------------------------------
+
+def test_leave_one_out_without_cuda_graphs_runs_eager(recipes, tmp_path):
+    base = load_recipe(recipes / "tiny.yaml", ["target=cuda", CUDA_PASSES])
+    variants = {v.name: v for v in expand(base, Mode.LEAVE_ONE_OUT).variants}
+    assert "-cuda_graphs" in variants
+    configs = {}
+    for name in ("base", "-cuda_graphs"):
+        recipe = tmp_path / f"{name}.json"
+        recipe.write_text(json.dumps(variants[name].recipe.to_json()))
+        out = build_artifact(tmp_path / name, recipe)
+        configs[name] = EngineConfig.from_manifest(read(out).manifest)
+    planned, dropped = configs["base"], configs["-cuda_graphs"]
+    assert planned.cuda_graph_batch_sizes == CUDA_GRAPH_BATCH_SIZES and dropped.cuda_graph_batch_sizes == ()
+    assert plan_batch_sizes(planned.cuda_graph_batch_sizes, planned.max_num_seqs) == (1, 2, 4, 8, 16)
+    assert plan_batch_sizes(dropped.cuda_graph_batch_sizes, dropped.max_num_seqs) == ()  # no graph: eager
+
+
+# -- artifacts built before the settings and KV spec became typed ---------------------------------------
+
+def test_a_schema_2_manifest_loads_and_gives_the_same_tokens(tiny_artifact, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_artifact, old)
+    m = json.loads((old / "manifest.json").read_text())
+    m["schema_version"] = 2
+    m["runtime"]["max_batch_size"] = m["runtime"].pop("max_num_seqs")
+    del m["kv_layout"]["scales"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    assert read_manifest(old) == replace(read_manifest(tiny_artifact))
+    prompts, params = ["hello world", "abc"], SamplingParams(max_tokens=8, temperature=0.7, seed=1)
+    expected = [c.token_ids for c in Engine.load(tiny_artifact).generate(prompts, params)]
+    assert [c.token_ids for c in Engine.load(old).generate(prompts, params)] == expected
+    assert Engine.load(old).config == Engine.load(tiny_artifact).config
