@@ -356,8 +356,8 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
 
 
 def _is_dense(path: Path) -> bool:
-    from optc.ir import Graph
+    from optc.artifact import read
 
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    graph = read(path, verify=False).graph
     return not any(graph.tensors[t].format.is_quantized for t in graph.used_tensors())
 

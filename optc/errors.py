@@ -23,3 +23,8 @@ class InputError(UserError, ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class UnsupportedModelError(UserError, ValueError):
+    """A checkpoint config no model family can express; the message names the file, the value and what is
+    supported. (Raised by optc.models and its family modules.)"""

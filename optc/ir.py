@@ -144,11 +144,7 @@ class Graph:
     def from_json(d: dict) -> Graph:
         nodes = [Node(**n) for n in d["nodes"]]
         tensors = {k: TensorInfo.from_json(v) for k, v in d["tensors"].items()}
-        config = d["config"]
-        first = next((t for n in nodes for t in n.params.values()), None)
-        if "dtype" not in config and first is not None:  # a config that predates `dtype`: the embedding's
-            config = {**config, "dtype": tensors[first].format.dtype}
-        return Graph(ModelConfig.from_json(config), nodes, tensors, tuple(d["inputs"]), tuple(d["outputs"]))
+        return Graph(ModelConfig.from_json(d["config"]), nodes, tensors, tuple(d["inputs"]), tuple(d["outputs"]))
 
     def text(self) -> str:
         """A readable dump: one line per node, `outs = op(ins) {attrs} [role=tensor:format]`."""

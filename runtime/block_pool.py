@@ -110,10 +110,6 @@ class BlockPool:
         self._cached[block_hash] = block_id
         return True
 
-    def uncache_block(self, block_id: int) -> None:
-        """Forget a block's hash (its content is about to change)."""
-        self._evict(block_id)
-
     def _evict(self, block_id: int) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import optc
-from optc.artifact import SCHEMA_VERSION
+from optc.artifact import SCHEMA_VERSION, ArtifactError, read
 from optc.recipe import Recipe
 
 KEY_CHARS = 20
@@ -49,15 +49,15 @@ def lookup(cache_dir: Path, recipe: Recipe, source_record: dict) -> CachedBuild 
     """The cached artifact of this recipe and source, if one is there and its manifest agrees."""
     key = cache_key(recipe, source_record)
     folder, meta_path = _paths(cache_dir, key)
-    if not (folder / "manifest.json").is_file() or not meta_path.is_file():
+    if not folder.is_dir() or not meta_path.is_file():
         return None
     try:
         meta = json.loads(meta_path.read_text())
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        manifest = read(folder, verify=False).manifest  # a damaged or older artifact is a miss: rebuilt
+    except (OSError, json.JSONDecodeError, ArtifactError):
         return None
-    if (meta.get("key") != key or manifest.get("recipe_sha256") != recipe.sha256()
-            or manifest.get("source", {}).get("files") != source_record.get("files")):
+    if (meta.get("key") != key or manifest.recipe_sha256 != recipe.sha256()
+            or manifest.source.get("files") != source_record.get("files")):
         return None
     return CachedBuild(folder, key, float(meta["build_seconds"]), is_hit=True)
 
@@ -78,9 +78,9 @@ def build_cached(cache_dir: Path, recipe: Recipe, source_record: dict, quiet: bo
         t0 = time.perf_counter()
         build(BuildOptions(recipe=recipe_path, out=folder, force=True, quiet=quiet))
         seconds = time.perf_counter() - t0
-    manifest = json.loads((folder / "manifest.json").read_text())
-    if manifest["recipe_sha256"] != recipe.sha256():
-        raise RuntimeError(f"{folder}: the build recorded recipe_sha256 {manifest['recipe_sha256']}, expected "
+    manifest = read(folder, verify=False).manifest
+    if manifest.recipe_sha256 != recipe.sha256():
+        raise RuntimeError(f"{folder}: the build recorded recipe_sha256 {manifest.recipe_sha256}, expected "
                            f"{recipe.sha256()} (the resolved recipe did not survive a round trip)")
     meta_path.write_text(json.dumps({"key": key, "build_seconds": round(seconds, 3),
                                      "recipe": recipe.to_json()}, indent=1, sort_keys=True) + "\n")

@@ -11,7 +11,6 @@ before it. Size comes from the artifact's manifest (`files`: bytes). Not here: v
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import platform
 import resource
@@ -24,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 import optc
-from optc.eval import WindowScore, score_windows
+from optc.artifact import read
+from optc.eval import score_windows
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,6 @@ def measure_quality(artifacts: dict[str, Path], reference: Any, data: str, max_t
 
         scores = score_windows([artifacts[n] for n in names], reference, data, max_tokens, window, progress)
     return {n: [asdict(s) for s in per] for n, per in zip(names, scores, strict=True)}
-
-
-def window_scores(rows: list[dict]) -> list[WindowScore]:
-    return [WindowScore(**r) for r in rows]
 
 
 def measure_speed(artifact: Path, settings: SpeedSettings, desc: str = "", show_progress: bool = True) -> list[dict]:
@@ -103,8 +99,7 @@ def _peak_rss_bytes() -> int:
 
 def artifact_sizes(artifact: Path) -> dict[str, int]:
     """Weight bytes (the safetensors shards) and artifact bytes (every file the manifest lists, plus it)."""
-    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
-    files = manifest["files"]
+    files = read(artifact, verify=False).manifest.files
     weights = sum(int(f["bytes"]) for name, f in files.items() if name.endswith(".safetensors"))
     total = sum(int(f["bytes"]) for f in files.values()) + (Path(artifact) / "manifest.json").stat().st_size
     return {"weight_bytes": weights, "artifact_bytes": total}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from optc.artifact import read
 from optc.compare import verdicts as V
 from optc.compare.cache import build_cached, default_cache_dir
 from optc.compare.measure import SpeedSettings, artifact_sizes, environment, measure_quality, measure_speed
@@ -94,10 +95,10 @@ def run_compare(options: CompareOptions) -> CompareResult:
     rows = []
     for v in variants:
         b = built[v.name]
-        manifest = json.loads((b.artifact / "manifest.json").read_text())
+        manifest = read(b.artifact, verify=False).manifest
         rows.append({
             "name": v.name, "edits": list(v.edits), "pass": v.pass_name, "recipe": v.recipe.to_json(),
-            "recipe_sha256": manifest["recipe_sha256"], "artifact": str(b.artifact), "cache_key": b.key,
+            "recipe_sha256": manifest.recipe_sha256, "artifact": str(b.artifact), "cache_key": b.key,
             "is_cached": b.is_hit, "build_seconds": round(b.build_seconds, 3),
             "quality": _quality(quality[v.name]),
             "speed": _speed(speed[v.name], o.speed.batch_sizes),

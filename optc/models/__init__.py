@@ -11,14 +11,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from optc.errors import UserError
+from optc.errors import UnsupportedModelError
+from optc.models import llama
 
-
-class UnsupportedModelError(UserError, ValueError):
-    """A checkpoint config no family can express; the message names the file, the value and what is supported."""
-
-
-from optc.models import llama  # noqa: E402 - llama raises UnsupportedModelError, defined above
+__all__ = ["FAMILIES", "MODEL_TYPES", "UnsupportedModelError", "architecture_of", "config_from_hf", "family"]
 
 FAMILIES: dict[str, ModuleType] = {arch: llama for arch in llama.ARCHITECTURES}
 MODEL_TYPES: dict[str, str] = dict(llama.MODEL_TYPES)  # config.json model_type -> architecture

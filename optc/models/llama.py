@@ -9,15 +9,13 @@ Reading files is the sources' job (optc/sources.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from optc.errors import InputError
+from optc.errors import InputError, UnsupportedModelError
 from optc.ir import Graph, ModelConfig, Node, TensorInfo
-from optc.models import UnsupportedModelError
 from optc.rope import SUPPORTED_ROPE_TYPES
 from optc.store import TensorStore
 
@@ -171,7 +169,9 @@ def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype)
     """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
     from transformers import LlamaForCausalLM
 
-    graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+    from optc.artifact import read
+
+    graph = read(path, verify=False).graph
     formats = [graph.tensors[t].format for t in graph.used_tensors()]
     quantized = sorted({f.kind.value for f in formats if f.is_quantized})
     if quantized:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from optc.runtime.engine import Engine, EngineStats
@@ -272,6 +271,3 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
     else:
         future.set_result(result)
 
-
-def load_engine(artifact: Path, device: str, **overrides: Any) -> Callable[[], Engine]:
-    return lambda: Engine.load(artifact, device=device, **overrides)
