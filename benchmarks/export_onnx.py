@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from optc.export import ExportOptions, Flavor, export
-from optc.export.onnxrt import greedy_generate, session
+from optc.commands.export import ExportOptions, Flavor, export
+from optc.commands.export.onnxrt import greedy_generate, session
 from optc.runtime import Engine, SamplingParams
 from optc.testing import build_artifact, smollm2_hf_checkpoint
 

@@ -114,12 +114,12 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     """Yields (kernel, shape, bytes moved, triton fn, torch fn) at `model`'s shapes on `dev` in `dt`. `rand(*shape,
     dtype=)` makes the data (default torch.randn; --compile-only passes torch.empty); block
     tables, positions and lengths are always real."""
-    from optc.formats import Format, FormatKind, linear_ref
+    from optc.core.formats import Format, FormatKind, linear_ref
+    from optc.core.kv_cache import KVCache
+    from optc.core.ops.elementwise import silu_mul_ref
+    from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
+    from optc.core.ops.rope import rope_kv_store_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
-    from optc.kv_cache import KVCache
-    from optc.ops.elementwise import silu_mul_ref
-    from optc.ops.norm import add_rms_norm_ref, rms_norm_ref
-    from optc.ops.rope import rope_kv_store_ref
 
     m, rand = model, rand or torch.randn
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731

@@ -1,7 +1,7 @@
 """Quality of SmolLM2-135M-Instruct under each weight quantization, on held-out pydoc text.
 
 For fp32, int8 (RTN per channel), and int4 group 64 with RTN, AWQ and GPTQ (zero points): perplexity,
-KL divergence from fp32 and top-1 agreement with fp32 (optc.eval: consecutive 512-token windows of
+KL divergence from fp32 and top-1 agreement with fp32 (optc.commands.eval: consecutive 512-token windows of
 `builtin:pydoc-heldout`), and the quantization pass's wall time. Calibration: 32 windows × 128 tokens
 of `builtin:pydoc` (seed 0). Everything runs in float32 on the CPU reference kernels.
 
@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from optc.calibration import calibration_batch
-from optc.eval import Loaded, evaluate
-from optc.passmanager import PassContext, PassManager
-from optc.sources import load_source
+from optc.commands.eval import Loaded, evaluate
+from optc.frontend.calibration import calibration_batch
+from optc.frontend.passmanager import PassContext, PassManager
+from optc.frontend.sources import load_source
 from optc.testing import smollm2_hf_checkpoint
 
 CONFIGS = {

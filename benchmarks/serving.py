@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from results import Rows
 
-from optc.bench import BenchOptions, run_bench
+from optc.commands.bench import BenchOptions, run_bench
 
 REPO = Path(__file__).resolve().parents[1]
 # bfloat16 measured 2.0x faster than float32 on the dev CPU (Xeon with AMX-BF16 and AVX512-BF16: the

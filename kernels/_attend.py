@@ -1,6 +1,6 @@
 """What both paged attention kernels share: the inner step (one tile of keys, read through the
 block table, folded into a flash-attention online softmax) and the launchers' checks of the
-cache layout (optc.ops.attention describes it).
+cache layout (optc.core.ops.attention describes it).
 
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
 it (decode passes the request's last position: every key in the context). Scores are in log2

@@ -1,6 +1,6 @@
 """What the weight-only quantized linears (w4a16, w8a16) share: launch shapes, autotuning, the store
 epilogue and the launcher's tail. Each kernel file keeps its weight-tile load and dequantization,
-its asserts and its split heuristic; the reference of both is optc.formats.linear_ref.
+its asserts and its split heuristic; the reference of both is optc.core.formats.linear_ref.
 
 A kernel served by `launch` takes these arguments by name (see w8a16's kernel): pointers x_ptr,
 bias_ptr, out_ptr; sizes M, M_BUCKET, N, K, k_per_split; strides stride_xm, stride_om, stride_os;

@@ -1,11 +1,11 @@
-"""SwiGLU activation on the fused gate-up output: Triton kernel for optc.ops.elementwise.silu_mul_ref.
+"""SwiGLU activation on the fused gate-up output: Triton kernel for optc.core.ops.elementwise.silu_mul_ref.
 
 `silu_mul(x)` takes x: (T, 2 * I) = [gate | up]; `silu_mul(gate, up)` takes the two halves as
 separate (T, I) views, e.g. two strided column slices of one (T, 2I) tensor (only the last dim must
 be contiguous). Numerical policy (matches the reference in x's dtype, as transformers does):
 silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up in fp32 and rounded.
 
-Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

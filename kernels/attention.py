@@ -1,5 +1,5 @@
 """The attention op's Triton launcher: the KV store, then decode or prefill attention over the paged,
-GQA-aware KV cache (optc.ops.attention describes the layout and the reference, `attention_ref`).
+GQA-aware KV cache (optc.core.ops.attention describes the layout and the reference, `attention_ref`).
 
 A batch whose requests each bring one query token runs `paged_decode` (splits long contexts across
 programs); any other batch (prefill, chunked prefill, mixed) runs `paged_prefill`.
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from optc.core.kv_cache import KVCache
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
 from optc.kernels.rope import kv_store
-from optc.kv_cache import KVCache
 
 
 def paged_attention(
@@ -28,7 +28,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """optc.ops.attention.attention_ref: stores k, v (None: stored already), then attends.
+    """optc.core.ops.attention.attention_ref: stores k, v (None: stored already), then attends.
 
     `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from optc.formats import Format, unpack_int4
-from optc.ops import Param
+from optc.core.formats import Format, unpack_int4
+from optc.core.ops import Param
 
 INNER_K_TILES = 2  # the packing's K tile count: any of 1, 2, 4, 8 gives the same product on the CPU
 N_MULTIPLE = 16  # the packing needs whole tiles of 16 output rows

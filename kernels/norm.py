@@ -1,10 +1,10 @@
-"""RMSNorm and the residual add fused with it: Triton kernels for the references in optc.ops.norm.
+"""RMSNorm and the residual add fused with it: Triton kernels for the references in optc.core.ops.norm.
 
 Numerical policy (the same as transformers' LlamaRMSNorm): the mean of squares and the rsqrt are
 fp32; the normalized value is cast to the input dtype before the weight multiplies it. One program
 normalizes one row; the whole row sits in registers (hidden sizes up to 16384 fit).
 
-Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """optc.ops.norm.rms_norm_ref(x, weight, eps) for x: (..., H)."""
+    """optc.core.ops.norm.rms_norm_ref(x, weight, eps) for x: (..., H)."""
     out, _ = _launch(x, None, weight, eps)
     return out
 
@@ -52,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """optc.ops.norm.add_rms_norm_ref: (rms_norm(x + residual), x + residual)."""
+    """optc.core.ops.norm.add_rms_norm_ref: (rms_norm(x + residual), x + residual)."""
     assert residual.shape == x.shape, f"residual {list(residual.shape)} != x {list(x.shape)}"
     assert residual.dtype == x.dtype, f"residual dtype {residual.dtype} != x dtype {x.dtype}"
     return _launch(x, residual, weight, eps)

@@ -10,14 +10,14 @@ normalized partial output with its running max and sum, and a second kernel comb
 K/V tokens are gathered through the block table (`BLOCK_N` tokens per step, any number of cache
 blocks), so the kernel does not depend on the cache's block size. Softmax math is fp32 (exp2 with
 the scale folded into log2 e); P is cast to the cache dtype for the second dot; the output is cast
-on store. Semantics are optc.ops.attention.paged_attention_ref's for requests whose query length
+on store. Semantics are optc.core.ops.attention.paged_attention_ref's for requests whose query length
 is 1 (a request with seq_len 0 gets zeros).
 
 Splits (`split_shape`): at batch 1 a long context is the only parallelism there is, so the
 heuristic aims at TARGET_PROGRAMS (about four waves of an H100's 132 SMs: one wave of 8 KV heads x
 16 splits left most SMs idle while the slowest program finished), in splits down to MIN_SPLIT_TOKENS
 (one BLOCK_N step); each split adds an fp32 partial row per query head, a few percent of the KV bytes
-it reads. Tests compare it with its op's torch reference (optc.ops), on the CPU under
+it reads. Tests compare it with its op's torch reference (optc.core.ops), on the CPU under
 TRITON_INTERPRET=1, and the compile check builds it for sm_90.
 """
 

@@ -1,5 +1,5 @@
 """Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache
-(optc.ops.attention describes the layout and the reference).
+(optc.core.ops.attention describes the layout and the reference).
 
 The K/V of every token, the earlier context's and this step's, are read from the paged cache (the
 store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
@@ -11,7 +11,7 @@ head of the group) pairs flattened as row = i * G + g, so each K/V tile is read 
 The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
 (exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot; cast on store.
 
-Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

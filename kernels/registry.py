@@ -3,7 +3,7 @@ a `supports` predicate over the node's shapes, formats and dtypes, its launcher,
 `prepare` that repacks the node's weights once into the layout the launcher reads, and the CUDA
 capability it needs beyond the runtime's floor.
 
-A launcher has its op's torch reference signature (optc.ops), so the op's own node -> arguments
+A launcher has its op's torch reference signature (optc.core.ops), so the op's own node -> arguments
 adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name, wrapped so that a kernel
 with `prepare` gets its node's params through it, prepared on the node's first call and kept. A
 prepared layout lives only in the loaded model; the artifact stores the format's own parts, so the
@@ -19,8 +19,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optc.formats import DTYPES, Format, FormatKind
-from optc.ops import OPS, Impl, Param
+from optc.core.formats import DTYPES, Format, FormatKind
+from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
 MAX_HIDDEN = 16384  # norm kernels keep one row in registers

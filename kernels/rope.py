@@ -1,15 +1,15 @@
 """Rotary position embedding (rotate-half / NeoX form, as in HF Llama), and rope fused with the
-KV-cache store: a Triton kernel for the references in optc.ops.rope and optc.ops.attention.
+KV-cache store: a Triton kernel for the references in optc.core.ops.rope and optc.core.ops.attention.
 
 `cos_sin`: (max_positions, D) fp32, [cos(p * inv_freq) | sin(p * inv_freq)] per position p, built
-once at load time from the model's rope parameters (see optc.rope). Math is fp32, cast on store.
+once at load time from the model's rope parameters (see optc.core.rope). Math is fp32, cast on store.
 
 One kernel serves three launchers: `rope_kv_store` (rotate q and k, write rotated k and v into the
 paged cache through the slot mapping; one program per token), `rope` (rotate one tensor) and
 `kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
 cache dtype, exactly as the reference's two steps do; the stores take a float `KVCache` (no scales).
 
-Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kv_cache import KVCache
+from optc.core.kv_cache import KVCache
 
 
 @triton.jit
@@ -86,7 +86,8 @@ def rope_kv_store(
     kv_cache: KVCache,
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    """optc.ops.rope.rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`; returns rotated q."""
+    """optc.core.ops.rope.rope_kv_store_ref: rotates q and k, stores rotated k and v into `kv_cache`;
+    returns rotated q."""
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D)
     _check(q, positions, cos_sin)
     _check_kv(k, v, kv_cache, slot_mapping, q.shape[0], q.shape[2])
@@ -96,7 +97,7 @@ def rope_kv_store(
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """optc.ops.rope.rope_ref: x: (T, H, D) rotated by the angles of `positions`."""
+    """optc.core.ops.rope.rope_ref: x: (T, H, D) rotated by the angles of `positions`."""
     _check(x, positions, cos_sin)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, None, None, out, positions, cos_sin, None, None, rotate_k=False)
@@ -104,7 +105,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
 
 
 def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """optc.ops.attention.kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
+    """optc.core.ops.attention.kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
     _check_kv(k, v, kv_cache, slot_mapping, k.shape[0], k.shape[2])
     _launch(None, k, v, None, slot_mapping, None, kv_cache.data, slot_mapping, rotate_k=False)
 

@@ -1,4 +1,4 @@
-"""W4A16 matmul: y = x @ W^T (+ bias) with W stored int4_g (see optc.formats), dequantized in
+"""W4A16 matmul: y = x @ W^T (+ bias) with W stored int4_g (see optc.core.formats), dequantized in
 registers.
 
 One kernel, two launch shapes chosen by M (see _splitk): a split-K GEMV for M <= 16 (decode; tiles
@@ -20,7 +20,7 @@ shared memory: benchmarks/kernels.py --compile-only.)
 
 Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS), pruned so BLOCK_K divides the group size;
 on the CPU (the Triton interpreter, which cannot time kernels) the first surviving config runs.
-Tests compare it with its op's torch reference (optc.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import INT4_PACKING, Format
+from optc.core.formats import INT4_PACKING, Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot
 from optc.kernels._splitk import config

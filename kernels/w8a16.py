@@ -1,5 +1,5 @@
 """W8A16 matmul: y = x @ W^T (+ bias) with W stored int8_wo (int8 (N, K), one scale per output
-channel; see optc.formats), dequantized in registers.
+channel; see optc.core.formats), dequantized in registers.
 
 One kernel, two launch shapes chosen by M (see _splitk): a split-K GEMV for M <= 16 (decode; fp32
 partials summed by the launcher) and a tiled GEMM for larger M (prefill). Per K tile, W is loaded
@@ -10,7 +10,7 @@ added in fp32; one cast on store.
 
 Autotune configs are data (M1_CONFIGS, GEMV_CONFIGS, GEMM_CONFIGS); every BLOCK_K divides SPLIT_ALIGN, so the
 pruning keeps them all, and on the CPU (the Triton interpreter, which cannot time kernels) the
-first config runs. Tests compare it with its op's torch reference (optc.ops), on the CPU under
+first config runs. Tests compare it with its op's torch reference (optc.core.ops), on the CPU under
 TRITON_INTERPRET=1.
 """
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Format
+from optc.core.formats import Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot_or_fma
 from optc.kernels._splitk import config

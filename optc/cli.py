@@ -1,5 +1,5 @@
 """The `optc` command line: thin typer wrappers; each command parses options and calls one library
-function. A user error (`optc.errors.UserError`: bad recipe, source, artifact, option or prompt)
+function. A user error (`optc.core.errors.UserError`: bad recipe, source, artifact, option or prompt)
 prints one line and exits 2; any other exception is a bug and shows its traceback (exit 1).
 `--traceback` (or OPTC_TRACEBACK=1) shows the traceback of user errors too.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import typer
 
-from optc.errors import UserError
-from optc.export import ExportFormat, Flavor
+from optc.commands.export import ExportFormat, Flavor
+from optc.core.errors import UserError
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -89,8 +89,8 @@ def build(
     ),
 ) -> None:
     """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
-    from optc.build import BuildOptions
-    from optc.build import build as run_build
+    from optc.frontend.build import BuildOptions
+    from optc.frontend.build import build as run_build
 
     with _user_errors():
         path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device))
@@ -103,14 +103,14 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
-    from optc.inspect import summarize
+    from optc.commands.inspect import summarize
 
     with _user_errors():
         summary = summarize(artifact)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
-        from optc.inspect import render
+        from optc.commands.inspect import render
 
         typer.echo(render(summary))
 
@@ -192,7 +192,7 @@ def eval_(
     ),
 ) -> None:
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
-    from optc.eval import evaluate
+    from optc.commands.eval import evaluate
 
     with _user_errors():
         result = evaluate(
@@ -238,10 +238,10 @@ def bench(
 ) -> None:
     """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
     or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
-    from optc.bench import BenchOptions, format_bench, run_bench
+    from optc.commands.bench import BenchOptions, format_bench, run_bench
 
     if url is not None or artifact is None:
-        from optc.loadgen import LoadOptions, format_load, run_load
+        from optc.commands.loadgen import LoadOptions, format_load, run_load
 
         with _user_errors():
             if (url is None) == (artifact is None):
@@ -305,7 +305,7 @@ def compare(
 ) -> None:
     """Compare pass ablations of a recipe: build each variant (cached), measure quality, speed, size and build
     time with intervals, mark the Pareto front, write compare.json, compare.md, PNG plots and report.html."""
-    from optc.compare import CompareOptions, Mode, SpeedSettings, run_compare
+    from optc.commands.compare import CompareOptions, Mode, SpeedSettings, run_compare
 
     with _user_errors():
         if leave_one_out + add_one + (variants is not None) > 1:
@@ -383,8 +383,8 @@ def export(
     as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
 ) -> None:
     """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
-    from optc.export import ExportOptions
-    from optc.export import export as run_export
+    from optc.commands.export import ExportOptions
+    from optc.commands.export import export as run_export
 
     with _user_errors():
         result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
@@ -394,7 +394,7 @@ def export(
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of recipes."""
-    from optc.recipe import recipe_json_schema
+    from optc.frontend.recipe import recipe_json_schema
 
     typer.echo(json.dumps(recipe_json_schema(), indent=1))
 

@@ -38,7 +38,7 @@ def assert_close(
 
 def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model: str | None = None) -> Path:
     """`optc build` quietly, as a library call."""
-    from optc.build import BuildOptions, build
+    from optc.frontend.build import BuildOptions, build
 
     return build(
         BuildOptions(
@@ -51,8 +51,8 @@ def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
     from transformers import LlamaForCausalLM
 
-    from optc.models.llama import hf_llama_config
-    from optc.sources import load_source
+    from optc.frontend.models.llama import hf_llama_config
+    from optc.frontend.sources import load_source
 
     src = load_source("random:tiny")
     hf = LlamaForCausalLM(hf_llama_config(src.graph.config))

@@ -8,9 +8,9 @@ along the input dimension; int4 weights with their own input permutation (act_or
 
 from __future__ import annotations
 
-from optc.formats import part_name
-from optc.ir import Graph, Node, TensorInfo
-from optc.store import Entry, TensorStore
+from optc.core.formats import part_name
+from optc.core.ir import Graph, Node, TensorInfo
+from optc.core.store import Entry, TensorStore
 
 
 def can_fuse(graph: Graph, nodes: list[Node | None]) -> bool:

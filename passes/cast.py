@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from optc.formats import DTYPES, part_name
-from optc.ir import Graph, TensorInfo
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.store import TensorStore, transformed
+from optc.core.formats import DTYPES, part_name
+from optc.core.ir import Graph, TensorInfo
+from optc.core.store import TensorStore, transformed
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 
 
 class Cast(Pass):

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from optc.ir import Graph
-from optc.ops import host_syncing_nodes
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.settings import CUDA_GRAPH_BATCH_SIZES
-from optc.store import TensorStore
+from optc.core.ir import Graph
+from optc.core.ops import host_syncing_nodes
+from optc.core.settings import CUDA_GRAPH_BATCH_SIZES
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 
 
 class CudaGraphs(Pass):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from optc.ir import Graph
+from optc.core.ir import Graph
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.passes._linears import can_fuse, fuse
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.store import TensorStore
 
 
 class FuseQKV(Pass):

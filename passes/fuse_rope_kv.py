@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from optc.ir import Graph, Node
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.store import TensorStore
+from optc.core.ir import Graph, Node
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 
 
 class FuseRopeKv(Pass):

@@ -1,6 +1,6 @@
 """Choose the paged KV-cache layout (block size, dtype) and record it on every attention.
 
-The layout is a `KVCacheSpec` (optc/kv_cache.py): the manifest's `kv_layout` section holds it, and
+The layout is a `KVCacheSpec` (optc/core/kv_cache.py): the manifest's `kv_layout` section holds it, and
 every node that touches the cache gets its block size and dtype as attrs (what kernel selection
 reads off a node).
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from optc.ir import Graph, Node
-from optc.kv_cache import DEFAULT_BLOCK_SIZE, KV_DTYPES, KVCacheSpec
-from optc.ops import OPS
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.store import TensorStore
+from optc.core.ir import Graph, Node
+from optc.core.kv_cache import DEFAULT_BLOCK_SIZE, KV_DTYPES, KVCacheSpec
+from optc.core.ops import OPS
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 
 BLOCK_SIZES = (16, 32)
 

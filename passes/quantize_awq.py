@@ -7,21 +7,21 @@ from functools import partial
 
 import torch
 
-from optc.ir import Graph, Node
-from optc.ops import Param
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.quant.awq import fold_into_linear, fold_into_norm, input_mean, search_clip, search_scale
-from optc.quant.blocks import (
+from optc.core.ir import Graph, Node
+from optc.core.ops import Param
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.awq import fold_into_linear, fold_into_norm, input_mean, search_clip, search_scale
+from optc.frontend.quant.blocks import (
     BlockRunner,
     branch,
     dense_param,
     fold_target,
     linear_groups,
 )
-from optc.quant.calibrated import Calibration, run_calibrated
-from optc.quant.options import WeightQuantOptions, ensure_quantized
-from optc.quant.rtn import quantize_weight
-from optc.store import TensorStore
+from optc.frontend.quant.calibrated import Calibration, run_calibrated
+from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
+from optc.frontend.quant.rtn import quantize_weight
 
 ROPE_OPS = ("rope", "rope_kv_store")
 

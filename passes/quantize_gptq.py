@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from optc.ir import Graph, Node
-from optc.ops import Param
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.quant.blocks import linear_groups
-from optc.quant.calibrated import Calibration, run_calibrated
-from optc.quant.gptq import Gptq
-from optc.quant.options import WeightQuantOptions, ensure_quantized
-from optc.store import TensorStore
+from optc.core.ir import Graph, Node
+from optc.core.ops import Param
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.blocks import linear_groups
+from optc.frontend.quant.calibrated import Calibration, run_calibrated
+from optc.frontend.quant.gptq import Gptq
+from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
 
 
 class QuantizeGptq(Pass):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optc.formats import part_name
-from optc.ir import Graph, TensorInfo
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
-from optc.quant.rtn import quantize_weight
-from optc.store import Entry, TensorStore
+from optc.core.formats import part_name
+from optc.core.ir import Graph, TensorInfo
+from optc.core.store import Entry, TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
+from optc.frontend.quant.rtn import quantize_weight
 
 
 class QuantizeRtn(Pass):

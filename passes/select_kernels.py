@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from optc.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.kernels.registry import KERNELS, KernelQuery, select
-from optc.passmanager import Pass, PassContext, PassResult
-from optc.store import TensorStore
 
 
 class SelectKernels(Pass):

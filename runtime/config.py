@@ -1,7 +1,7 @@
-"""EngineConfig: how an engine serves an artifact: the artifact's runtime settings (optc/settings.py),
+"""EngineConfig: how an engine serves an artifact: the artifact's runtime settings (optc/core/settings.py),
 its KV block size, and what only a running engine decides (pool size, prefix caching, CUDA graphs,
-seeds). Not here: the settings' defaults and validation (optc/settings.py) or the KV spec
-(optc/kv_cache.py).
+seeds). Not here: the settings' defaults and validation (optc/core/settings.py) or the KV spec
+(optc/core/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from optc.artifact import Manifest
-from optc.errors import InputError
-from optc.kv_cache import DEFAULT_BLOCK_SIZE
-from optc.settings import RuntimeSettings
+from optc.core.artifact import Manifest
+from optc.core.errors import InputError
+from optc.core.kv_cache import DEFAULT_BLOCK_SIZE
+from optc.core.settings import RuntimeSettings
 
 
 @dataclass(frozen=True)
 class EngineConfig(RuntimeSettings):
-    """The artifact's RuntimeSettings (optc/settings.py) and what only a running engine decides."""
+    """The artifact's RuntimeSettings (optc/core/settings.py) and what only a running engine decides."""
 
     block_size: int = DEFAULT_BLOCK_SIZE  # the manifest's KV spec's, unless overridden
     num_blocks: int | None = None  # KV pool size in blocks (null block included); None = from memory

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from optc.ir import Graph
-from optc.ops import host_syncing_nodes
+from optc.core.ir import Graph
+from optc.core.ops import host_syncing_nodes
+from optc.core.settings import CUDA_GRAPH_BATCH_SIZES
 from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables
-from optc.settings import CUDA_GRAPH_BATCH_SIZES
 
 NUM_WARMUP_RUNS = 2
 

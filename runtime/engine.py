@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
+from optc.core.settings import SpeculativeConfig
 from optc.runtime.config import EngineConfig
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
@@ -33,7 +34,6 @@ from optc.runtime.sampler import SamplingParams
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
 from optc.runtime.speculative import Speculator, make_speculator
 from optc.runtime.text import IncrementalDetokenizer, find_stop, prompt_token_ids
-from optc.settings import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
@@ -80,7 +80,7 @@ class Engine:
         `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
-        from optc.artifact import read
+        from optc.core.artifact import read
         from optc.runtime.loader import load_model
         from optc.runtime.speculative import load_draft
 

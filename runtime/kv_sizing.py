@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from optc.errors import UserError
+from optc.core.errors import UserError
 from optc.runtime.batch import ForwardBatch
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # upper bound of the CPU default pool, bytes

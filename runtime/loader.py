@@ -1,14 +1,14 @@
 """Bind an opened artifact's graph to kernels on a device: the runtime's Model.
 
 The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
-`optc.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
+`optc.core.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
 imports the sources or the passes.
 """
 
 from __future__ import annotations
 
-from optc.artifact import Artifact
-from optc.ir import REFERENCE_KERNEL, Graph
+from optc.core.artifact import Artifact
+from optc.core.ir import REFERENCE_KERNEL, Graph
 from optc.runtime.model import Model
 
 

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import torch
 
-from optc.execute import Executor, Impl, Step, bind_params
-from optc.formats import DTYPES
-from optc.ir import Graph
-from optc.kv_cache import KVCache, KVCacheSpec
-from optc.rope import cos_sin_table
+from optc.core.execute import Executor, Impl, Step, bind_params
+from optc.core.formats import DTYPES
+from optc.core.ir import Graph
+from optc.core.kv_cache import KVCache, KVCacheSpec
+from optc.core.rope import cos_sin_table
+from optc.core.store import TensorStore
 from optc.runtime.batch import ForwardBatch
-from optc.store import TensorStore
 
 
 class Model:

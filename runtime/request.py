@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.text import IncrementalDetokenizer, held_back
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 
 # Seeds are signed 64-bit integers, as in vLLM. torch.Generator.manual_seed also takes [2**63, 2**64),
 # but those alias the negatives (-1 is 2**64 - 1), and a larger int is its ValueError.

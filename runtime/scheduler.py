@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.request import FinishReason, Request, RequestStatus
 

@@ -1,5 +1,5 @@
 """Speculative decoding: the n-gram proposer and the `Speculator` the engine and its model runner
-drive (the config, `SpeculativeConfig`, lives in optc/settings.py with the other runtime settings).
+drive (the config, `SpeculativeConfig`, lives in optc/core/settings.py with the other runtime settings).
 
 Each step, before scheduling, the speculator gives every running request that is decoding (one
 token behind) up to k draft tokens (`Request.draft_token_ids`); the scheduler runs them as more
@@ -30,10 +30,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
+from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.request import Request
 from optc.runtime.verifier import rejection_sample, target_probs
-from optc.settings import SpeculativeConfig, SpeculativeMethod
 
 PRIOR_ACCEPTANCE = 0.6  # the acceptance rate assumed before a request has any measurement
 DECAY = 0.8  # weight of the past in a request's acceptance counts
@@ -44,7 +44,7 @@ def load_draft(config: SpeculativeConfig, artifact: Any, model: Any, tokenizer: 
     tokenizer differs from the target's (read from `artifact`) is refused (InputError naming both)."""
     from transformers import AutoTokenizer
 
-    from optc.artifact import read
+    from optc.core.artifact import read
     from optc.runtime.loader import load_model
 
     draft = read(config.draft, verify=verify, device=model.device.type)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 
 REPLACEMENT = "\ufffd"
 MAX_PENDING_TOKENS = 16  # a window this wide that still ends in U+FFFD is emitted as it is

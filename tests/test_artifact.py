@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from optc.artifact import ArtifactError, Target, check_target, read, read_manifest
+from optc.core.artifact import ArtifactError, Target, check_target, read, read_manifest
 from optc.testing import build_artifact
 
 
@@ -44,11 +44,11 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_artifact(tmp_path, recipe
     def broken(*args, **kwargs):
         raise OSError("disk full (synthetic)")
 
-    monkeypatch.setattr("optc.artifact.save_file", broken)
+    monkeypatch.setattr("optc.core.artifact.save_file", broken)
     with pytest.raises(OSError, match="synthetic"):
         build_artifact(tmp_path / "new", recipes / "tiny.yaml")
     assert not (tmp_path / "new").exists()
-    from optc.build import BuildOptions, build
+    from optc.frontend.build import BuildOptions, build
 
     with pytest.raises(OSError, match="synthetic"):
         build(BuildOptions(recipe=recipes / "tiny.yaml", out=out, force=True, quiet=True))

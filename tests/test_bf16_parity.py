@@ -7,7 +7,7 @@ The rule for "like transformers" (bfloat16 logits are rounded to 8 significant b
 0.125 at |logit| in [16, 32)): the greedy tokens are equal up to the first position where they differ,
 and there transformers' own logits of its token and of optc's are at most one bfloat16 step apart — a
 tie within bfloat16 rounding, which transformers breaks by token id and optc by its float32 logits
-(optc.ops.linear.logits_ref). After that the two continue from different contexts and are not
+(optc.core.ops.linear.logits_ref). After that the two continue from different contexts and are not
 compared. "What is the capital of France?" (the README's prompt) must answer the exact sentence.
 
 Also here: the defect that made the README's prompt answer "L'Étoile, la Marseillaise, ..." on AVX2
@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optc.formats import Format
-from optc.ops.linear import logits_ref
+from optc.core.formats import Format
+from optc.core.ops.linear import logits_ref
 from optc.testing import CPU_KERNEL_PATHS, build_artifact, greedy_token_ids_in
 
 PROMPTS = [
@@ -79,7 +79,7 @@ def transformers_bf16(bf16_artifacts):
     """transformers' greedy tokens and per-step logits, bfloat16, on the artifact's own weights."""
     from transformers import AutoTokenizer
 
-    from optc.models.llama import hf_model_from_artifact
+    from optc.frontend.models.llama import hf_model_from_artifact
 
     path = bf16_artifacts["fused"]
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")

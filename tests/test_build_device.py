@@ -20,11 +20,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from optc.artifact import read
-from optc.build import BuildOptions, build, calibration_device
 from optc.cli import app
-from optc.errors import UserError
-from optc.formats import dequantize, part_name, unpack_int4
+from optc.core.artifact import read
+from optc.core.errors import UserError
+from optc.core.formats import dequantize, part_name, unpack_int4
+from optc.frontend.build import BuildOptions, build, calibration_device
 
 PASSES = {"awq": "{quantize_awq: {group_size: 32}}", "gptq": "{quantize_gptq: {group_size: 32}}"}
 
@@ -49,8 +49,8 @@ def test_explicit_cpu_device_builds_the_default_bytes(tmp_path, method):
 
 
 def test_block_runner_keeps_its_values_on_its_device():
-    from optc.quant.blocks import BlockRunner, split_blocks
-    from optc.sources import load_source
+    from optc.frontend.quant.blocks import BlockRunner, split_blocks
+    from optc.frontend.sources import load_source
 
     source = load_source("random:tiny")
     runner = BlockRunner(source.graph, source.store, torch.randint(0, 256, (2, 8)), device="meta")
@@ -82,7 +82,7 @@ def test_device_cuda_without_a_gpu_is_a_user_error(tmp_path, recipes):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_cuda_calibration_agrees_with_the_cpu(tmp_path, method):
-    from optc.eval import evaluate
+    from optc.commands.eval import evaluate
 
     recipe = _recipe(tmp_path, method)
     cpu_path = build(BuildOptions(recipe, tmp_path / "cpu", quiet=True, device="cpu"))

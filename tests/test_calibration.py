@@ -7,8 +7,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from optc.calibration import calibration_batch, encode, load_text, pydoc_text
-from optc.errors import InputError
+from optc.core.errors import InputError
+from optc.frontend.calibration import calibration_batch, encode, load_text, pydoc_text
 
 
 def _word_tokenizer(text):

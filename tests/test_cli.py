@@ -231,7 +231,7 @@ def test_a_bug_shows_its_traceback_and_exits_1(tmp_path, tiny_artifact, monkeypa
     def bug(path):
         raise KeyError("synthetic bug")
 
-    monkeypatch.setattr("optc.inspect.summarize", bug)
+    monkeypatch.setattr("optc.commands.inspect.summarize", bug)
     r = optc("inspect", tiny_artifact)
     assert r.exit_code == 1 and isinstance(r.exception, KeyError), r.output  # not turned into a user error
     assert "error:" not in r.output

@@ -6,10 +6,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import optc.build
-import optc.compare
+import optc.commands.compare
+import optc.frontend.build
 from optc.cli import app
-from optc.compare import CompareOptions, Mode, SpeedSettings, run_compare
+from optc.commands.compare import CompareOptions, Mode, SpeedSettings, run_compare
 
 pytest.importorskip("matplotlib")
 
@@ -75,7 +75,7 @@ def test_markdown_html_and_plots(first):
 
 def test_second_run_builds_nothing(first, recipes, monkeypatch):
     tmp, result = first
-    monkeypatch.setattr(optc.build, "build", lambda *a, **k: pytest.fail("a cached variant was rebuilt"))
+    monkeypatch.setattr(optc.frontend.build, "build", lambda *a, **k: pytest.fail("a cached variant was rebuilt"))
     again = run_compare(dataclasses.replace(_options(recipes, tmp), out=tmp / "again"))
     rows = again.report["variants"]
     assert all(v["is_cached"] for v in rows)
@@ -85,10 +85,10 @@ def test_second_run_builds_nothing(first, recipes, monkeypatch):
 
 def test_cli_gate_exit_codes(first, recipes, monkeypatch, tmp_path):
     tmp, _ = first
-    real = optc.compare.run_compare
+    real = optc.commands.compare.run_compare
     # speed in this process (the CLI spawns a process per repeat), builds from the fixture's cache
     speed = dataclasses.replace(TINY_SPEED, repeats=1)
-    monkeypatch.setattr(optc.compare, "run_compare",
+    monkeypatch.setattr(optc.commands.compare, "run_compare",
                         lambda o: real(dataclasses.replace(o, speed=speed, cache_dir=tmp / "cache")))
     variants = tmp_path / "v.yaml"
     variants.write_text("no-gate-up: [{drop: fuse_gate_up}]\n"  # gated: only `base`, the one name in common

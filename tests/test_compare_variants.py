@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from optc.compare.variants import Mode, expand
-from optc.errors import UserError
-from optc.recipe import load_recipe
+from optc.commands.compare.variants import Mode, expand
+from optc.core.errors import UserError
+from optc.frontend.recipe import load_recipe
 
 RECIPE = """\
 model: random:tiny
@@ -112,10 +112,10 @@ def test_invalid_variants_name_the_variant_and_the_edit(base, tmp_path, text, me
 
 
 def test_a_bad_variant_stops_the_comparison_before_any_build(base, tmp_path, monkeypatch):
-    import optc.build
-    from optc.compare import CompareOptions, run_compare
+    import optc.frontend.build
+    from optc.commands.compare import CompareOptions, run_compare
 
-    monkeypatch.setattr(optc.build, "build", lambda *a, **k: pytest.fail("built before validating"))
+    monkeypatch.setattr(optc.frontend.build, "build", lambda *a, **k: pytest.fail("built before validating"))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
     f = tmp_path / "v.yaml"

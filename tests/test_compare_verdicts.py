@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from optc.compare import verdicts as V
+from optc.commands.compare import verdicts as V
 
 
 def _windows(nlls, klds=None, agrees=None, n=100):
@@ -111,7 +111,7 @@ def test_gate_names_every_regression():
 
 
 def test_labels_of_nearly_equal_points_do_not_overlap():
-    from optc.compare.plots import MARKER_PT, label_offsets
+    from optc.commands.compare.plots import MARKER_PT, label_offsets
 
     anchors = [(173.0, 291.0), (166.0, 280.0), (169.0, 291.0), (170.0, 290.0), (391.0, 79.0)]
     sizes = [(80.0, 11.0), (106.0, 11.0), (126.0, 11.0), (90.0, 11.0), (126.0, 11.0)]

@@ -1,4 +1,4 @@
-"""A CPU build and a CPU run never import triton: the op references live in optc.ops, and only the
+"""A CPU build and a CPU run never import triton: the op references live in optc.core.ops, and only the
 kernels of a `target: cuda` artifact need it."""
 
 import json

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optc.artifact import read
-from optc.kv_cache import KVCache
+from optc.core.artifact import read
+from optc.core.kv_cache import KVCache
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.cuda_graphs import (
@@ -271,8 +271,8 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
 # --- `optc bench --compare-hf`: the transformers peer comes from the artifact's source -----------
 
 def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_path):
-    from optc.bench import BenchOptions, run_bench
-    from optc.models.llama import hf_model_from_artifact
+    from optc.commands.bench import BenchOptions, run_bench
+    from optc.frontend.models.llama import hf_model_from_artifact
 
     hf = hf_model_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
     engine = Engine.load(artifacts["cpu"])
@@ -297,7 +297,7 @@ def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from optc.bench import BenchOptions, run_bench
+    from optc.commands.bench import BenchOptions, run_bench
 
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)

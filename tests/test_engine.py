@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from optc.errors import InputError
-from optc.kv_cache import KVCache
+from optc.core.errors import InputError
+from optc.core.kv_cache import KVCache
 from optc.runtime import Completion, Engine, EngineConfig, SamplingParams
 from optc.testing import assert_no_leaks
 
@@ -278,8 +278,8 @@ def test_text_and_chat_prompts_use_the_tokenizer(make_engine):
 def test_config_from_manifest_and_kv_pool_sizing(tiny_artifact):
     from dataclasses import replace
 
-    from optc.artifact import read_manifest
-    from optc.settings import RuntimeSettings
+    from optc.core.artifact import read_manifest
+    from optc.core.settings import RuntimeSettings
 
     manifest = replace(read_manifest(tiny_artifact),
                        runtime=RuntimeSettings(max_num_seqs=8, max_seq_len=128, gpu_memory_utilization=0.5))
@@ -304,7 +304,7 @@ TINY_PROMPTS = [[(i * 13 + j * 7) % 250 + 1 for j in range(1 + 5 * i)] for i in 
 
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory) -> Path:
-    build = pytest.importorskip("optc.build")
+    build = pytest.importorskip("optc.frontend.build")
     out = tmp_path_factory.mktemp("artifact") / "tiny"
     return build.build(build.BuildOptions(recipe=REPO / "recipes" / "tiny.yaml", out=out, quiet=True))
 
@@ -368,7 +368,7 @@ def test_tiny_text_prompts_follow_the_hf_tokenizer(tiny_artifact):
 def test_bench_reports_throughput_latency_and_the_hf_ratio(tiny_artifact, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from optc.bench import BenchOptions, format_bench, run_bench
+    from optc.commands.bench import BenchOptions, format_bench, run_bench
 
     options = BenchOptions(tiny_artifact, num_requests=5, input_len=20, output_len=4, max_num_seqs=2,
                            show_progress=False)

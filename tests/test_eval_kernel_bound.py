@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from optc.artifact import read
-from optc.compare.measure import measure_quality
-from optc.eval import evaluate
-from optc.ir import REFERENCE_KERNEL
+from optc.commands.compare.measure import measure_quality
+from optc.commands.eval import evaluate
+from optc.core.artifact import read
+from optc.core.ir import REFERENCE_KERNEL
 from optc.testing import build_artifact
 
 CUDA_PASSES = ("passes=[fuse_qkv, fuse_gate_up, kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels, "

@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from optc.artifact import read
 from optc.cli import app
-from optc.errors import UserError
-from optc.export import ExportFormat, ExportOptions, Flavor, export
-from optc.export.onnxrt import feeds, greedy_generate, session
-from optc.ir import Graph
+from optc.commands.export import ExportFormat, ExportOptions, Flavor, export
+from optc.commands.export.onnxrt import feeds, greedy_generate, session
+from optc.core.artifact import read
+from optc.core.errors import UserError
+from optc.core.ir import Graph
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.loader import load_model
@@ -105,8 +105,8 @@ def test_checker_and_logits_match_the_runtime(exported, artifacts, name, flavor)
 
 
 def test_every_ir_op_has_a_lowering():
-    from optc.export.lower import LOWERED_OPS
-    from optc.ops import OPS
+    from optc.commands.export.lower import LOWERED_OPS
+    from optc.core.ops import OPS
 
     assert sorted(LOWERED_OPS) == sorted(OPS)
 

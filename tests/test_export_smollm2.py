@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from optc.artifact import read
-from optc.export import ExportOptions, Flavor, export
-from optc.export.onnxrt import feeds, greedy_generate, session
-from optc.ir import Graph
+from optc.commands.export import ExportOptions, Flavor, export
+from optc.commands.export.onnxrt import feeds, greedy_generate, session
+from optc.core.artifact import read
+from optc.core.ir import Graph
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.runtime.loader import load_model

@@ -5,7 +5,7 @@ the per-kind formulas written out here (the ones docs/FORMATS.md states), and th
 import pytest
 import torch
 
-from optc.formats import (
+from optc.core.formats import (
     SCHEMES,
     Format,
     FormatKind,
@@ -15,7 +15,7 @@ from optc.formats import (
     pack_int4,
     quantized_format,
 )
-from optc.quant.rtn import fake_quantize, group_params, quantize_weight
+from optc.frontend.quant.rtn import fake_quantize, group_params, quantize_weight
 
 
 def _int4(zero_point: bool, act_order: bool = False, dtype: str = "float32", group: int = 32) -> Format:
@@ -148,7 +148,7 @@ def test_export_refusal_is_the_int4_portable_rule():
 
 
 def test_fusion_asks_the_scheme():
-    from optc.ir import Graph, ModelConfig, Node, TensorInfo
+    from optc.core.ir import Graph, ModelConfig, Node, TensorInfo
     from optc.passes._linears import can_fuse
 
     config = ModelConfig("LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,

@@ -14,9 +14,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.ops import verify
-from optc.sources import SourceError, load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.ops import verify
+from optc.frontend.sources import SourceError, load_source
 from optc.testing import assert_close
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -80,7 +80,7 @@ def test_fp16_fixture_checkpoint_matches_transformers(shared_fixture):
     ids = _ids(256)
     with torch.no_grad():
         expected = model(ids).logits
-    from optc.passmanager import PassContext, make_pass
+    from optc.frontend.passmanager import PassContext, make_pass
 
     cast = make_pass("cast", {"dtype": "float32"}).run(src.graph, src.store, PassContext())
     ours = run_dense(Executor(cast.graph, bind_params(cast.graph, cast.store)), ids)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from optc.ir import REFERENCE_KERNEL, Graph, Node
-from optc.ops import VerifyError, verify
-from optc.sources import load_source
+from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.ops import VerifyError, verify
+from optc.frontend.sources import load_source
 
 
 @pytest.fixture()

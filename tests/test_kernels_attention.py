@@ -7,9 +7,9 @@ request may read. Sequence and query lengths are ragged and not multiples of the
 import pytest
 import torch
 
+from optc.core.ops.attention import paged_attention_ref, paged_attention_sdpa
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
-from optc.ops.attention import paged_attention_ref, paged_attention_sdpa
 
 GQA = [(2, 2), (6, 2), (8, 2), (8, 1)]  # (H_q, H_kv): ratios 1, 3, 4, 8
 

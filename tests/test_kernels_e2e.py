@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from optc import build
+from optc.frontend import build
 from optc.runtime import Engine, SamplingParams
 
 PROMPTS = [[(i * 13 + j * 7) % 250 + 1 for j in range(1 + 9 * i)] for i in range(5)]  # 1..37 tokens

@@ -4,13 +4,13 @@
 import pytest
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import Format, FormatKind, dequantize, linear_ref, pack_int4
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import Format, FormatKind, dequantize, linear_ref, pack_int4
+from optc.core.ops import Param
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
 from optc.kernels.int4_cpu import int4pack_linear, prepare_int4pack
 from optc.kernels.registry import KernelQuery, impls, select
-from optc.ops import Param
-from optc.passmanager import PassContext, make_pass
-from optc.sources import load_source
 
 
 def _weight(n, k, group, zero_point, seed=0) -> Param:

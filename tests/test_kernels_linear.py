@@ -1,4 +1,4 @@
-"""Triton w4a16 / w8a16 linear against optc.formats.linear_ref (interpreter on the CPU).
+"""Triton w4a16 / w8a16 linear against optc.core.formats.linear_ref (interpreter on the CPU).
 
 Weights are random int4_g (with and without zero point, group sizes 32/64/128) or int8_wo; M covers
 the GEMV path (M <= 16, split-K) and the GEMM path; N and M are not multiples of the tiles.
@@ -7,7 +7,7 @@ the GEMV path (M <= 16, split-K) and the GEMM path; N and M are not multiples of
 import pytest
 import torch
 
-from optc.formats import Format, FormatKind, linear_ref, pack_int4
+from optc.core.formats import Format, FormatKind, linear_ref, pack_int4
 from optc.kernels.w4a16 import w4a16_linear
 from optc.kernels.w8a16 import w8a16_linear
 
@@ -80,7 +80,7 @@ def test_w4a16_one_row_fma_path_matches_ref(monkeypatch, group, zero_point, dtyp
 
 
 def _dequantized(parts, fmt) -> torch.Tensor:
-    from optc.formats import unpack_int4
+    from optc.core.formats import unpack_int4
 
     q = unpack_int4(parts["qweight"]).double()
     z = parts["zeros"].double() if fmt.zero_point else torch.full_like(parts["scales"], 8, dtype=torch.float64)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from optc.core.ops.elementwise import silu_mul_ref
+from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
 from optc.kernels.activation import silu_mul
 from optc.kernels.norm import add_rms_norm, rms_norm
-from optc.ops.elementwise import silu_mul_ref
-from optc.ops.norm import add_rms_norm_ref, rms_norm_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from optc.formats import Format, FormatKind
+from optc.core.formats import Format, FormatKind
+from optc.core.ops import OPS
 from optc.kernels.registry import KERNELS, TARGETS, KernelQuery, PreparedImpl, impls, select
-from optc.ops import OPS
 
 
 def _int4(group):
@@ -83,7 +83,7 @@ def test_select_binds_only_kernels_of_the_asked_target():
 
 
 def test_prepared_impl_prepares_each_node_once_and_passes_the_prepared_params():
-    from optc.ir import Node
+    from optc.core.ir import Node
 
     prepared, seen = [], []
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from optc.core.kv_cache import KVCache
+from optc.core.ops.attention import kv_store_ref
+from optc.core.ops.rope import rope_kv_store_ref, rope_ref
 from optc.kernels.rope import kv_store, rope, rope_kv_store
-from optc.kv_cache import KVCache
-from optc.ops.attention import kv_store_ref
-from optc.ops.rope import rope_kv_store_ref, rope_ref
 
 
 def assert_close(actual, expected, atol, rtol=0.0):

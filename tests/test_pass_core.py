@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.ops import verify
-from optc.passmanager import PassContext, PassError, PassManager, make_pass
-from optc.sources import load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.ops import verify
+from optc.frontend.passmanager import PassContext, PassError, PassManager, make_pass
+from optc.frontend.sources import load_source
 from optc.testing import assert_close
 
 IDS = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3))
@@ -90,7 +90,7 @@ def test_cast_numerics_within_bf16_rounding(tiny):
 
 
 def test_failing_pass_is_named_with_those_before_it(tiny, monkeypatch):
-    from optc.errors import InputError, UserError
+    from optc.core.errors import InputError, UserError
     from optc.passes.fuse_gate_up import FuseGateUp
 
     def user_error(self, graph, store, ctx):
@@ -118,7 +118,7 @@ def test_every_pass_is_a_pass_named_after_its_file_and_imports_no_other_pass():
     import importlib
     from pathlib import Path
 
-    from optc.passmanager import Pass, registry
+    from optc.frontend.passmanager import Pass, registry
 
     found = registry()
     files = sorted(Path(importlib.import_module("optc.passes").__path__[0]).glob("*.py"))

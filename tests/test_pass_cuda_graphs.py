@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import Format
-from optc.ir import Graph, ModelConfig, Node, TensorInfo
-from optc.passmanager import PassContext, make_pass
-from optc.recipe import RecipeError, resolve_passes
-from optc.sources import load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import Format
+from optc.core.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.recipe import RecipeError, resolve_passes
+from optc.frontend.sources import load_source
 
 HEADS = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 

@@ -2,12 +2,12 @@
 
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import Format
-from optc.ir import Graph, ModelConfig, Node, TensorInfo
-from optc.ops import verify
-from optc.passmanager import PassContext, make_pass
-from optc.sources import load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import Format
+from optc.core.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.core.ops import verify
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
 
 CONFIG = ModelConfig("LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=16, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,

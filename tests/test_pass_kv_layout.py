@@ -4,12 +4,12 @@ logits on random:tiny."""
 import pytest
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import Format
-from optc.ir import Graph, ModelConfig, Node, TensorInfo
-from optc.kv_cache import KVCacheSpec
-from optc.passmanager import PassContext, make_pass
-from optc.sources import load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import Format
+from optc.core.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.core.kv_cache import KVCacheSpec
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
 
 HEADS = {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 

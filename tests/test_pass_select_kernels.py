@@ -3,12 +3,12 @@ logits of random:tiny with Triton kernels bound (interpreter on the CPU) against
 
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import Format, FormatKind
-from optc.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import Format, FormatKind
+from optc.core.ir import Graph, ModelConfig, Node, TensorInfo
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
 from optc.kernels.registry import impls
-from optc.passmanager import PassContext, make_pass
-from optc.sources import load_source
 
 
 def _graph(head_dim: int = 16) -> Graph:
@@ -88,8 +88,8 @@ def test_select_kernels_triton_logits_match_reference_on_random_tiny():
 def test_min_cuda_capability_is_the_floor_raised_by_the_bound_kernels():
     from dataclasses import replace
 
-    from optc.artifact import MIN_CUDA_CAPABILITY
-    from optc.build import min_cuda_capability
+    from optc.core.artifact import MIN_CUDA_CAPABILITY
+    from optc.frontend.build import min_cuda_capability
     from optc.kernels.registry import KERNELS
 
     cuda = make_pass("select_kernels").run(_graph(), None, PassContext(target="cuda")).graph

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from optc.formats import dequantize, linear_ref
-from optc.quant.awq import (
+from optc.core.formats import dequantize, linear_ref
+from optc.frontend.quant.awq import (
     fold_into_linear,
     fold_into_norm,
     input_mean,
@@ -12,7 +12,7 @@ from optc.quant.awq import (
     search_clip,
     search_scale,
 )
-from optc.quant.rtn import fake_quantize, make_format, quantize_weight
+from optc.frontend.quant.rtn import fake_quantize, make_format, quantize_weight
 
 FMT = make_format(4, 64, True, "float16")
 

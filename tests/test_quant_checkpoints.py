@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optc.formats import dequantize, part_name, unpack_int4
-from optc.models import config_from_hf
-from optc.models.llama import param_shapes
-from optc.sources import SourceError, load_source
+from optc.core.formats import dequantize, part_name, unpack_int4
+from optc.frontend.models import config_from_hf
+from optc.frontend.models.llama import param_shapes
+from optc.frontend.sources import SourceError, load_source
 
 AWQ = "tiny-llama-awq-gemm"
 
@@ -188,10 +188,10 @@ def test_gptq_v1_zero_point_of_zero_is_an_error(tmp_path):
 
 
 def test_sources_import_the_awq_fixture_and_match_autoawq_logits(shared_fixture):
-    from optc.execute import Executor, bind_params, run_dense
-    from optc.ops import verify
+    from optc.core.execute import Executor, bind_params, run_dense
+    from optc.core.ops import verify
+    from optc.frontend.passmanager import PassContext
     from optc.passes.cast import Cast
-    from optc.passmanager import PassContext
 
     awq_dir = shared_fixture(AWQ)
     source = load_source(str(awq_dir))

@@ -1,12 +1,12 @@
-"""optc.eval: fixed windows, perplexity, KL and top-1 against a reference."""
+"""optc.commands.eval: fixed windows, perplexity, KL and top-1 against a reference."""
 
 import math
 
 import pytest
 import torch
 
-from optc.eval import evaluate, load_model
-from optc.passmanager import PassContext, make_pass
+from optc.commands.eval import evaluate, load_model
+from optc.frontend.passmanager import PassContext, make_pass
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from optc.formats import dequantize
-from optc.quant.gptq import Gptq
-from optc.quant.rtn import fake_quantize, make_format
+from optc.core.formats import dequantize
+from optc.frontend.quant.gptq import Gptq
+from optc.frontend.quant.rtn import fake_quantize, make_format
 
 
 def _problem(n=48, k=256, tokens=2048, seed=0):

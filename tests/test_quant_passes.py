@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from optc.execute import Executor, bind_params, run_dense
-from optc.formats import FormatKind
-from optc.ops import verify
-from optc.passmanager import PassContext, make_pass
-from optc.sources import load_source
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import FormatKind
+from optc.core.ops import verify
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
 
 CASES = [("quantize_rtn", {"group_size": 32}), ("quantize_rtn", {"bits": 8}),
          ("quantize_awq", {"group_size": 32}), ("quantize_awq", {"group_size": 32, "search_samples": 3}),

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from optc.formats import dequantize, pack_int4, unpack_int4
-from optc.quant.rtn import fake_quantize, group_params, make_format, quantize_weight
+from optc.core.formats import dequantize, pack_int4, unpack_int4
+from optc.frontend.quant.rtn import fake_quantize, group_params, make_format, quantize_weight
 
 
 def _w(n=37, k=192, seed=0):
@@ -91,10 +91,10 @@ def test_errors_name_the_tensor_and_dimension():
 
 
 def test_weight_quant_options_shared_by_the_quantization_passes():
-    from optc.errors import InputError
-    from optc.formats import FormatKind
-    from optc.passmanager import registry
-    from optc.quant.options import WeightQuantOptions
+    from optc.core.errors import InputError
+    from optc.core.formats import FormatKind
+    from optc.frontend.passmanager import registry
+    from optc.frontend.quant.options import WeightQuantOptions
 
     int8 = WeightQuantOptions(bits=8, group_size=64, zero_point=True)  # int8 is per channel and symmetric
     assert int8.record() == {"bits": 8, "group_size": None, "zero_point": False}

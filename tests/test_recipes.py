@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from optc.recipe import load_recipe
+from optc.frontend.recipe import load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 from optc.runtime.sampler import SamplingParams, apply_top_k_top_p, sample
 
 NEG_INF = float("-inf")

@@ -43,7 +43,7 @@ import torch
 
 openai = pytest.importorskip("openai")
 
-from optc.errors import UserError  # noqa: E402
+from optc.core.errors import UserError  # noqa: E402
 from optc.runtime import Engine, SamplingParams  # noqa: E402
 from optc.testing import serve_process, tiny_hf_model  # noqa: E402
 
@@ -322,7 +322,7 @@ def test_fifty_streams_twenty_disconnect(server):
 
 
 def test_load_tester_against_the_server(server):
-    from optc.loadgen import LoadOptions, run_load
+    from optc.commands.loadgen import LoadOptions, run_load
 
     result = run_load(LoadOptions(server, num_requests=12, input_len=16, output_len=8, request_rate=50.0,
                                   max_concurrency=4, api_key=KEY, show_progress=False))

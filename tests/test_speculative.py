@@ -14,7 +14,7 @@ context term: it agrees with the target most of the time, not always.
 import pytest
 import torch
 
-from optc.errors import InputError
+from optc.core.errors import InputError
 from optc.runtime import Engine, EngineConfig, SamplingParams
 from optc.runtime.draft import DraftProposer
 from optc.runtime.speculative import SpeculativeConfig, ngram_lookup

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from optc.cli import app
-from optc.errors import InputError
+from optc.core.errors import InputError
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.speculative import SpeculativeConfig
 from optc.testing import assert_no_leaks, build_artifact

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from optc.errors import InputError, UserError
+from optc.core.errors import InputError, UserError
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 

@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from optc.errors import UserError
+from optc.core.errors import UserError
 from optc.runtime.engine import Engine
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.server import responses as r

@@ -1,0 +1,147 @@
+"""Quality of a built model against a reference: perplexity, KL divergence and top-1 agreement on
+fixed windows of held-out text.
+
+Windows (stated in the result): the text is tokenized once, the first `max_tokens` tokens are cut
+into consecutive, non-overlapping windows of `window` tokens starting at token 0 (a final partial
+window is dropped); every window is scored from position 0 with no context before it. Over the
+window-1 predicted positions of every window: ppl = exp(mean NLL of the next token), kld = mean
+KL(reference ‖ model) of the next-token distributions, top1_agreement = share of positions whose
+argmax agrees. Everything runs through the ops' torch references on the CPU (whatever kernels the nodes are
+bound to), in the graph's dtype.
+
+A model is an artifact directory, a model source string (anything `optc build` accepts as
+`model:`), or a (Graph, TensorStore, tokenizer) triple. Not here: building or serving.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optc.core.errors import InputError
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.ir import Graph
+from optc.core.store import TensorStore
+from optc.frontend.calibration import encode, load_text
+
+DEFAULT_DATA = "builtin:pydoc-heldout"
+
+
+@dataclass(frozen=True)
+class Loaded:
+    graph: Graph
+    store: TensorStore
+    tokenizer: object
+
+
+def evaluate(model, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192, window: int = 512,
+             progress: Callable[[str], None] = lambda m: None) -> dict:
+    """-> {ppl, reference_ppl, kld, top1_agreement, tokens, windows, window, data}; the reference
+    keys are None without a reference. The tokenizer is the model's."""
+    (scores,) = score_windows([model], reference, data, max_tokens, window, progress)
+    return summarize_windows(scores, has_reference=reference is not None) | {
+        "windows": len(scores), "window": window, "data": data}
+
+
+@dataclass(frozen=True)
+class WindowScore:
+    """Sums over the window-1 predicted positions of one window; the reference sums are 0 without one."""
+
+    nll: float
+    reference_nll: float
+    kld: float
+    num_agree: int
+    num_tokens: int
+
+
+def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192,
+                  window: int = 512, progress: Callable[[str], None] = lambda m: None) -> list[list[WindowScore]]:
+    """Per-window sums of every model in `models` (the windows of the module doc, tokenized with the
+    first model's tokenizer), each window's reference run shared by all models. -> one list of
+    WindowScore per model, in window order (what a bootstrap over windows resamples)."""
+    loaded = [load_model(m) for m in models]
+    ids = torch.tensor(encode(loaded[0].tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
+    num_windows = ids.numel() // window
+    if num_windows == 0:
+        raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
+                         f"of {window}")
+    windows = ids[: num_windows * window].view(num_windows, window)
+    runs = [_runner(m) for m in loaded]
+    run_ref = _runner(load_model(reference)) if reference is not None else None
+    scores: list[list[WindowScore]] = [[] for _ in loaded]
+    for i in range(num_windows):
+        progress(f"eval window {i + 1}/{num_windows}")
+        w = windows[i:i + 1]
+        target = w[0, 1:]
+        ref_logp = run_ref(w)[0, :-1].float().log_softmax(-1) if run_ref is not None else None
+        for run, out in zip(runs, scores, strict=True):
+            logp = run(w)[0, :-1].float().log_softmax(-1)  # (window-1, V)
+            nll = float(-logp.gather(-1, target[:, None]).sum())
+            ref_nll = kld = 0.0
+            agree = 0
+            if ref_logp is not None:
+                ref_nll = float(-ref_logp.gather(-1, target[:, None]).sum())
+                kld = float((ref_logp.exp() * (ref_logp - logp)).sum())
+                agree = int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+            out.append(WindowScore(nll, ref_nll, kld, agree, target.numel()))
+    return scores
+
+
+def summarize_windows(scores: list[WindowScore], has_reference: bool = True) -> dict:
+    """{ppl, reference_ppl, kld, top1_agreement, tokens} over the given windows (token-weighted)."""
+    count = sum(s.num_tokens for s in scores)
+    return {
+        "ppl": math.exp(sum(s.nll for s in scores) / count),
+        "reference_ppl": math.exp(sum(s.reference_nll for s in scores) / count) if has_reference else None,
+        "kld": sum(s.kld for s in scores) / count if has_reference else None,
+        "top1_agreement": sum(s.num_agree for s in scores) / count if has_reference else None,
+        "tokens": count,
+    }
+
+
+def evaluate_build(graph: Graph, store: TensorStore, source, data: str = DEFAULT_DATA,
+                   max_tokens: int = 4096, window: int = 512) -> dict:
+    """What `optc build` records as `quality` when the recipe says `eval: true`: the built graph
+    against the unoptimized source."""
+    with tempfile.TemporaryDirectory(prefix="optc-eval-tok-") as tmp:
+        source.save_tokenizer(Path(tmp))
+        tokenizer = _tokenizer(Path(tmp))
+    return evaluate(Loaded(graph, store, tokenizer), Loaded(source.graph, source.store, tokenizer),
+                    data, max_tokens, window)
+
+
+def load_model(model) -> Loaded:
+    """An artifact directory, a model source string, a (graph, store, tokenizer) triple or a Loaded."""
+    if isinstance(model, Loaded):
+        return model
+    if isinstance(model, tuple):
+        return Loaded(*model)
+    path = Path(str(model))
+    if (path / "manifest.json").is_file():
+        from optc.core.artifact import read
+
+        artifact = read(path)  # sizes and sha256, graph against weights, as the runtime loads it
+        return Loaded(artifact.graph, artifact.store, _tokenizer(artifact.tokenizer_dir))
+    from optc.frontend.sources import load_source
+
+    source = load_source(str(model))
+    with tempfile.TemporaryDirectory(prefix="optc-eval-tok-") as tmp:
+        source.save_tokenizer(Path(tmp))
+        tokenizer = _tokenizer(Path(tmp))
+    return Loaded(source.graph, source.store, tokenizer)
+
+
+def _runner(m: Loaded):
+    executor = Executor(m.graph, bind_params(m.graph, m.store), use_references=True)  # any graph: Triton-bound too
+    return lambda ids: run_dense(executor, ids)
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,157 @@
+"""Run a graph: walk the nodes in order, call each node's bound implementation, free values after
+their last use.
+
+Used by the runtime (paged KV caches that persist across steps) and by calibration and evaluation
+in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer). Binding is
+by `Node.kernel`: `torch` (the default) is the op's reference in optc.core.ops; other names resolve
+through the `impls` table the caller passes (the runtime passes the Triton table). With
+`use_references`, every node runs its op's reference whatever kernel it is bound to: evaluation and
+calibration score the graph's math, which every kernel is tested to match, on any device. This
+module imports no runtime machinery: a batch is any object with ForwardBatch's fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from optc.core.formats import DTYPES, part_name
+from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, KVCacheSpec
+from optc.core.ops import OPS, Impl, Param
+from optc.core.store import TensorStore
+
+
+@dataclass
+class Step:
+    positions: torch.Tensor  # (T,)
+    batch: object  # ForwardBatch fields: block_tables, seq_lens, query_start_loc, slot_mapping
+    cos_sin: torch.Tensor  # (P, head_dim) fp32
+    logits_indices: torch.Tensor | None  # rows that get logits; None = all
+    kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
+    new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
+    _transient: dict[int, KVCache] = field(default_factory=dict)
+
+    def kv_cache(self, layer: int) -> KVCache:
+        """The layer's cache as the ops take it (data plus optional scales)."""
+        if self.kv_caches is not None:
+            return self.kv_caches[layer]
+        if layer not in self._transient:  # one layer at a time: drop the others' caches
+            self._transient.clear()
+            self._transient[layer] = self.new_transient_cache()
+        return self._transient[layer]
+
+
+def bind_params(graph: Graph, store: TensorStore, device: torch.device | str = "cpu") -> dict[str, Param]:
+    """Load every logical tensor the nodes use, as Params on `device`."""
+    params = {}
+    for name in graph.used_tensors():
+        fmt = graph.tensors[name].format
+        parts = {
+            role: store.get(part_name(name, role, fmt)).to(device)
+            for role in fmt.part_shapes(graph.tensors[name].shape)
+        }
+        params[name] = Param(parts, fmt)
+    return params
+
+
+class Executor:
+    """A graph bound to implementations and loaded params."""
+
+    def __init__(self, graph: Graph, params: dict[str, Param], impls: dict[str, Impl] | None = None,
+                 use_references: bool = False):
+        self.graph = graph
+        self.params = params
+        self._impls = [_resolve(n, impls or {}, use_references) for n in graph.nodes]
+        self._node_params = [{r: params[t] for r, t in n.params.items()} for n in graph.nodes]
+        last_use: dict[str, int] = {}
+        for i, n in enumerate(graph.nodes):
+            for v in n.inputs:
+                last_use[v] = i
+        self._dead_after = [
+            [v for v in n.inputs if last_use[v] == i and v not in graph.outputs] for i, n in enumerate(graph.nodes)
+        ]
+
+    def run(
+        self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values. Returns outputs."""
+        env = {"input_ids": input_ids, "positions": step.positions}
+        for i, node in enumerate(self.graph.nodes):
+            inputs = [env[v] for v in node.inputs]
+            outputs = self._impls[i](node, inputs, self._node_params[i], step)
+            if hook is not None:
+                hook(i, node, inputs, outputs)
+            env.update(zip(node.outputs, outputs, strict=True))
+            for v in self._dead_after[i]:
+                del env[v]
+        return {v: env[v] for v in self.graph.outputs}
+
+
+def _resolve(node: Node, impls: dict[str, Impl], use_references: bool) -> Impl:
+    """The implementation a node runs: its op's reference, or the kernel it is bound to from `impls`."""
+    if use_references or node.kernel == REFERENCE_KERNEL:
+        return OPS[node.op].ref
+    if node.kernel not in impls:
+        raise ValueError(
+            f"node {node.name!r} is bound to kernel {node.kernel!r}, which this runtime lacks "
+            f"(available: {REFERENCE_KERNEL}, {', '.join(sorted(impls)) or 'nothing else'})"
+        )
+    return impls[node.kernel]
+
+
+@dataclass
+class _ContiguousBatch:
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def dense_step(
+    graph: Graph,
+    num_seqs: int,
+    seq_len: int,
+    device="cpu",
+    dtype=torch.float32,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    all_logits: bool = True,
+) -> Step:
+    """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches
+    of the KV spec (`block_size`, `dtype`)."""
+    from functools import partial
+
+    from optc.core.rope import cos_sin_table
+
+    cfg = graph.config
+    per_seq = -(-seq_len // block_size)
+    blocks = torch.arange(1, 1 + num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq)
+    pos = torch.arange(seq_len).repeat(num_seqs)
+    slots = (blocks.long()[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :seq_len].flatten()
+    batch = _ContiguousBatch(
+        block_tables=blocks.to(device),
+        seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=device),
+        query_start_loc=(torch.arange(num_seqs + 1, dtype=torch.int32) * seq_len).to(device),
+        slot_mapping=slots.to(device),
+    )
+    last = None if all_logits else (torch.arange(1, num_seqs + 1) * seq_len - 1).to(device)
+    spec = KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
+    return Step(
+        pos.to(device),
+        batch,
+        cos_sin_table(cfg, max(seq_len, 1)).to(device),
+        last,
+        new_transient_cache=partial(spec.allocate_layer, cfg, 1 + num_seqs * per_seq, device),
+    )
+
+
+def run_dense(executor: Executor, input_ids: torch.Tensor, hook=None, all_logits: bool = True) -> torch.Tensor:
+    """Logits for a (num_seqs, seq_len) batch of token ids: (num_seqs, seq_len | 1, vocab) float32."""
+    n, s = input_ids.shape
+    some = next(iter(executor.params.values())).parts
+    dev = next(iter(some.values())).device
+    step = dense_step(executor.graph, n, s, dev, DTYPES[executor.graph.config.dtype], all_logits=all_logits)
+    logits = executor.run(input_ids.reshape(-1).to(dev), step, hook)["logits"]
+    return logits.view(n, s if all_logits else 1, -1)

@@ -1,0 +1,124 @@
+"""Tensor formats: how a logical weight is stored, as data on the tensor (never guessed from names).
+
+A logical weight of shape (N, K) (out features, in features) is stored as one or more parts. A
+`Format` is the data (a kind and its fields, in `graph.json`); the kind's `Scheme` (in this package,
+one module per kind: `scheme.py` holds the base and `dense`, then `int8_wo.py`, `int4_g.py`) is the
+behaviour: the parts and their shapes, the reference dequantization and linear, the rounding
+primitives the quantizers share, the fusion and cast rules and the export hooks. `SCHEMES` maps each
+kind to its scheme; a new kind is a new scheme module plus its line here.
+
+This package does not choose where to quantize or search for parameters (that is the quantization
+passes' job, with optc/frontend/quant/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+import torch
+
+from optc.core.errors import InputError
+from optc.core.formats.int4_g import INT4_GROUP_SIZES, INT4_PACKING, Int4G, pack_int4, unpack_int4
+from optc.core.formats.int8_wo import Int8Wo
+from optc.core.formats.scheme import Dense, Scheme
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+__all__ = [
+    "DENSE_F32", "DTYPES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format", "FormatKind", "Scheme",
+    "dequantize", "linear_ref", "pack_int4", "part_name", "quantized_format", "kind_for_bits", "unpack_int4",
+]
+
+
+class FormatKind(StrEnum):
+    DENSE = "dense"
+    INT8_WO = "int8_wo"
+    INT4_G = "int4_g"
+
+
+SCHEMES: dict[FormatKind, Scheme] = {
+    FormatKind.DENSE: Dense(),
+    FormatKind.INT8_WO: Int8Wo(),
+    FormatKind.INT4_G: Int4G(),
+}
+
+
+@dataclass(frozen=True)
+class Format:
+    kind: FormatKind = FormatKind.DENSE
+    dtype: str = "float32"  # the dense dtype, or the dtype of the scales
+    bits: int | None = None
+    group_size: int | None = None
+    zero_point: bool = False
+    packing: str | None = None
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        self.scheme.check_format(self)
+
+    @property
+    def scheme(self) -> Scheme:
+        return SCHEMES[self.kind]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.scheme.is_quantized
+
+    def to_json(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
+        d["kind"] = self.kind.value
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> Format:
+        return Format(**{**d, "kind": FormatKind(d["kind"])})
+
+    def part_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Role -> (shape, dtype) of each stored part of a logical tensor of `shape`."""
+        return self.scheme.part_shapes(self, tuple(shape))
+
+    def check_shape(self, shape: tuple[int, ...], what: str) -> None:
+        """Raise an InputError naming `what` when `shape` cannot be stored in this format."""
+        self.scheme.check_shape(self, tuple(shape), what)
+
+
+DENSE_F32 = Format()
+
+
+def quantized_format(bits: int, dtype: str = "float32", group_size: int | None = None, zero_point: bool = False,
+                     act_order: bool = False) -> Format:
+    """The weight-only format for `bits` whose scales are stored in `dtype` (8: int8_wo per channel;
+    4: int4_g with `group_size`); the scheme says which options it takes."""
+    kind = kind_for_bits(bits)
+    return Format(kind=kind, dtype=dtype, **SCHEMES[kind].format_fields(group_size, zero_point, act_order))
+
+
+def kind_for_bits(bits: int) -> FormatKind:
+    """The quantized kind that stores `bits`-bit weights; an InputError names the supported bits."""
+    kinds = {s.bits: k for k, s in SCHEMES.items() if s.bits is not None}
+    if bits not in kinds:
+        raise InputError(f"unsupported bits {bits}; supported: {tuple(sorted(kinds))}")
+    return kinds[bits]
+
+
+def part_name(name: str, role: str, fmt: Format) -> str:
+    """Storage key of one part of logical tensor `name`: a dense weight's one part is the name itself."""
+    return f"{name}.{role}" if fmt.is_quantized else name
+
+
+def dequantize(parts: dict[str, torch.Tensor], fmt: Format, out_dtype: torch.dtype | None = None):
+    """The reference dequantization: stored parts -> dense (N, K) weight in `out_dtype` (default: the
+    format's dtype). Quantized kinds compute in fp32 and cast once, so every caller gets the same bits."""
+    return fmt.scheme.dequantize(parts, fmt, out_dtype or fmt.torch_dtype)
+
+
+def linear_ref(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format, bias=None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) in x's dtype: the reference for every weight format (its scheme's linear)."""
+    return fmt.scheme.linear(x, parts, fmt, bias)

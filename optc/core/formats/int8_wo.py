@@ -1,0 +1,64 @@
+"""`int8_wo`: symmetric int8 weights with one scale per output channel.
+
+Parts `qweight`: (N, K) int8 and `scales`: (N,) in the format's dtype; w = qweight * scales[:, None].
+Round-to-nearest parameters: s = max|w| / 127 per row, q in [-127, 127], no zero point.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from optc.core.errors import InputError
+from optc.core.formats.scheme import PartShapes, Scheme, check_2d, round_scale
+
+if TYPE_CHECKING:
+    from optc.core.formats import Format
+
+
+class Int8Wo(Scheme):
+    """int8 weight-only, per output channel."""
+
+    is_quantized = True
+    bits = 8
+    float_roles = ("scales",)
+
+    def check_format(self, fmt: Format) -> None:
+        if fmt.bits != 8:
+            raise ValueError("int8_wo needs bits=8")
+        super().check_format(fmt)
+
+    def part_shapes(self, fmt: Format, shape: tuple[int, ...]) -> PartShapes:
+        n, k = shape
+        return {"qweight": ((n, k), torch.int8), "scales": ((n,), fmt.torch_dtype)}
+
+    def check_shape(self, fmt: Format, shape: tuple[int, ...], what: str) -> None:
+        check_2d(fmt, shape, what)
+
+    def dequantize(self, parts: dict[str, torch.Tensor], fmt: Format, out_dtype: torch.dtype) -> torch.Tensor:
+        return (parts["qweight"].float() * parts["scales"].float()[:, None]).to(out_dtype)
+
+    def format_fields(self, group_size: int | None, zero_point: bool, act_order: bool = False) -> dict:
+        if zero_point:
+            raise InputError("int8 weight-only quantization is symmetric: zero_point must be false")
+        return {"bits": 8}
+
+    def group_width(self, fmt: Format, k: int) -> int:
+        return k
+
+    def qrange(self, fmt: Format) -> tuple[int, int]:
+        return -127, 127
+
+    def group_params(self, w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = w.float().abs().amax(-1) / 127
+        return round_scale(scale, fmt), torch.zeros_like(scale)
+
+    def pack(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             fmt: Format) -> dict[str, torch.Tensor]:
+        return {"qweight": q.to(torch.int8), "scales": scales.reshape(q.shape[0]).to(fmt.torch_dtype)}
+
+    def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
+        from optc.commands.export.onnx_builder import matmul_operand_int8
+
+        return lowering.b.op1("MatMul", [x, matmul_operand_int8(lowering.b, tensor, parts)], base=tensor)

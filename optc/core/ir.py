@@ -1,0 +1,164 @@
+"""optc's graph IR: a layer-level dataflow graph of `Node`s over named values, serialized as JSON.
+
+What it is: the model config, graph inputs/outputs, nodes in execution order, and the tensor table
+(logical name -> shape and storage format). What it is not: it holds no tensor data (that is the
+TensorStore's) and knows nothing of kernels beyond the `kernel` attr `select_kernels` records
+(`Node.kernel`: that attr, or `REFERENCE_KERNEL`, the op's torch reference in optc.core.ops).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from optc.core.formats import Format
+
+GRAPH_INPUTS = ("input_ids", "positions")
+GRAPH_OUTPUTS = ("logits",)
+REFERENCE_KERNEL = "torch"  # a node without a `kernel` attr runs its op's torch reference
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # activations between nodes (and the default KV cache dtype)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> ModelConfig:
+        known = {f.name for f in fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    format: Format
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "format": self.format.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> TensorInfo:
+        return TensorInfo(tuple(d["shape"]), Format.from_json(d["format"]))
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)  # role -> logical tensor name
+
+    @property
+    def kernel(self) -> str:
+        """The implementation the node is bound to: a kernel name, or the op's torch reference."""
+        return self.attrs.get("kernel", REFERENCE_KERNEL)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "attrs": self.attrs,
+            "params": self.params,
+        }
+
+
+@dataclass
+class Graph:
+    config: ModelConfig
+    nodes: list[Node]
+    tensors: dict[str, TensorInfo]
+    inputs: tuple[str, ...] = GRAPH_INPUTS
+    outputs: tuple[str, ...] = GRAPH_OUTPUTS
+
+    def copy(self) -> Graph:
+        """A deep copy of nodes and the tensor table; passes edit the copy, never their input."""
+        return replace(self, nodes=copy.deepcopy(self.nodes), tensors=dict(self.tensors))
+
+    def producers(self) -> dict[str, Node]:
+        return {out: n for n in self.nodes for out in n.outputs}
+
+    def consumers(self) -> dict[str, list[Node]]:
+        users: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                users.setdefault(v, []).append(n)
+        for v in self.outputs:
+            users.setdefault(v, [])
+        return users
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r}")
+
+    def used_tensors(self) -> list[str]:
+        """Logical tensors referenced by nodes, in first-use order, each once."""
+        return list(dict.fromkeys(t for n in self.nodes for t in n.params.values()))
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.config.to_json(),
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "nodes": [n.to_json() for n in self.nodes],
+            "tensors": {k: self.tensors[k].to_json() for k in sorted(self.tensors)},
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_json(d: dict) -> Graph:
+        nodes = [Node(**n) for n in d["nodes"]]
+        tensors = {k: TensorInfo.from_json(v) for k, v in d["tensors"].items()}
+        return Graph(ModelConfig.from_json(d["config"]), nodes, tensors, tuple(d["inputs"]), tuple(d["outputs"]))
+
+    def text(self) -> str:
+        """A readable dump: one line per node, `outs = op(ins) {attrs} [role=tensor:format]`."""
+        lines = [f"graph({', '.join(self.inputs)}) -> {', '.join(self.outputs)}"]
+        for n in self.nodes:
+            attrs = ", ".join(f"{k}={v}" for k, v in n.attrs.items())
+            params = ", ".join(
+                f"{r}={t}:{self.tensors[t].format.kind.value}{list(self.tensors[t].shape)}"
+                for r, t in n.params.items()
+                if t in self.tensors
+            )
+            lines.append(
+                f"  {', '.join(n.outputs)} = {n.op}({', '.join(n.inputs)})"
+                + (f" {{{attrs}}}" if attrs else "")
+                + (f" [{params}]" if params else "")
+            )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,158 @@
+"""Paged attention over the GQA-aware KV cache, and the KV store: torch references and the op spec.
+
+KV cache per layer: a `KVCache` (optc/core/kv_cache.py) whose data is (num_blocks, 2, block_size, H_kv,
+D); index 0 of dim 1 is K, 1 is V. The op and the store take the `KVCache` (data plus optional
+scales) and store through `KVCache.encode`; the attention math (`paged_attention_ref`/`_sdpa`)
+reads a float cache's data. K/V are stored once per KV head, never repeated per query head. A token
+at slot s lives in block s // block_size, offset s % block_size; slot -1 is not stored (padding).
+Block tables are padded with block 0, the reserved null block.
+
+Attention is causal over each request's whole context: query i of request b (at position
+seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
+`paged_attention_ref` is the specification the Triton kernels (optc.kernels.paged_decode,
+paged_prefill) are tested against; `paged_attention_sdpa` is the same math through SDPA, the
+torch path the runtime runs. Both read `seq_lens` and the query lengths on the host and the store
+indexes with a boolean mask: the reference syncs with the device (no CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optc.core.kv_cache import KVCache
+from optc.core.ops.spec import OpSpec, heads, no_params
+
+
+def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    # k, v: (T, H_kv, D) -> kv_cache.data[slot // bs, 0 | 1, slot % bs] in place, in the cache's stored form
+    block_size = kv_cache.block_size
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache.data[blocks, 0, offsets] = kv_cache.encode(k[keep])
+    kv_cache.data[blocks, 1, offsets] = kv_cache.encode(v[keep])
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """All requests at once: queries and K/V padded per request, one causal mask (no Python loop)."""
+    # q: (T, H_q, D) -> (T, H_q, D)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_requests = seq_lens.shape[0]
+    dev = q.device
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    max_query = int(query_lens.max()) if num_requests else 0
+    if num_tokens == 0 or max_query == 0:
+        return torch.empty_like(q)
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    kv = kv_cache[block_tables[:, :num_blocks].long()].float()  # (B, nb, 2, bs, H_kv, D)
+    k = kv[:, :, 0].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
+    v = kv[:, :, 1].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)
+    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
+    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()  # index within its request
+    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=torch.float32)
+    qp[request, row] = q.float()
+    # (B, H_kv, group * Lq, D): the query heads of one KV head share its K/V (read once per group)
+    qh = qp.view(num_requests, max_query, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qh = qh.reshape(num_requests, num_kv_heads, group * max_query, head_dim)
+    scores = (qh @ k.transpose(-1, -2)) * scale  # (B, H_kv, group * Lq, L)
+    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
+    masked = torch.arange(k.shape[2], device=dev)[None, None, :] > query_pos[:, :, None]  # (B, Lq, L)
+    scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))
+    out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
+    return out[request, row].to(q.dtype)
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The torch-bound runtime path: `paged_attention_ref`'s math through SDPA on the gathered cache.
+
+    SDPA reads K/V in the cache dtype and accumulates in fp32 inside, so no fp32 copy of the gathered
+    cache is made (on the CPU that copy was half of a decode step). Agrees with the reference to the
+    rounding of the output dtype; the tests hold it to that.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_requests = seq_lens.shape[0]
+    dev = q.device
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    max_query = int(query_lens.max()) if num_requests else 0
+    if num_tokens == 0 or max_query == 0:
+        return torch.empty_like(q)
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    length = num_blocks * block_size
+    # index_select copies whole blocks as contiguous rows: much faster on the CPU than advanced indexing
+    table = block_tables[:, :num_blocks].reshape(-1).long()
+    k, v = (kv_cache[:, i].index_select(0, table).view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)
+            for i in (0, 1))  # (B, H_kv, L, D)
+    if num_tokens == num_requests and max_query == 1:  # a decode step: one query per request, no padding
+        allowed = torch.arange(length, device=dev)[None, :] < seq_lens.long()[:, None]  # (B, L)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.to(kv_cache.dtype)[:, :, None], k, v, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True)
+        return out[:, :, 0].to(q.dtype)
+    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
+    row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()
+    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=kv_cache.dtype)
+    qp[request, row] = q.to(kv_cache.dtype)
+    query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
+    allowed = torch.arange(length, device=dev)[None, None, :] <= query_pos[:, :, None]  # (B, Lq, L)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, H_q, Lq, D)
+    return out.transpose(1, 2)[request, row].to(q.dtype)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    kv_cache: KVCache,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """The attention op: store k, v into the cache (None: stored already, by rope_kv_store), then
+    attend. `max_query_len` / `max_seq_len` are the batch's bounds when the caller knows them as
+    Python ints (launchers size their grids with them); the reference reads the tensors instead."""
+    # q: (T, H_q, D), k, v: (T, H_kv, D) -> (T, H_q, D)
+    if k is not None:
+        kv_store_ref(k, v, kv_cache, slot_mapping)
+    return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale)
+
+
+def _attention_call(fn, node, inputs, params, step):
+    # attention(q, k, v) {layer, heads, scale} -> out;  with {kv_stored}: attention(q) reads the cache only
+    a, b = node.attrs, step.batch
+    cache = step.kv_cache(a["layer"])
+    k = v = None
+    if not a.get("kv_stored", False):
+        k, v = (heads(t, a["num_kv_heads"], a["head_dim"]) for t in inputs[1:3])
+    q = heads(inputs[0], a["num_heads"], a["head_dim"])
+    # Python ints when the batch carries them (the runtime's ForwardBatch); a CUDA-graph capture
+    # passes its capacity as max_seq_len
+    out = fn(q, k, v, cache, b.slot_mapping, b.block_tables, b.seq_lens, b.query_start_loc, a["scale"],
+             max_query_len=getattr(b, "max_query_len", None), max_seq_len=getattr(b, "max_seq_len", None))
+    return [out.flatten(1)]
+
+
+ATTENTION_ATTRS = ("layer", "num_heads", "num_kv_heads", "head_dim")
+ATTENTION = OpSpec(3, 1, (*ATTENTION_ATTRS, "scale"), (), no_params, attention_ref, _attention_call,
+                   touches_kv_cache=True, reference_syncs_host=True)

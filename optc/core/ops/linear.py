@@ -1,0 +1,75 @@
+"""The ops that read a weight matrix: `embedding` (a row lookup), `linear` and `lm_head` (x @ W^T).
+
+The matmul reference is optc.core.formats.linear_ref for every weight format (dense, int8_wo, int4_g):
+W is dequantized in x's dtype before the matmul; the Triton w4a16 / w8a16 launchers share its
+signature. A linear with a `split` attr is the fusion of sibling linears: its output is split
+along features into the siblings' outputs. `lm_head` computes the logits of the step's selected
+rows only, in float32 (`logits_ref`: never rounded to a 16-bit activation dtype where it matters).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from optc.core.formats import Format, dequantize, linear_ref
+from optc.core.ir import ModelConfig, Node
+from optc.core.ops.spec import OpSpec, vocab_weight
+
+# logits recomputed exactly per row: the greedy token is the float32 argmax unless more than this
+# many logits lie within 16-bit rounding of the row's maximum (a tie that wide is a tie)
+EXACT_TOP_LOGITS = 16
+
+
+def logits_ref(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """float32 logits x @ W^T, accumulated in fp32 and not rounded to x's dtype at the top.
+
+    A bfloat16 matmul rounds its output to bfloat16: at |logit| ~ 20 one step is 0.125, about the
+    gap between the two best tokens of many real prompts, so near-ties become exact ties that argmax
+    breaks by token id, and two CPUs whose kernels round the hidden states differently answer
+    differently (docs/PERF.md, "bf16 on AVX2 CPUs"). The whole product in float32 costs ~10x on the
+    CPU (the weight cast), so the matmul in x's dtype ranks the vocabulary and the EXACT_TOP_LOGITS best of
+    each row are recomputed in fp32 from x and their weight rows. No host sync: CUDA graphs capture it.
+    """
+    # x: (M, K) -> (M, V) float32
+    logits = linear_ref(x, parts, fmt).float()
+    if x.dtype == torch.float32:
+        return logits
+    top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices  # (M, k)
+    ids = top.flatten()
+    # every part but act_order's input permutation is indexed by output row
+    rows = dequantize({r: p if r == "perm" else p.index_select(0, ids) for r, p in parts.items()}, fmt,
+                      torch.float32)  # (M * k, K)
+    exact = torch.bmm(rows.view(*top.shape, -1), x.float()[:, :, None])[..., 0]  # (M, k)
+    return logits.scatter_(-1, top, exact)
+
+
+def _embedding_call(fn, node, inputs, params, step):
+    # embedding(input_ids) [weight] -> hidden
+    return [fn(inputs[0], params["weight"].dense())]
+
+
+def _linear_call(fn, node, inputs, params, step):
+    # linear(x) {split?} [weight, bias?] -> y, or its split along features
+    w = params["weight"]
+    y = fn(inputs[0], w.parts, w.format, params["bias"].dense() if "bias" in params else None)
+    split = node.attrs.get("split")
+    return list(y.split(split, dim=-1)) if split else [y]
+
+
+def _lm_head_call(fn, node, inputs, params, step):
+    # lm_head(hidden) [weight] -> float32 logits of the rows step.logits_indices selects (None: all)
+    x = inputs[0] if step.logits_indices is None else inputs[0][step.logits_indices]
+    w = params["weight"]
+    return [fn(x, w.parts, w.format)]
+
+
+def _linear_shapes(node: Node, cfg: ModelConfig) -> dict:
+    n, k = node.attrs["out_features"], node.attrs["in_features"]
+    return {"weight": (n, k), "bias": (n,)}
+
+
+EMBEDDING = OpSpec(1, 1, (), ("weight",), vocab_weight, F.embedding, _embedding_call)
+LINEAR = OpSpec(1, None, ("in_features", "out_features"), ("weight",), _linear_shapes, linear_ref, _linear_call,
+                optional_params=("bias",))
+LM_HEAD = OpSpec(1, 1, (), ("weight",), vocab_weight, logits_ref, _lm_head_call)

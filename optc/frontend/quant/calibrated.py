@@ -1,0 +1,69 @@
+"""The calibrated weight-quantization driver: the skeleton AWQ and GPTQ share.
+
+`run_calibrated` runs the calibration tokens through the graph one decoder block at a time
+(optc.frontend.quant.blocks): per block it loads the block's params, hands them to the method's
+`quantize_block`, then advances the activations through the block as the method left it (quantized
+weights, folded scales), so each block is calibrated on the error of the blocks before it. At the
+end it checks that every dense linear was quantized, writes the quantized and folded tensors, and
+returns the pass result with the manifest's `quantization` section. Which linears a method takes
+together and how it rounds them is the method's (passes/quantize_awq.py, passes/quantize_gptq.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from optc.core.formats import Format
+from optc.core.ir import Graph, Node
+from optc.core.ops import Param
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import PassContext, PassResult
+from optc.frontend.quant.blocks import BlockRunner, apply, progress, start_calibration, to_host
+from optc.frontend.quant.options import WeightQuantOptions, dense_linear_weights
+
+
+@dataclass
+class Calibration:
+    """One calibrated run: what the method may read (graph, targets, runner) and what it writes."""
+
+    graph: Graph
+    targets: set[str]  # the dense linear weights to quantize
+    runner: BlockRunner
+    quantized: dict[str, tuple[Format, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    folded: dict[str, torch.Tensor] = field(default_factory=dict)  # dense weights rewritten (AWQ's 1/s)
+
+    def keep(self, name: str, fmt: Format, parts: dict[str, torch.Tensor], params: dict[str, Param]) -> None:
+        """Record `name` quantized to `parts`, and let the rest of the block compute with them."""
+        self.quantized[name] = (fmt, to_host(parts))
+        params[name] = Param(parts, fmt)
+
+
+QuantizeBlock = Callable[[Calibration, list[Node], dict[str, Param]], None]
+
+
+def run_calibrated(pass_name: str, method: str, options: WeightQuantOptions, graph: Graph, store: TensorStore,
+                   ctx: PassContext, quantize_block: QuantizeBlock, record: dict[str, Any],
+                   stats: Callable[[], dict[str, Any]] = dict) -> PassResult:
+    """Quantize every dense linear of `graph` block by block with `quantize_block`; `record` (the method's
+    options) goes into the manifest section, `stats()` (read after the last block) into the pass stats."""
+    targets = set(dense_linear_weights(graph))
+    if not targets:
+        return PassResult(graph, store, changed=False, stats={"quantized": 0})
+    runner, blocks = start_calibration(graph, store, ctx, pass_name)
+    run = Calibration(graph, targets, runner)
+    for block in progress(ctx, blocks, pass_name):
+        params = runner.load(block.nodes)
+        quantize_block(run, block.nodes, params)
+        runner.advance(block.nodes, params, block.outputs)
+    missing = sorted(targets - set(run.quantized))
+    if missing:
+        raise ValueError(f"{pass_name}: linears outside any decoder block: {missing[:3]}")
+    folded = {t: w for t, w in run.folded.items() if t not in run.quantized}
+    graph, store = apply(graph, store, run.quantized, folded)
+    section = {"method": method, **options.record(), **record, "calibration": dict(ctx.calibration_record)}
+    return PassResult(graph, store, changed=True, stats={"quantized": len(run.quantized), **stats()},
+                      manifest={"quantization": section})

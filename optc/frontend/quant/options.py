@@ -1,0 +1,75 @@
+"""What the weight-quantization passes (RTN, AWQ, GPTQ) share: their common options and which linears
+they quantize.
+
+`WeightQuantOptions` is the base of each of those passes' `Options`: bits, group size and zero point,
+checked when constructed, and what follows from them (the `Format` of a weight of a given dtype, the
+manifest's quantization record). How the integers are chosen is each method's (rtn.py, awq.py,
+gptq.py); this module does not quantize anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from optc.core.errors import InputError
+from optc.core.formats import Format
+from optc.core.ir import Graph
+from optc.frontend.quant.rtn import make_format
+
+BITS = {"choices": (4, 8), "help": "4: int4_g grouped; 8: int8_wo per output channel"}
+GROUP = {"choices": (32, 64, 128), "help": "int4 group size along the input dimension"}
+
+
+@dataclass(frozen=True)
+class WeightQuantOptions:
+    """Bits, int4 group size and zero point of weight-only quantization."""
+
+    bits: int = field(default=4, metadata=BITS)
+    group_size: int = field(default=128, metadata=GROUP)
+    zero_point: bool = field(default=True, metadata={"help": "int4: asymmetric with a zero point per group"})
+
+    def __post_init__(self) -> None:
+        self.format()  # option errors before any work
+
+    @property
+    def has_zero_point(self) -> bool:
+        """Whether weights get a zero point: int4 only (int8 is symmetric whatever `zero_point` says)."""
+        return self.zero_point and self.bits == 4
+
+    @property
+    def stored_group_size(self) -> int | None:
+        """The group size weights are stored with: None for int8 (per output channel)."""
+        return self.group_size if self.bits == 4 else None
+
+    def format(self, dtype: str = "float32") -> Format:
+        """The format of a weight quantized with these options whose scales are stored in `dtype`."""
+        return make_format(self.bits, self.group_size, self.has_zero_point, dtype)
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's quantization fields these options decide."""
+        return {"bits": self.bits, "group_size": self.stored_group_size, "zero_point": self.has_zero_point}
+
+    def refuse_requantizing(self, graph: Graph, pass_name: str) -> None:
+        """A linear already quantized to another format is an error; one in this format is left as it is
+        (so a second run of the same pass changes nothing)."""
+        want = (self.bits, self.stored_group_size, self.has_zero_point)
+        for name in dict.fromkeys(n.params["weight"] for n in graph.nodes if n.op == "linear"):
+            fmt = graph.tensors[name].format
+            if fmt.is_quantized and (fmt.bits, fmt.group_size, fmt.zero_point) != want:
+                have = f"{fmt.kind.value} bits={fmt.bits} group_size={fmt.group_size} zero_point={fmt.zero_point}"
+                raise InputError(f"{name} is already quantized ({have}); {pass_name} would quantize it again to bits="
+                                 f"{want[0]} group_size={want[1]} zero_point={want[2]}: keep one quantization pass")
+
+
+def dense_linear_weights(graph: Graph) -> list[str]:
+    """Weights of `linear` nodes still stored dense, in node order (embedding and lm_head excluded)."""
+    names = [n.params["weight"] for n in graph.nodes if n.op == "linear"]
+    return [t for t in dict.fromkeys(names) if not graph.tensors[t].format.is_quantized]
+
+
+def ensure_quantized(graph: Graph, pass_name: str) -> None:
+    """Raise when a linear is left dense after a weight-quantization pass."""
+    left = dense_linear_weights(graph)
+    if left:
+        raise ValueError(f"{pass_name}: linears left dense: {left[:3]}")

