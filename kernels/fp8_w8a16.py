@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.formats import Activations, Format, FormatKind
+from optc.formats import Activations, Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot_or_fma
 from optc.kernels.w8a16 import GEMM_CONFIGS, GEMV_CONFIGS, M1_CONFIGS, SPLIT_ALIGN
@@ -71,14 +71,13 @@ def fp8_w8a16_linear(
 ) -> torch.Tensor:
     """linear_ref for a weight-only fp8_e4m3 weight (scales prepared to (N,)): x (..., K) -> (..., N) in
     x's dtype. `split_k` overrides the GEMV's split heuristic (M <= 16 only)."""
-    assert fmt.kind is FormatKind.FP8_E4M3 and fmt.activations is Activations.NONE, \
-        f"fp8_w8a16 needs a weight-only fp8_e4m3 weight, got {fmt.label}"
     qweight, scales = parts["qweight"], parts["scales"]
+    assert qweight.dtype == torch.float8_e4m3fn and fmt.activations is Activations.NONE, \
+        f"fp8_w8a16 needs a weight-only fp8_e4m3 weight, got {fmt.label}"
     n, k = qweight.shape
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported x dtype {x.dtype}"
-    assert qweight.dtype == torch.float8_e4m3fn and qweight.stride(1) == 1, \
-        "qweight must be float8_e4m3fn with contiguous K"
+    assert qweight.stride(1) == 1, "qweight must have contiguous K"
     assert scales.shape == (n,) and scales.is_contiguous(), \
         f"scales {list(scales.shape)} != ({n},): per-tensor scales go through prepare_fp8_w8a16"
     assert bias is None or bias.shape == (n,), f"bias {None if bias is None else list(bias.shape)} != ({n},)"
