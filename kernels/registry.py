@@ -19,7 +19,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optc.core.formats import DTYPES, Format, FormatKind
+from optc.core.formats import DTYPES, Activations, Format, FormatKind
 from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
@@ -142,7 +142,23 @@ def _int4pack_cpu_ok(q: KernelQuery) -> bool:
 
 def _w8a16_ok(q: KernelQuery) -> bool:
     w = q.weight
-    return _dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and len(q.weight_shape) == 2
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and w.activations is Activations.NONE
+            and len(q.weight_shape) == 2)
+
+
+def _fp8_w8a16_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.FP8_E4M3 and w.activations is Activations.NONE
+            and len(q.weight_shape) == 2)
+
+
+def _w8a8_ok(kind: FormatKind, multiple: int) -> Callable[[KernelQuery], bool]:
+    """W8A8 of `kind` whose N and K are multiples of `multiple` (the 8-bit matmuls' alignment on CUDA)."""
+    def ok(q: KernelQuery) -> bool:
+        w = q.weight
+        return (_dtype_ok(q) and w is not None and w.kind is kind and w.activations is Activations.DYNAMIC
+                and len(q.weight_shape) == 2 and not q.weight_shape[0] % multiple and not q.weight_shape[1] % multiple)
+    return ok
 
 
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
@@ -154,6 +170,13 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
+    KernelSpec("triton.fp8_w8a16", "linear", _fp8_w8a16_ok, "fp8_w8a16:fp8_w8a16_linear",
+               prepare="fp8_w8a16:prepare_fp8_w8a16", min_capability=(8, 9)),
+    # W8A8 through torch's 8-bit matmuls; not yet measured on a GPU (docs/PERF.md)
+    KernelSpec("torch.scaled_mm", "linear", _w8a8_ok(FormatKind.FP8_E4M3, 16), "w8a8:scaled_mm_linear",
+               prepare="w8a8:prepare_w8a8", min_capability=(8, 9)),
+    KernelSpec("torch.int_mm", "linear", _w8a8_ok(FormatKind.INT8_WO, 8), "w8a8:int_mm_linear",
+               prepare="w8a8:prepare_w8a8"),
     # opt-in until kernel choice is measured per M on the build machine and evaluation runs bound graphs
     KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
                prepare="int4_cpu:prepare_int4pack", by_default=False),

@@ -61,7 +61,8 @@ FORMATS = [Format(), Format(dtype="bfloat16"), Format(FormatKind.INT8_WO, dtype=
 
 def test_every_kind_has_a_scheme():
     assert set(SCHEMES) == set(FormatKind)
-    assert [k for k, s in SCHEMES.items() if s.is_quantized] == [FormatKind.INT8_WO, FormatKind.INT4_G]
+    assert [k for k, s in SCHEMES.items() if s.is_quantized] == [FormatKind.INT8_WO, FormatKind.INT4_G,
+                                                                 FormatKind.FP8_E4M3]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.kind.value}-{f.dtype}-zp{f.zero_point}-ao{f.act_order}")

@@ -12,11 +12,7 @@ def summarize(path: str | Path) -> dict:
     """The artifact at `path` (sizes checked, hashes not: inspect reads no weights) as plain data."""
     artifact = read(path, verify=False)
     m, graph = artifact.manifest.to_json(), artifact.graph
-    formats = Counter(
-        info.format.kind.value
-        + ("" if not info.format.is_quantized else f"/g{info.format.group_size}" if info.format.group_size else "")
-        for info in graph.tensors.values()
-    )
+    formats = Counter(info.format.label for info in graph.tensors.values())
     weight_bytes = sum(f["bytes"] for n, f in m["files"].items() if n.startswith("weights-"))
     return {
         "path": str(artifact.path),

@@ -27,6 +27,7 @@ _ST_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,  # fp8_e4m3 weights
 }
 
 

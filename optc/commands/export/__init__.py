@@ -83,10 +83,9 @@ def export(options: ExportOptions) -> ExportResult:
 
     opened = read(options.artifact, verify=options.verify)
     graph, store, tokenizer_dir = opened.graph, opened.store, opened.tokenizer_dir
-    if flavor is Flavor.PORTABLE:
-        from optc.commands.export.portable import check_portable
+    from optc.commands.export.portable import check_formats
 
-        check_portable(graph)
+    check_formats(graph, flavor.value)  # before any work
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

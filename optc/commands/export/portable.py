@@ -9,7 +9,7 @@ TensorRT and any other ONNX consumer.
   and Concat.
 - RMSNorm as ReduceMean / Sqrt / Reciprocal / Mul (the shared lowering).
 - int4 weights: blocked DequantizeLinear + MatMul, the weight-only form TensorRT accepts: symmetric
-  int4 in blocks of 64 or 128 along K. Other int4 formats are refused by `check_portable`.
+  int4 in blocks of 64 or 128 along K. Other int4 formats are refused by `check_formats`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ class ExportFormatError(UserError, ValueError):
     """An artifact whose weight format the asked-for export target cannot hold."""
 
 
-def check_portable(graph: Graph) -> None:
-    """Refuse int4 formats TensorRT cannot take (zero points, group 32), naming the recipe options that fit."""
+def check_formats(graph: Graph, flavor: str) -> None:
+    """Refuse weight formats `flavor` cannot hold (each scheme's `export_refusal`: int4 TensorRT cannot take
+    in the portable flavor, W8A8 in any), naming the recipe options that fit."""
     for name in graph.used_tensors():
         fmt = graph.tensors[name].format
-        refusal = fmt.scheme.export_refusal(fmt, "portable")
+        refusal = fmt.scheme.export_refusal(fmt, flavor)
         if refusal is not None:
             raise ExportFormatError(f"tensor {name} is {refusal}")
 

@@ -2,8 +2,9 @@
 
 A logical weight of shape (N, K) (out features, in features) is stored as one or more parts. A
 `Format` is the data (a kind and its fields, in `graph.json`); the kind's `Scheme` (in this package,
-one module per kind: `scheme.py` holds the base and `dense`, then `int8_wo.py`, `int4_g.py`) is the
-behaviour: the parts and their shapes, the reference dequantization and linear, the rounding
+one module per kind: `scheme.py` holds the base and `dense`, then `int8_wo.py`, `int4_g.py`,
+`fp8_e4m3.py`) is the behaviour: the parts and their shapes, the reference dequantization and linear
+(with the per-token activation quantization of W8A8 formats), the rounding
 primitives the quantizers share, the fusion and cast rules and the export hooks. `SCHEMES` maps each
 kind to its scheme; a new kind is a new scheme module plus its line here.
 
@@ -19,14 +20,16 @@ from enum import StrEnum
 import torch
 
 from optc.core.errors import InputError
+from optc.core.formats.fp8_e4m3 import Fp8E4M3
 from optc.core.formats.int4_g import INT4_GROUP_SIZES, INT4_PACKING, Int4G, pack_int4, unpack_int4
 from optc.core.formats.int8_wo import Int8Wo
-from optc.core.formats.scheme import Dense, Scheme
+from optc.core.formats.scheme import Activations, Dense, Scheme
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 __all__ = [
-    "DENSE_F32", "DTYPES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format", "FormatKind", "Scheme",
+    "Activations", "DENSE_F32", "DTYPES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format", "FormatKind",
+    "Scheme",
     "dequantize", "linear_ref", "pack_int4", "part_name", "quantized_format", "kind_for_bits", "unpack_int4",
 ]
 
@@ -35,12 +38,14 @@ class FormatKind(StrEnum):
     DENSE = "dense"
     INT8_WO = "int8_wo"
     INT4_G = "int4_g"
+    FP8_E4M3 = "fp8_e4m3"
 
 
 SCHEMES: dict[FormatKind, Scheme] = {
     FormatKind.DENSE: Dense(),
     FormatKind.INT8_WO: Int8Wo(),
     FormatKind.INT4_G: Int4G(),
+    FormatKind.FP8_E4M3: Fp8E4M3(),
 }
 
 
@@ -53,8 +58,11 @@ class Format:
     zero_point: bool = False
     packing: str | None = None
     act_order: bool = False
+    per_tensor: bool = False  # one scale for the whole weight (fp8_e4m3), not one per output channel
+    activations: Activations = Activations.NONE  # dynamic: the linear quantizes x per token (W8A8)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activations", Activations(self.activations))  # from JSON: a string
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; allowed: {', '.join(DTYPES)}")
         self.scheme.check_format(self)
@@ -71,9 +79,18 @@ class Format:
     def is_quantized(self) -> bool:
         return self.scheme.is_quantized
 
+    @property
+    def label(self) -> str:
+        """The format in a word (`optc inspect`): kind, then group size, per-tensor, activation mode."""
+        return self.scheme.label(self)
+
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None and v is not False}
         d["kind"] = self.kind.value
+        if self.activations is Activations.NONE:  # weight-only formats read as they always did
+            del d["activations"]
+        else:
+            d["activations"] = self.activations.value
         return d
 
     @staticmethod

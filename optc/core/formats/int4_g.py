@@ -40,12 +40,14 @@ class Int4G(Scheme):
     is_quantized = True
     bits = 4
     float_roles = ("scales",)
+    supports_act_order = True
 
     def check_format(self, fmt: Format) -> None:
         if fmt.bits != 4 or fmt.packing != INT4_PACKING:
             raise ValueError(f"int4_g needs bits=4 and packing={INT4_PACKING!r}")
         if fmt.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {fmt.group_size} not in {INT4_GROUP_SIZES}")
+        super().check_format(fmt)
 
     def part_shapes(self, fmt: Format, shape: tuple[int, ...]) -> PartShapes:
         n, k = shape

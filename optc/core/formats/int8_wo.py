@@ -2,6 +2,9 @@
 
 Parts `qweight`: (N, K) int8 and `scales`: (N,) in the format's dtype; w = qweight * scales[:, None].
 Round-to-nearest parameters: s = max|w| / 127 per row, q in [-127, 127], no zero point.
+With `activations: dynamic` (int8 W8A8, SmoothQuant's setting) the same parts serve a linear that also
+quantizes x per token to int8 and multiplies in fp32 (optc/core/formats/activations.py); the kind's name
+predates that mode, which stores nothing more. ONNX export takes the weight-only mode only.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from optc.core.errors import InputError
-from optc.core.formats.scheme import PartShapes, Scheme, check_2d, round_scale
+from optc.core.formats.activations import w8a8_linear_ref
+from optc.core.formats.scheme import Activations, PartShapes, Scheme, check_2d, round_scale
 
 if TYPE_CHECKING:
     from optc.core.formats import Format
@@ -23,6 +27,7 @@ class Int8Wo(Scheme):
     is_quantized = True
     bits = 8
     float_roles = ("scales",)
+    activation_modes = (Activations.NONE, Activations.DYNAMIC)
 
     def check_format(self, fmt: Format) -> None:
         if fmt.bits != 8:
@@ -38,6 +43,12 @@ class Int8Wo(Scheme):
 
     def dequantize(self, parts: dict[str, torch.Tensor], fmt: Format, out_dtype: torch.dtype) -> torch.Tensor:
         return (parts["qweight"].float() * parts["scales"].float()[:, None]).to(out_dtype)
+
+    def linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if fmt.activations is Activations.DYNAMIC:
+            return w8a8_linear_ref(x, parts["qweight"], parts["scales"], bias)
+        return super().linear(x, parts, fmt, bias)
 
     def format_fields(self, group_size: int | None, zero_point: bool, act_order: bool = False) -> dict:
         if zero_point:
@@ -60,5 +71,16 @@ class Int8Wo(Scheme):
 
     def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
         from optc.commands.export.onnx_builder import matmul_operand_int8
+        from optc.commands.export.portable import ExportFormatError
+
+        refusal = self.export_refusal(fmt, lowering.flavor)
+        if refusal is not None:
+            raise ExportFormatError(f"tensor {tensor} is {refusal}")
 
         return lowering.b.op1("MatMul", [x, matmul_operand_int8(lowering.b, tensor, parts)], base=tensor)
+
+    def export_refusal(self, fmt: Format, flavor: str) -> str | None:
+        if fmt.activations is Activations.NONE:
+            return None
+        return (f"int8_wo with dynamic per-token activations (W8A8); ONNX export takes int8 weight-only: rebuild "
+                f"with `quantize_rtn: {{bits: 8}}` to export (flavor {flavor})")

@@ -7,14 +7,16 @@ every consumer needs, so that no call site branches on the kind:
   of a given shape is stored as (`part_shapes`), which shapes it can hold (`check_shape`), which
   parts carry the format's float dtype (`float_roles`, what `cast` converts), and how the parts of
   sibling linears are concatenated into the fused linear's (`can_concat_rows`, `concat_rows`);
-- compute: the reference `dequantize` and `linear` (x may be quantized there by a scheme that
-  quantizes activations; today's schemes are weight-only, so `linear` dequantizes W in x's dtype);
+- compute: the reference `dequantize` and `linear`; a format whose `activations` is `dynamic`
+  quantizes x per token inside `linear` (W8A8), otherwise `linear` dequantizes W in x's dtype;
 - quantizers: the storage fields for quantization options (`format_fields`), the group width along
   K, the integer range, the round-to-nearest parameters of a group (`group_params`) and packing the
   integers into parts (`pack`): what RTN, AWQ and GPTQ share, so they round the same way;
 - export: the ONNX matmul of x with a weight in this kind (`onnx_matmul`) and the export flavors
   that cannot hold a format (`export_refusal`);
-- the CUDA capability its reference path needs beyond the runtime's floor (`min_capability`).
+- the CUDA capability its reference path needs beyond the runtime's floor (`min_capability`);
+- the options a format of the kind may carry (`supports_act_order`, `supports_per_tensor`,
+  `activation_modes`) and its short name in `optc inspect` (`label`).
 
 The schemes are registered by kind in `optc.core.formats.SCHEMES`; this module imports nothing of
 optc, so `optc.core.formats` can import the schemes while it defines `Format`.
@@ -22,6 +24,7 @@ optc, so `optc.core.formats` can import the schemes while it defines `Format`.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -37,6 +40,13 @@ if TYPE_CHECKING:
 PartShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+class Activations(StrEnum):
+    """What a linear does with its input x before the matmul."""
+
+    NONE = "none"  # weight-only (W8A16, W4A16): x stays in the model dtype
+    DYNAMIC = "dynamic"  # W8A8: each token (row of x) quantized with its own scale at run time
+
+
 class Scheme:
     """The behaviour of one format kind; subclasses override what differs from a dense weight."""
 
@@ -44,12 +54,28 @@ class Scheme:
     bits: ClassVar[int | None] = None  # the `bits` of quantization options this scheme serves
     float_roles: ClassVar[tuple[str, ...]] = ("weight",)
     min_capability: ClassVar[tuple[int, int] | None] = None  # None: the runtime's floor is enough
+    supports_act_order: ClassVar[bool] = False  # a `perm` part (imported GPTQ desc_act)
+    supports_per_tensor: ClassVar[bool] = False  # one scale for the whole weight
+    activation_modes: ClassVar[tuple[Activations, ...]] = (Activations.NONE,)
 
     # --- storage ----------------------------------------------------------------------------------
     def check_format(self, fmt: Format) -> None:
         """Raise a ValueError when `fmt`'s fields do not fit this kind."""
-        if fmt.act_order:
-            raise ValueError("act_order (a perm part) exists only for int4_g")
+        kind = fmt.kind.value
+        if fmt.act_order and not self.supports_act_order:
+            raise ValueError(f"act_order (a perm part) exists only for int4_g, not {kind}")
+        if fmt.per_tensor and not self.supports_per_tensor:
+            raise ValueError(f"per_tensor scales exist only for fp8_e4m3, not {kind}")
+        if fmt.activations not in self.activation_modes:
+            raise ValueError(f"{kind} takes activations {', '.join(self.activation_modes)}, "
+                             f"not {fmt.activations.value}")
+
+    def label(self, fmt: Format) -> str:
+        """The format in a word for `optc inspect`: the kind, then what sets it apart."""
+        tags = [f"g{fmt.group_size}"] if fmt.group_size else []
+        tags += ["per-tensor"] if fmt.per_tensor else []
+        tags += [f"act-{fmt.activations.value}"] if fmt.activations is not Activations.NONE else []
+        return "/".join([fmt.kind.value, *tags])
 
     def part_shapes(self, fmt: Format, shape: tuple[int, ...]) -> PartShapes:
         """Role -> (shape, dtype) of each stored part of a logical tensor of `shape`."""
