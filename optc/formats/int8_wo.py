@@ -6,6 +6,7 @@ Round-to-nearest parameters: s = max|w| / 127 per row, q in [-127, 127], no zero
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,3 +63,24 @@ class Int8Wo(Scheme):
         from optc.export.onnx_builder import matmul_operand_int8
 
         return lowering.b.op1("MatMul", [x, matmul_operand_int8(lowering.b, tensor, parts)], base=tensor)
+
+    def compressed_tensors_args(self, fmt: Format) -> dict | None:
+        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+
+    def to_compressed_tensors(self, parts: dict[str, torch.Tensor], fmt: Format,
+                              shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        # pack-quantized 8-bit: byte k mod 4 of word k / 4 (little-endian) holds q + 128; rows padded with 0
+        n, k = shape
+        assert sys.byteorder == "little", "int32 words are written as little-endian bytes"
+        biased = (parts["qweight"].to(torch.int16) + 128).to(torch.uint8)
+        pad = -k % 4
+        if pad:
+            biased = torch.cat([biased, biased.new_zeros(n, pad)], 1)
+        return {"weight_packed": biased.contiguous().view(torch.int32), "weight_scale": parts["scales"].reshape(n, 1),
+                "weight_shape": torch.tensor([n, k])}
+
+    def from_compressed_tensors(self, tensors: dict[str, torch.Tensor], fmt: Format,
+                                shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        n, k = shape
+        biased = tensors["weight_packed"].contiguous().view(torch.uint8)[:, :k]
+        return {"qweight": (biased.to(torch.int16) - 128).to(torch.int8), "scales": tensors["weight_scale"].reshape(n)}
