@@ -65,7 +65,8 @@ class Int8Wo(Scheme):
         return lowering.b.op1("MatMul", [x, matmul_operand_int8(lowering.b, tensor, parts)], base=tensor)
 
     def compressed_tensors_args(self, fmt: Format) -> dict | None:
-        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+        return {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel",
+                "dynamic": False}
 
     def to_compressed_tensors(self, parts: dict[str, torch.Tensor], fmt: Format,
                               shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
