@@ -97,13 +97,9 @@ def export(options: ExportOptions) -> ExportResult:
 
         check_portable(graph)
     if fmt is ExportFormat.HF:
-        from optc.export.hf import hf_refusals
-        from optc.export.portable import ExportFormatError
+        from optc.export.hf import check_hf
 
-        refusals = hf_refusals(graph)
-        if refusals:
-            more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
-            raise ExportFormatError(f"--format hf: {refusals[0]}{more}")
+        check_hf(graph)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from optc import models
+from optc.errors import UserError
 from optc.formats import Format, part_name
 from optc.ir import Graph
 from optc.store import TensorStore
@@ -34,15 +35,22 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
 
 
-def hf_refusals(graph: Graph) -> list[str]:
-    """One line per weight whose format has no faithful compressed-tensors form ("tensor X is ...")."""
-    out = []
+class HfExportError(UserError, ValueError):
+    """An artifact holding a weight format that has no faithful compressed-tensors form."""
+
+
+def check_hf(graph: Graph) -> None:
+    """Refuse, in one line naming the first such tensor, weights whose format has no faithful compressed-tensors
+    form (the scheme's `export_refusal(fmt, "hf")`), before anything is written."""
+    refusals = []
     for name in graph.used_tensors():
         fmt = graph.tensors[name].format
         refusal = fmt.scheme.export_refusal(fmt, "hf")
         if refusal is not None:
-            out.append(f"tensor {name} is {refusal}")
-    return out
+            refusals.append(f"tensor {name} is {refusal}")
+    if refusals:
+        more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+        raise HfExportError(f"--format hf: {refusals[0]}{more}")
 
 
 def quantization_config(graph: Graph) -> dict | None:

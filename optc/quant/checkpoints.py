@@ -68,7 +68,7 @@ def import_quantized(
     Small parts (scales, zeros, g_idx) are read now, to decide each linear's format; the qweights are
     converted lazily, when the store entry is loaded.
     """
-    if quantization_method(cfg) == "compressed-tensors":
+    if str(cfg["quantization_config"].get("quant_method", "")).lower() == "compressed-tensors":
         return import_compressed_tensors(path, cfg, files, CheckpointError)
     raw = TensorStore.from_safetensors(files)
     bases = _quantized_bases(raw.names())
