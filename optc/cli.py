@@ -371,7 +371,9 @@ def export(
     out: Path = typer.Option(..., "--out", help="Output folder (written whole, then renamed into place)."),
     format_: ExportFormat = typer.Option(
         ExportFormat.ONNX, "--format", help="onnx: model.onnx + model.onnx.data; tensorrt: also a serialized "
-        "TensorRT engine built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU)."
+        "TensorRT engine built from the portable ONNX (needs the tensorrt package and an NVIDIA GPU); hf: a Hugging "
+        "Face folder (config.json, model.safetensors, tokenizer) with quantized weights in compressed-tensors "
+        "pack-quantized, for transformers / vLLM / SGLang (--flavor does not apply)."
     ),
     flavor: Flavor = typer.Option(
         Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
@@ -382,7 +384,8 @@ def export(
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
     as_json: bool = typer.Option(False, "--json", help="Print out, format, flavor, seconds and file sizes as JSON."),
 ) -> None:
-    """Export an artifact to ONNX (ONNX Runtime or portable) or a TensorRT engine; needs pip install 'optc\\[onnx]'."""
+    """Export an artifact to ONNX (ONNX Runtime or portable; pip install 'optc\\[onnx]'), a TensorRT engine, or a
+    Hugging Face folder (loading it with transformers needs pip install 'optc\\[hf]')."""
     from optc.commands.export import ExportOptions
     from optc.commands.export import export as run_export
 

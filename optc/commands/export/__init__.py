@@ -4,11 +4,15 @@
     --format onnx --flavor portable  standard ONNX only, for TensorRT and others (optc.commands.export.portable)
     --format tensorrt                a serialized TensorRT engine built from the portable ONNX
                                      (optc.commands.export.tensorrt; needs the tensorrt package and a GPU)
+    --format hf                      a Hugging Face model folder, quantized weights in compressed-tensors
+                                     `pack-quantized` (optc.commands.export.hf), for transformers, vLLM, SGLang
 
-The output folder holds `model.onnx` with its weights in `model.onnx.data` (external data, so
-models over 2 GB export), the artifact's tokenizer files, `genai_config.json` for the ort flavor,
-and `export.json` (what was exported, how, and the file sizes). Like `optc build`, the folder is
-written in a temporary sibling and appears only when complete.
+An ONNX output folder holds `model.onnx` with its weights in `model.onnx.data` (external data, so
+models over 2 GB export), the artifact's tokenizer files and `genai_config.json` for the ort flavor;
+an hf folder holds config.json, model*.safetensors, generation_config.json and the tokenizer. Both
+get `export.json` (what was exported, how, and the file sizes). Like `optc build`, the folder is
+written in a temporary sibling and appears only when complete; a weight format the target cannot
+hold is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ DATA_FILE = "model.onnx.data"
 class ExportFormat(StrEnum):
     ONNX = "onnx"
     TENSORRT = "tensorrt"
+    HF = "hf"
 
 
 class Flavor(StrEnum):
@@ -50,19 +55,20 @@ class ExportOptions:
     force: bool = False
     verify: bool = True  # sha256 of the artifact's files
     quiet: bool = False
+    max_shard_bytes: int | None = None  # hf: split model.safetensors into shards of at most this size
 
 
 @dataclass(frozen=True)
 class ExportResult:
     out: Path
     format: ExportFormat
-    flavor: Flavor
+    flavor: Flavor | None  # None for hf (ONNX flavors only)
     seconds: float
     files: dict[str, int]  # relative path -> bytes
 
     def to_json(self) -> dict:
-        return {"out": str(self.out), "format": self.format.value, "flavor": self.flavor.value,
-                "seconds": round(self.seconds, 3), "files": self.files}
+        return {"out": str(self.out), "format": self.format.value, **({"flavor": self.flavor.value} if self.flavor
+                else {}), "seconds": round(self.seconds, 3), "files": self.files}
 
 
 def export(options: ExportOptions) -> ExportResult:
@@ -75,7 +81,10 @@ def export(options: ExportOptions) -> ExportResult:
 
         check_tensorrt()  # before any work: says what is missing
         flavor = Flavor.PORTABLE
-    _require_onnx()
+    if fmt is ExportFormat.HF:
+        flavor = None
+    else:
+        _require_onnx()
     out = Path(options.out)
     if out.exists() and not options.force:
         raise UserError(f"output folder {out} already exists; pass --force to replace it")
@@ -85,18 +94,28 @@ def export(options: ExportOptions) -> ExportResult:
     graph, store, tokenizer_dir = opened.graph, opened.store, opened.tokenizer_dir
     from optc.commands.export.portable import check_formats
 
-    check_formats(graph, flavor.value)  # before any work
+    if fmt is ExportFormat.HF:
+        from optc.commands.export.hf import check_hf
+
+        check_hf(graph)
+    else:
+        check_formats(graph, flavor.value)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        write_onnx(graph, store, tmp, flavor, not options.quiet, say)
+        _copy_tokenizer(tokenizer_dir, tmp)
+        if fmt is ExportFormat.HF:
+            from optc.commands.export.hf import MAX_SHARD_BYTES, write_hf
+
+            write_hf(graph, store, tmp, options.max_shard_bytes or MAX_SHARD_BYTES, say)
+        else:
+            write_onnx(graph, store, tmp, flavor, not options.quiet, say)
         if flavor is Flavor.ORT:
             from optc.commands.export.ort import write_genai_config
 
             write_genai_config(tmp, graph.config, MODEL_FILE, _tokenizer_config(tokenizer_dir))
-        _copy_tokenizer(tokenizer_dir, tmp)
         if fmt is ExportFormat.TENSORRT:
             from optc.commands.export.tensorrt import build_engine
 
@@ -146,7 +165,7 @@ def _tokenizer_config(tokenizer_dir: Path) -> dict:
 
 
 def _copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
-    """Tokenizer files beside the model, where onnxruntime-genai and Optimum look for them."""
+    """Tokenizer files beside the model, where onnxruntime-genai, Optimum and transformers look for them."""
     if tokenizer_dir.is_dir():
         for f in sorted(tokenizer_dir.iterdir()):
             if f.is_file():

@@ -83,6 +83,9 @@ class Fp8E4M3(Scheme):
         return b.op1("MatMul", [x, w], base=tensor)
 
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
+        if flavor == "hf":  # compressed-tensors' float-quantized form is not among the ones optc writes
+            return ("fp8_e4m3; --format hf writes integer pack-quantized weights (int8, int4): export fp8 with "
+                    "--format onnx, or build with quantize_rtn, quantize_awq or quantize_gptq for --format hf")
         if fmt.activations is Activations.NONE:
             return None
         return (f"fp8_e4m3 with dynamic per-token activations (W8A8); ONNX export takes fp8 weight-only: rebuild "

@@ -117,11 +117,41 @@ class Int4G(Scheme):
         return lowering.int4_matmul(x, tensor, parts, fmt)  # MatMulNBits or blocked DequantizeLinear, per flavor
 
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
+        if flavor == "hf" and fmt.act_order:
+            return ("int4_g with act_order (a GPTQ desc_act import: groups of scattered input channels); "
+                    "compressed-tensors has no per-channel group index (its `actorder: group` and g_idx were "
+                    "removed), so --format hf cannot write it without requantizing: export with --format onnx")
         if flavor != "portable" or (not fmt.zero_point and fmt.group_size in PORTABLE_GROUP_SIZES):
             return None
         return (f"int4_g group_size={fmt.group_size} zero_point={str(fmt.zero_point).lower()}; the portable flavor "
                 f"(TensorRT) takes int4 only symmetric in blocks of 64 or 128: rebuild with `zero_point: false` and "
                 f"`group_size: 64` or `128` in the quantization pass, or export with --flavor ort")
+
+    def compressed_tensors_args(self, fmt: Format) -> dict | None:
+        return {"num_bits": 4, "type": "int", "symmetric": not fmt.zero_point, "group_size": fmt.group_size,
+                "strategy": "group", "dynamic": False}
+
+    def to_compressed_tensors(self, parts: dict[str, torch.Tensor], fmt: Format,
+                              shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        # compressed-tensors stores signed q - 8 (zero point z - 8) as the nibble q (z): our integers. Its
+        # 4-bit packing puts element k of a row at bits 4·(k mod 8) of word k / 8, which is k8_lsb, so
+        # weight_packed is qweight itself; zero points are packed the same way down the output rows.
+        n, k = shape
+        out = {"weight_packed": parts["qweight"], "weight_scale": parts["scales"], "weight_shape": torch.tensor([n, k])}
+        if fmt.zero_point:
+            zeros = parts["zeros"].T  # (K/G, N)
+            pad = -n % 8  # compressed-tensors pads the rows with nibble 0
+            zeros = torch.cat([zeros, zeros.new_zeros(zeros.shape[0], pad)], 1) if pad else zeros
+            out["weight_zero_point"] = pack_int4(zeros.contiguous()).T.contiguous()  # (ceil(N/8), K/G)
+        return out
+
+    def from_compressed_tensors(self, tensors: dict[str, torch.Tensor], fmt: Format,
+                                shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        n, _ = shape
+        parts = {"qweight": tensors["weight_packed"].contiguous(), "scales": tensors["weight_scale"].contiguous()}
+        if fmt.zero_point:
+            parts["zeros"] = unpack_int4(tensors["weight_zero_point"].T.contiguous())[:, :n].T.contiguous()
+        return parts
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ predates that mode, which stores nothing more. ONNX export takes the weight-only
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,3 +85,25 @@ class Int8Wo(Scheme):
             return None
         return (f"int8_wo with dynamic per-token activations (W8A8); ONNX export takes int8 weight-only: rebuild "
                 f"with `quantize_rtn: {{bits: 8}}` to export (flavor {flavor})")
+
+    def compressed_tensors_args(self, fmt: Format) -> dict | None:
+        return {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "channel",
+                "dynamic": False}
+
+    def to_compressed_tensors(self, parts: dict[str, torch.Tensor], fmt: Format,
+                              shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        # pack-quantized 8-bit: byte k mod 4 of word k / 4 (little-endian) holds q + 128; rows padded with 0
+        n, k = shape
+        assert sys.byteorder == "little", "int32 words are written as little-endian bytes"
+        biased = (parts["qweight"].to(torch.int16) + 128).to(torch.uint8)
+        pad = -k % 4
+        if pad:
+            biased = torch.cat([biased, biased.new_zeros(n, pad)], 1)
+        return {"weight_packed": biased.contiguous().view(torch.int32), "weight_scale": parts["scales"].reshape(n, 1),
+                "weight_shape": torch.tensor([n, k])}
+
+    def from_compressed_tensors(self, tensors: dict[str, torch.Tensor], fmt: Format,
+                                shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        n, k = shape
+        biased = tensors["weight_packed"].contiguous().view(torch.uint8)[:, :k]
+        return {"qweight": (biased.to(torch.int16) - 128).to(torch.int8), "scales": tensors["weight_scale"].reshape(n)}

@@ -12,8 +12,11 @@ every consumer needs, so that no call site branches on the kind:
 - quantizers: the storage fields for quantization options (`format_fields`), the group width along
   K, the integer range, the round-to-nearest parameters of a group (`group_params`) and packing the
   integers into parts (`pack`): what RTN, AWQ and GPTQ share, so they round the same way;
-- export: the ONNX matmul of x with a weight in this kind (`onnx_matmul`) and the export flavors
-  that cannot hold a format (`export_refusal`);
+- export: the ONNX matmul of x with a weight in this kind (`onnx_matmul`), the export targets
+  that cannot hold a format (`export_refusal`), and the Hugging Face checkpoint form of a weight:
+  the compressed-tensors quantization arguments of the format (`compressed_tensors_args`) and the
+  module tensors its parts are written as and read back from (`to_compressed_tensors`,
+  `from_compressed_tensors`); a fused weight is cut back into its siblings by `split_rows`;
 - the CUDA capability its reference path needs beyond the runtime's floor (`min_capability`);
 - the options a format of the kind may carry (`supports_act_order`, `supports_per_tensor`,
   `activation_modes`) and its short name in `optc inspect` (`label`).
@@ -92,6 +95,10 @@ class Scheme:
         """One part of the fused weight from the siblings' parts of `role` (in output order)."""
         return torch.cat(parts, 0)
 
+    def split_rows(self, role: str, part: torch.Tensor, sizes: list[int], fmt: Format) -> list[torch.Tensor]:
+        """The inverse of `concat_rows`: one part of a fused weight -> the siblings' parts of `role`."""
+        return [p.contiguous() for p in part.split(sizes, 0)]
+
     # --- compute ----------------------------------------------------------------------------------
     def dequantize(self, parts: dict[str, torch.Tensor], fmt: Format, out_dtype: torch.dtype) -> torch.Tensor:
         """Stored parts -> the dense (N, K) weight in `out_dtype`."""
@@ -135,8 +142,26 @@ class Scheme:
         return lowering.b.op1("MatMul", [x, w], base=tensor)
 
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
-        """Why export `flavor` cannot hold a weight in `fmt` (what follows "tensor X is "), or None."""
+        """Why export target `flavor` (an ONNX flavor, or `hf`) cannot hold a weight in `fmt` (what follows
+        "tensor X is "), or None."""
         return None
+
+    def compressed_tensors_args(self, fmt: Format) -> dict | None:
+        """The compressed-tensors `QuantizationArgs` (as config.json holds them) of a weight in `fmt`, written
+        `pack-quantized`; None for a weight written as a plain `weight` tensor."""
+        return None
+
+    def to_compressed_tensors(self, parts: dict[str, torch.Tensor], fmt: Format,
+                              shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The stored parts of one weight of logical `shape` -> its module's checkpoint tensors, by parameter
+        name (`weight` here; `weight_packed`, `weight_scale`, ... for a quantized scheme). Works on meta
+        tensors, so the shapes a checkpoint must have come from the same code."""
+        return {"weight": parts["weight"]}
+
+    def from_compressed_tensors(self, tensors: dict[str, torch.Tensor], fmt: Format,
+                                shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The inverse of `to_compressed_tensors`: a module's checkpoint tensors -> the stored parts, exactly."""
+        return {"weight": tensors["weight"]}
 
 
 def check_2d(fmt: Format, shape: tuple[int, ...], what: str) -> None:

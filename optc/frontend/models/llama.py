@@ -2,9 +2,11 @@
 embeddings.
 
 Its graph template over HF parameter names (`graph_for`, `param_shapes`), the transformers config it
-comes from (`config_from_hf`) and goes back to (`hf_llama_config`), and an artifact rebuilt as a
-transformers `LlamaForCausalLM` (`hf_model_from_artifact`, the peer of `optc bench --compare-hf`).
-Reading files is the sources' job (optc/frontend/sources.py).
+comes from (`config_from_hf`) and goes back to (`hf_llama_config`, `hf_config`), the transformers parameter
+names an artifact's tensors hold (`hf_params`: a fused qkv / gate_up splits back into its projections) and
+its `nn.Linear` modules (`hf_linear_modules`), and an artifact rebuilt as a transformers `LlamaForCausalLM`
+(`hf_model_from_artifact`, the peer of `optc bench --compare-hf`). Reading files is the sources' job
+(optc/frontend/sources.py); writing a transformers folder is `optc export --format hf`'s (optc/commands/export/hf.py).
 """
 
 from __future__ import annotations
@@ -165,6 +167,48 @@ def hf_llama_config(config: ModelConfig, **extra):
     )
 
 
+def hf_config(config: ModelConfig) -> dict:
+    """The transformers config.json of a model config, for its own architecture (Llama, Mistral, Qwen2)."""
+    from transformers import AutoConfig
+
+    c = config
+    model_type = {arch: t for t, arch in MODEL_TYPES.items()}[c.architecture]
+    eos = list(c.eos_token_ids)
+    cfg = AutoConfig.for_model(
+        model_type, architectures=[c.architecture], hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+        eos_token_id=(eos[0] if len(eos) == 1 else eos) if eos else None, dtype=c.dtype,
+        **({"attention_bias": c.attention_bias} if model_type == "llama" else {}),
+        **({"rope_scaling": c.rope_scaling} if c.rope_scaling else {}),
+    )
+    return cfg.to_dict()
+
+
+def hf_params(graph: Graph) -> list[tuple[str, list[str], list[int] | None]]:
+    """(artifact tensor, the transformers parameter names it holds, their row counts) once per tensor, in
+    node order. A tensor holds one parameter of its own name (sizes None), or it is a fused linear's
+    (qkv, gate_up: the node's outputs keep the projection names) and holds one per output, in row order.
+    A tied lm_head reads the embedding's tensor, so it adds no name (transformers ties it on load)."""
+    out: dict[str, tuple[str, list[str], list[int] | None]] = {}
+    for node in graph.nodes:
+        for role, tensor in node.params.items():
+            if tensor in out:
+                continue
+            split = node.attrs.get("split") if node.op == "linear" else None
+            names = [f"{o}.{role}" for o in node.outputs] if split else [tensor]
+            out[tensor] = (tensor, names, list(split) if split else None)
+    return list(out.values())
+
+
+def hf_linear_modules(graph: Graph) -> list[str]:
+    """The `nn.Linear` modules of the transformers model: every projection (a fused linear's outputs are
+    their names) and lm_head."""
+    return [o for n in graph.nodes if n.op == "linear" for o in n.outputs] + ["lm_head"]
+
+
 def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A LlamaForCausalLM holding a dense artifact's own weights (for `random:` sources)."""
     from transformers import LlamaForCausalLM
@@ -180,14 +224,9 @@ def hf_model_from_artifact(path: Path, device: torch.device, dtype: torch.dtype)
                          "(compare with the dense build)")
     store = TensorStore.from_safetensors(sorted(path.glob("weights-*.safetensors")))
     state: dict[str, torch.Tensor] = {}
-    for node in graph.nodes:  # HF names: fused linears keep the original names as their outputs
-        for role, name in node.params.items():
-            weight = store.get(name).to(device, dtype)
-            if node.op == "linear" and node.attrs.get("split"):
-                state.update({f"{out}.{role}": w for out, w in
-                              zip(node.outputs, weight.split(node.attrs["split"], 0), strict=True)})
-            else:
-                state[name] = weight
+    for tensor, names, sizes in hf_params(graph):
+        weight = store.get(tensor).to(device, dtype)
+        state.update(zip(names, weight.split(sizes, 0) if sizes else [weight], strict=True))
     config = hf_llama_config(graph.config, dtype=dtype)
     with torch.device("meta"):  # no random init: the weights are assigned below
         model = LlamaForCausalLM(config)

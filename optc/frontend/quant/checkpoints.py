@@ -1,4 +1,4 @@
-"""Import pre-quantized Hugging Face checkpoints (AutoAWQ GEMM, GPTQ) into optc parts, exactly.
+"""Import pre-quantized Hugging Face checkpoints (AutoAWQ GEMM, GPTQ, compressed-tensors) into optc parts, exactly.
 
 No requantization: the stored integers, zero points and scales are only re-laid-out into the
 `int4_g` format of optc.core.formats. Every tensor named `X.qweight` is a quantized linear whose
@@ -13,6 +13,9 @@ logical weight is `X.weight`; every other tensor passes through unchanged. Layou
   the group of each input channel. `checkpoint_format: gptq` (v1, the default) stores z − 1,
   `gptq_v2` stores z. With `desc_act` g_idx is a permuted group map: the importer reorders the
   input dimension so groups are contiguous and stores a `perm` part (Format.act_order).
+
+- compressed-tensors (`quant_method: compressed-tensors`, `pack-quantized`): optc/frontend/quant/ct_checkpoints.py,
+  through the format schemes' `from_compressed_tensors`.
 
 `import_quantized(path, cfg, files)` is what optc/frontend/sources.py calls for a HF folder whose config has
 `quantization_config`: it returns a store whose qweights are converted lazily. The graph itself comes
@@ -30,6 +33,7 @@ from optc.core.errors import UserError
 from optc.core.formats import INT4_GROUP_SIZES, Format, pack_int4, part_name, quantized_format
 from optc.core.ir import TensorInfo
 from optc.core.store import Entry, TensorStore
+from optc.frontend.quant.ct_checkpoints import import_compressed_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AutoAWQ word holds column AWQ_ORDER[i]
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -40,14 +44,15 @@ class CheckpointError(UserError, ValueError):
 
 
 def quantization_method(config: Mapping) -> str | None:
-    """`awq`, `gptq`, or None for a checkpoint without `quantization_config`; errors name the rest."""
+    """`awq`, `gptq`, `compressed-tensors`, or None for a checkpoint without `quantization_config`; errors
+    name the rest."""
     qc = config.get("quantization_config")
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
+    if method not in ("awq", "gptq", "compressed-tensors"):
         raise CheckpointError(f"quantization_config.quant_method {method!r} is not supported; "
-                         "supported: 'awq' (AutoAWQ GEMM), 'gptq'")
+                         "supported: 'awq' (AutoAWQ GEMM), 'gptq', 'compressed-tensors' (pack-quantized)")
     return method
 
 
@@ -63,6 +68,8 @@ def import_quantized(
     Small parts (scales, zeros, g_idx) are read now, to decide each linear's format; the qweights are
     converted lazily, when the store entry is loaded.
     """
+    if str(cfg["quantization_config"].get("quant_method", "")).lower() == "compressed-tensors":
+        return import_compressed_tensors(path, cfg, files, CheckpointError)
     raw = TensorStore.from_safetensors(files)
     bases = _quantized_bases(raw.names())
     method, group_size, v1 = None, 0, False
