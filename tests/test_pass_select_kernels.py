@@ -166,3 +166,25 @@ def test_a_kernel_bound_to_a_shape_it_cannot_run_is_a_build_error():
     with pytest.raises(UserError, match=r"kernel cpu\.int8pack cannot run node o \(linear, weight \[48, 100\] "
                                         r"int8_wo, x \(1, 100\) bfloat16\)"):
         Chooser().choose(node, KernelQuery("linear", "bfloat16", fmt, (48, 100)), [lax])
+
+
+def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
+    from optc.inspect import render, summarize
+    from optc.testing import build_artifact
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: random:tiny\ndtype: bfloat16\ntarget: cpu\npasses:\n  - fuse_qkv\n"
+                      "  - quantize_rtn: {bits: 4, group_size: 32}\n  - select_kernels\n")
+    s = summarize(build_artifact(tmp_path / "a", recipe))
+    measured = next(p for p in s["passes"] if p["name"] == "select_kernels")["stats"]["measured_us"]
+    assert set(measured["linear 128x64 int4_g/g32 bfloat16"]) == {"1", "8", "32", "128", "512"}  # JSON keys
+    bound = {n for n, k in s["kernels"].items() if k == "cpu.int4pack"}
+    assert set(s["kernel_by_m"]) <= bound
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    s["kernels"][qkv] = "cpu.int4pack"
+    s["kernel_by_m"] = {qkv: [[1, "cpu.int4pack"], [128, "torch"], [None, "cpu.int4pack"]]}
+    s["kernel_layouts"] = {"cpu.int4pack": "int4pack_cpu(inner_k_tiles=2)"}
+    text = render(s)
+    assert "qkv_proj" in text and "M<=1 cpu.int4pack, M<=128 torch, M>128 cpu.int4pack" in text
+    assert "cpu.int4pack repacks its weights at load into int4pack_cpu(inner_k_tiles=2)" in text
+    assert "linear 128x64 int4_g/g32 bfloat16 (µs, 1 thread) M=1: cpu.int4pack" in text
