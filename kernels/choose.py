@@ -33,9 +33,9 @@ from optc.kernels.registry import KernelQuery, KernelSpec
 from optc.ops import OPS, Param
 
 M_BUCKETS = (1, 8, 32, 128, 512)  # upper bounds, measured at the bound; the last one holds for any larger M
-MAX_REPEATS = 15  # timed rounds per bucket
-ROUND_BUDGET_S = 0.3  # stop adding rounds once this much time went into a bucket (after 5 rounds)
-DROP_FACTOR = 4.0  # after the first round, a candidate this much slower than the best is not timed again
+MIN_ROUNDS = 3  # timed rounds per bucket, at least
+MAX_ROUNDS = 25  # and at most: more rounds only until ROUND_BUDGET_S is spent
+ROUND_BUDGET_S = 0.3
 
 
 class KernelShapeError(UserError):
@@ -112,20 +112,17 @@ class Chooser:
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Fastest seconds per call of each callable, timed in rounds A B A B ...; a callable DROP_FACTOR
-    times slower than the best after the first round keeps its first time."""
+    """Fastest seconds per call of each callable, timed in rounds A B A B ... (MIN_ROUNDS, then more
+    while the bucket's ROUND_BUDGET_S lasts). Every candidate gets every round: dropping a slow one
+    after one call let a single preempted call (up to ~0.4 s at load 13) decide."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    live = list(calls)
     start = time.perf_counter()
-    for r in range(MAX_REPEATS):
-        for name in live:
+    for r in range(MAX_ROUNDS):
+        for name, call in calls.items():
             t0 = time.perf_counter()
-            calls[name]()
+            call()
             samples[name].append(time.perf_counter() - t0)
-        if r == 0:
-            best = min(s[0] for s in samples.values())
-            live = [name for name in live if samples[name][0] <= DROP_FACTOR * best]
-        if r >= 4 and time.perf_counter() - start > ROUND_BUDGET_S:
+        if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
             break
     return {name: min(s) for name, s in samples.items()}
 
