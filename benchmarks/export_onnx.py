@@ -32,8 +32,8 @@ from optc.testing import build_artifact, smollm2_hf_checkpoint
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = {  # name -> (recipe, overrides, flavors)
     "fp32": ("smollm2-bf16.yaml", ("dtype=float32",), (Flavor.ORT, Flavor.PORTABLE)),
-    "int8": ("smollm2-int8.yaml", (), (Flavor.ORT, Flavor.PORTABLE)),
-    "int4-zp-g64": ("smollm2-rtn.yaml", (), (Flavor.ORT,)),
+    "int8": ("smollm2-int8.yaml", ("dtype=float32",), (Flavor.ORT, Flavor.PORTABLE)),
+    "int4-zp-g64": ("smollm2-rtn.yaml", ("dtype=float32",), (Flavor.ORT,)),
     "int4-sym-g64": ("smollm2-rtn-sym.yaml", (), (Flavor.ORT, Flavor.PORTABLE)),
 }
 

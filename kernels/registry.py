@@ -1,16 +1,22 @@
 """The kernel table: per kernel name, the IR op it implements, the target it runs on (`cpu`, `cuda`),
 a `supports` predicate over the node's shapes, formats and dtypes, its launcher, an optional
-`prepare` that repacks the node's weights once into the layout the launcher reads, and the CUDA
-capability it needs beyond the runtime's floor.
+`prepare` that repacks the node's weights once into the layout the launcher reads (named by
+`layout`, which `optc inspect` shows), and the CUDA capability it needs beyond the runtime's floor.
 
 A launcher has its op's torch reference signature (optc.core.ops), so the op's own node -> arguments
 adapter binds it: `impls(names)` returns `OPS[op].bind(launcher)` per name, wrapped so that a kernel
 with `prepare` gets its node's params through it, prepared on the node's first call and kept. A
 prepared layout lives only in the loaded model; the artifact stores the format's own parts, so the
 reference (any device) still reads it. `select_kernels` (compiler) asks `select(query, target)` which
-kernel serves a node; the runtime loader asks `impls(names)` for the names recorded in the graph. The
-table is plain data: importing this module imports no Triton; a kernel module is imported when its
-kernel is bound.
+kernel serves a node (or `candidates(...)`, every one that could, when it measures them); the runtime
+loader asks `impls(names)` for the names recorded in the graph. The table is plain data: importing
+this module imports no Triton; a kernel module is imported when its kernel is bound.
+
+Per-M choice: a node may carry `kernel_by_m`, a list of [max_rows, kernel] pairs in increasing
+max_rows (the last max_rows None: no bound), written by `select_kernels` from measurements on the build
+machine. The node's `kernel` is then one of the kernels in that list (what the loader binds), and every
+implementation `impls` returns routes a call whose x has M rows to the first pair with M <= max_rows;
+`torch` in the list is the op's reference. A node without it runs its `kernel` for every M, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from optc.core.formats import DTYPES, Activations, Format, FormatKind
+from optc.core.ir import REFERENCE_KERNEL
 from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
@@ -53,6 +60,7 @@ class KernelSpec:
     prepare: str | None = None  # "module:function" in optc.kernels: node params -> the params the launcher reads
     min_capability: tuple[int, int] | None = None  # cuda: None when the runtime's floor is enough
     by_default: bool = True  # False: select_kernels binds it only when its `enable` option names it
+    layout: str | None = None  # the in-memory weight layout `prepare` makes (None: the format's own parts)
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"
@@ -82,19 +90,66 @@ class PreparedImpl:
         return self.impl(node, inputs, hit[1], step)
 
 
+class ByM:
+    """The executor's Impl for one kernel name: a node with `kernel_by_m` runs, per call, the
+    implementation its table names for the call's rows (M = x.numel() / x.shape[-1]); any other node
+    runs the kernel. Implementations are shared through `bound`, so a prepared layout is made once."""
+
+    def __init__(self, name: str, bound: _Bound):
+        self.name = name
+        self.bound = bound
+        self._routes: dict[str, tuple[list[int | None], list[Impl]]] = {}  # node name -> (bounds, impls)
+
+    def __call__(self, node, inputs, params, step):
+        table = node.attrs.get("kernel_by_m")
+        if not table:
+            return self.bound.get(self.name)(node, inputs, params, step)
+        route = self._routes.get(node.name)
+        if route is None:
+            route = self._routes[node.name] = ([b for b, _ in table], [self.bound.get(k, node.op) for _, k in table])
+        x = inputs[0]
+        m = x.numel() // x.shape[-1]
+        bounds, fns = route
+        for bound, fn in zip(bounds, fns, strict=True):
+            if bound is None or m <= bound:
+                return fn(node, inputs, params, step)
+        return fns[-1](node, inputs, params, step)
+
+
+class _Bound:
+    """Kernel name -> its bound Impl, each bound once (the op reference for `torch`)."""
+
+    def __init__(self):
+        self._impls: dict[str, Impl] = {}
+
+    def get(self, name: str, op: str | None = None) -> Impl:
+        if name == REFERENCE_KERNEL:
+            return OPS[op].ref
+        if name not in self._impls:
+            self._impls[name] = KERNELS[name].bind()
+        return self._impls[name]
+
+
+def candidates(query: KernelQuery, target: str, enabled: tuple[str, ...] = ()) -> list[KernelSpec]:
+    """Every kernel for `target` and the query's op that supports it, in table order; a kernel that is
+    not on by default counts only when `enabled` names it."""
+    return [k for k in KERNELS.values() if k.target == target and k.op == query.op
+            and (k.by_default or k.name in enabled) and k.supports(query)]
+
+
 def select(query: KernelQuery, target: str, enabled: tuple[str, ...] = ()) -> KernelSpec | None:
-    """The first kernel for `target` and the query's op that supports it, else None (the torch reference);
-    a kernel that is not on by default counts only when `enabled` names it."""
-    return next((k for k in KERNELS.values() if k.target == target and k.op == query.op
-                 and (k.by_default or k.name in enabled) and k.supports(query)), None)
+    """The first of `candidates`, else None (the torch reference)."""
+    return next(iter(candidates(query, target, enabled)), None)
 
 
 def impls(names: set[str] | list[str]) -> dict[str, Impl]:
-    """Kernel name -> bound implementation, for the executor's `impls` table."""
+    """Kernel name -> bound implementation (routing per M where a node says so), for the executor's
+    `impls` table."""
     unknown = sorted(set(names) - set(KERNELS))
     if unknown:
         raise ValueError(f"unknown kernel(s) {unknown}; known: {', '.join(sorted(KERNELS))}")
-    return {name: KERNELS[name].bind() for name in sorted(names)}
+    bound = _Bound()
+    return {name: ByM(name, bound) for name in sorted(names)}
 
 
 def _load(path: str) -> Callable:
@@ -136,8 +191,14 @@ def _w4a16_ok(q: KernelQuery) -> bool:
 
 def _int4pack_cpu_ok(q: KernelQuery) -> bool:
     w = q.weight
-    return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
             and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
+def _int8pack_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and w.activations is Activations.NONE
+            and len(q.weight_shape) == 2 and q.weight_shape[1] % 16 == 0)
 
 
 def _w8a16_ok(q: KernelQuery) -> bool:
@@ -177,7 +238,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
                prepare="w8a8:prepare_w8a8", min_capability=(8, 9)),
     KernelSpec("torch.int_mm", "linear", _w8a8_ok(FormatKind.INT8_WO, 8), "w8a8:int_mm_linear",
                prepare="w8a8:prepare_w8a8"),
-    # opt-in until kernel choice is measured per M on the build machine and evaluation runs bound graphs
+    # cpu: select_kernels measures them against the reference per M bucket (float32 int4pack loses at M >= 64)
     KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
-               prepare="int4_cpu:prepare_int4pack", by_default=False),
+               prepare="int4_cpu:prepare_int4pack", layout="int4pack_cpu(inner_k_tiles=2)"),
+    KernelSpec("cpu.int8pack", "linear", _int8pack_cpu_ok, "int8_cpu:int8pack_linear", target="cpu"),
 )}

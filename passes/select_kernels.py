@@ -1,35 +1,63 @@
-"""Bind every node to the first kernel for the recipe's target that supports it, else the torch reference."""
+"""Bind every node to a kernel for the recipe's target, else the torch reference.
+
+cuda: the first kernel that supports the node (a Triton kernel autotunes its tiles per M on first use).
+cpu: where a node has a supporting kernel, the kernels and the reference are timed on the build
+machine per M bucket (optc.kernels.choose) and the fastest per bucket is recorded: `kernel` and, when
+the winner changes with M, `kernel_by_m` (see optc.kernels.registry). `measure: false` binds the first
+supporting kernel for every M instead (deterministic graphs, tests). A node already bound to
+candidates keeps its binding, so a second run measures nothing. Timings go to the pass stats
+(`optc inspect` shows them). A node bound to a kernel that does not support its shape, or a kernel
+that raises on it while measured, is a build-time error naming node, shape and kernel.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
+from optc.core.errors import InputError
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.kernels.registry import KERNELS, KernelQuery, select
+from optc.kernels.registry import KERNELS, KernelQuery, candidates
 
 
 class SelectKernels(Pass):
-    """Bind every node to the first kernel for the recipe's target that supports it, else the torch reference."""
+    """Bind every node to a kernel for the recipe's target (measured per M bucket on cpu), else torch."""
 
     @dataclass(frozen=True)
     class Options:
         disable: tuple[str, ...] = field(default=(), metadata={
             "choices": tuple(KERNELS), "help": "kernels not to use (ablations); their nodes get torch"})
         enable: tuple[str, ...] = field(default=(), metadata={
-            "choices": tuple(k.name for k in KERNELS.values() if not k.by_default),
-            "help": "kernels that are off unless named here"})
+            "choices": tuple(KERNELS), "help": "kernels that are off unless named here (a default one: no effect)"})
+        measure: bool = field(default=True, metadata={
+            "help": "cpu: time the candidates per M bucket on the build machine (false: first supporting kernel)"})
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
-        chosen = [self._choose(graph, n, ctx.target) for n in graph.nodes]
+        chooser = None
+        if ctx.target == "cpu" and self.options.measure:
+            from optc.kernels.choose import Chooser
+
+            chooser = Chooser()
+        attrs, timings = [], {}
+        for n in graph.nodes:
+            new, measured = self._choose(graph, n, ctx.target, chooser)
+            attrs.append(new)
+            if measured is not None:
+                timings.setdefault(_shape_key(graph, n), measured)
+        chosen = [a["kernel"] for a in attrs]
         stats = {"target": ctx.target, "kernels": dict(sorted(Counter(chosen).items()))}
-        if all(n.attrs.get("kernel") == k for n, k in zip(graph.nodes, chosen, strict=True)):
+        by_m = {n.name: a["kernel_by_m"] for n, a in zip(graph.nodes, attrs, strict=True) if "kernel_by_m" in a}
+        if by_m:
+            stats["kernel_by_m"] = by_m
+        if timings:
+            stats["measured_us"] = timings
+        if all(_binding(n.attrs) == a for n, a in zip(graph.nodes, attrs, strict=True)):
             return PassResult(graph, store, changed=False, stats=stats)
         graph = graph.copy()
-        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, "kernel": k}, n.params)
-                       for n, k in zip(graph.nodes, chosen, strict=True)]
+        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, _rebind(n.attrs, a), n.params)
+                       for n, a in zip(graph.nodes, attrs, strict=True)]
         return PassResult(graph, store, changed=True, stats=stats)
 
     def ensures(self, graph: Graph) -> None:
@@ -37,10 +65,52 @@ class SelectKernels(Pass):
             kernel = n.attrs.get("kernel", "")  # recorded on every node, the reference's name too
             if kernel != REFERENCE_KERNEL and (kernel not in KERNELS or KERNELS[kernel].op != n.op):
                 raise AssertionError(f"{n.name} ({n.op}) is bound to {kernel!r}")
+            check_bound(graph, n)
 
-    def _choose(self, graph: Graph, node: Node, target: str) -> str:
-        spec = select(_query(graph, node), target, self.options.enable)
-        return spec.name if spec is not None and spec.name not in self.options.disable else REFERENCE_KERNEL
+    def _choose(self, graph: Graph, node: Node, target: str, chooser) -> tuple[dict, dict | None]:
+        query = _query(graph, node)
+        specs = [s for s in candidates(query, target, self.options.enable) if s.name not in self.options.disable]
+        if not specs:
+            return {"kernel": REFERENCE_KERNEL}, None
+        if chooser is None or not query.weight_shape:
+            return {"kernel": specs[0].name}, None
+        bound = {node.attrs.get("kernel")} | {k for _, k in node.attrs.get("kernel_by_m", ())}
+        if None not in bound and bound <= {s.name for s in specs} | {REFERENCE_KERNEL}:
+            return _binding(node.attrs), None  # measured before: a second run keeps it
+        choice = chooser.choose(node, query, specs)
+        binding = {"kernel": choice.kernel}
+        if len(choice.by_m) > 1:
+            binding["kernel_by_m"] = [list(p) for p in choice.by_m]
+        return binding, choice.micros
+
+
+def check_bound(graph: Graph, node: Node) -> None:
+    """Raise an InputError naming node, shape and kernel when a kernel the node is bound to (its
+    `kernel` or one in `kernel_by_m`) does not support the node."""
+    names = {node.kernel} | {k for _, k in node.attrs.get("kernel_by_m", ())}
+    for name in sorted(names - {REFERENCE_KERNEL}):
+        spec = KERNELS.get(name)
+        query = _query(graph, node)
+        if spec is not None and spec.op == node.op and not spec.supports(query):
+            w = query.weight
+            shape = (f"weight {list(query.weight_shape)} {w.kind.value}" if w is not None
+                     else f"hidden {query.hidden_size}, head_dim {query.head_dim}")
+            raise InputError(f"node {node.name} ({node.op}, {shape}, {query.dtype}) is bound to kernel {name}, "
+                             f"which cannot run that shape")
+
+
+def _binding(attrs: dict) -> dict:
+    return {k: attrs[k] for k in ("kernel", "kernel_by_m") if k in attrs}
+
+
+def _rebind(attrs: dict, binding: dict) -> dict:
+    return {**{k: v for k, v in attrs.items() if k not in ("kernel", "kernel_by_m")}, **binding}
+
+
+def _shape_key(graph: Graph, node: Node) -> str:
+    q = _query(graph, node)
+    fmt = q.weight.kind.value + (f"/g{q.weight.group_size}" if q.weight.group_size else "")
+    return f"{node.op} {q.weight_shape[0]}x{q.weight_shape[1]} {fmt} {q.dtype}"
 
 
 def _query(graph: Graph, node: Node) -> KernelQuery:

@@ -41,8 +41,8 @@ runtime: {{max_num_seqs: 16, max_seq_len: 512}}
 ARTIFACTS = {
     "dense": ("tiny.yaml", ()),  # rms_norm, rope, attention on k/v (no fusions past qkv/gate-up)
     "dense-fused": ("smollm2-bf16.yaml", ("dtype=float32",)),  # add_rms_norm, rope_kv_store, kv_stored attention
-    "int8": ("smollm2-int8.yaml", ()),
-    "int4-zp": ("smollm2-rtn.yaml", ()),  # zero points, group 64: ort flavor only
+    "int8": ("smollm2-int8.yaml", ("dtype=float32",)),
+    "int4-zp": ("smollm2-rtn.yaml", ("dtype=float32",)),  # zero points, group 64: ort flavor only
     "int4-sym": (None, ()),  # symmetric, group 64: both flavors
 }
 CASES = [(a, f) for a in ARTIFACTS for f in Flavor if (a, f) != ("int4-zp", Flavor.PORTABLE)]

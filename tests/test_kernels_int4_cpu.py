@@ -1,5 +1,5 @@
 """cpu.int4pack: torch's packed int4 CPU matmul on prepared int4_g parts against linear_ref, its selection
-(target cpu, bfloat16, opt-in) and a tiny model's logits with it bound."""
+(target cpu, on by default, N a multiple of 16) and a tiny model's logits with it bound."""
 
 import pytest
 import torch
@@ -45,14 +45,15 @@ def test_int4pack_matches_linear_ref(m, group, zero_point):
     assert torch.equal(int4pack_linear(x3, prepared["weight"].parts, w.format, bias).reshape(m, 48), y)
 
 
-def test_int4pack_is_selected_only_for_cpu_bfloat16_int4_when_enabled():
+def test_int4pack_is_selected_for_cpu_int4_with_whole_tiles_of_16_rows():
     fmt = _weight(48, 256, 64, True).format
     q = KernelQuery("linear", "bfloat16", fmt, (48, 256))
-    assert select(q, "cpu") is None  # off by default
-    assert select(q, "cpu", ("cpu.int4pack",)).name == "cpu.int4pack"
-    assert select(q, "cuda", ("cpu.int4pack",)).name == "triton.w4a16"  # a cpu kernel never binds for cuda
-    assert select(KernelQuery("linear", "float32", fmt, (48, 256)), "cpu", ("cpu.int4pack",)) is None
-    assert select(KernelQuery("linear", "bfloat16", fmt, (40, 256)), "cpu", ("cpu.int4pack",)) is None  # N % 16
+    assert select(q, "cpu").name == "cpu.int4pack"
+    assert select(q, "cpu", ("cpu.int4pack",)).name == "cpu.int4pack"  # recipes that opted in still validate
+    assert select(q, "cuda").name == "triton.w4a16"  # a cpu kernel never binds for cuda
+    # float32 activations: offered, and select_kernels' measurement keeps it only where it wins (M = 1)
+    assert select(KernelQuery("linear", "float32", fmt, (48, 256)), "cpu").name == "cpu.int4pack"
+    assert select(KernelQuery("linear", "bfloat16", fmt, (40, 256)), "cpu") is None  # N % 16
 
 
 def test_tiny_model_logits_with_int4pack_bound():
@@ -63,8 +64,8 @@ def test_tiny_model_logits_with_int4pack_bound():
                           ("fuse_qkv", {})):
         result = make_pass(name, options).run(graph, store, ctx)
         graph, store = result.graph, result.store
-    reference = make_pass("select_kernels").run(graph, store, ctx).graph  # every node on torch
-    graph = make_pass("select_kernels", {"enable": ("cpu.int4pack",)}).run(graph, store, ctx).graph
+    reference = make_pass("select_kernels", {"disable": ("cpu.int4pack",)}).run(graph, store, ctx).graph  # torch
+    graph = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     bound = {n.name for n in graph.nodes if n.kernel == "cpu.int4pack"}
     assert bound and bound == {n.name for n in graph.nodes if n.op == "linear" and n.attrs["out_features"] % 16 == 0}
     params = bind_params(graph, store)

@@ -1,5 +1,6 @@
-"""select_kernels: bindings on a hand-built graph for cuda and cpu, fallbacks, idempotence, and
-logits of random:tiny with Triton kernels bound (interpreter on the CPU) against the references."""
+"""select_kernels: bindings on a hand-built graph for cuda and cpu, fallbacks, idempotence, the cpu
+choice per M bucket (measured; its routing at run time; shapes a kernel cannot run), and logits of
+random:tiny with Triton kernels bound (interpreter on the CPU) against the references."""
 
 import torch
 
@@ -48,8 +49,8 @@ def test_select_kernels_binds_triton_on_cuda_and_torch_elsewhere():
                                     "rope": "triton.rope", "attention": "triton.paged_attention",
                                     "o": "torch", "lm_head": "torch"}  # dense linears stay on cuBLAS
     assert cuda.stats["kernels"]["torch"] == 3
-    cpu = make_pass("select_kernels").run(graph, None, PassContext(target="cpu"))
-    assert set(_kernels(cpu.graph).values()) == {"torch"}
+    cpu = make_pass("select_kernels", {"measure": False}).run(graph, None, PassContext(target="cpu"))
+    assert _kernels(cpu.graph) == {n.name: "cpu.int4pack" if n.name == "qkv" else "torch" for n in graph.nodes}
     assert "kernel" not in graph.nodes[0].attrs  # the input graph is untouched
 
 
@@ -98,3 +99,92 @@ def test_min_cuda_capability_is_the_floor_raised_by_the_bound_kernels():
     assert min_cuda_capability(cuda, hopper) == (9, 0)  # qkv is bound to w4a16
     off = make_pass("select_kernels", {"disable": ("triton.w4a16",)}).run(_graph(), None, PassContext(target="cuda"))
     assert min_cuda_capability(off.graph, hopper) == (8, 0)
+
+
+def test_cpu_choice_is_measured_per_m_bucket_and_a_second_run_keeps_it():
+    from optc.kernels.choose import M_BUCKETS
+
+    once = make_pass("select_kernels").run(_graph(), None, PassContext(target="cpu"))
+    qkv = next(n for n in once.graph.nodes if n.name == "qkv")
+    table = qkv.attrs.get("kernel_by_m", [[None, qkv.kernel]])
+    # increasing bounds from the buckets, the last open; neighbours differ; `kernel` names one of them
+    assert [b for b, _ in table][-1] is None and all(b in M_BUCKETS for b, _ in table[:-1])
+    assert all(a[1] != b[1] for a, b in zip(table, table[1:], strict=False))
+    assert {k for _, k in table} <= {"cpu.int4pack", "torch"}
+    assert qkv.kernel == next((k for _, k in table if k != "torch"), "torch")
+    assert all(n.kernel == "torch" and "kernel_by_m" not in n.attrs for n in once.graph.nodes if n.name != "qkv")
+    (measured,) = once.stats["measured_us"].values()  # one shape measured, every bucket, both candidates
+    assert sorted(measured) == list(M_BUCKETS) and all(set(t) == {"cpu.int4pack", "torch"} for t in measured.values())
+    twice = make_pass("select_kernels").run(once.graph, None, PassContext(target="cpu"))
+    assert not twice.changed and twice.graph.to_json() == once.graph.to_json()
+
+
+def test_kernel_by_m_routes_each_call_by_its_rows():
+    # random:tiny bf16 int4: small M on cpu.int4pack, larger M on the reference, exactly as each alone
+    src = load_source("random:tiny")
+    ctx = PassContext(target="cpu", dtype="bfloat16")
+    graph, store = src.graph, src.store
+    for name, options in (("cast", {"dtype": "bfloat16"}), ("quantize_rtn", {"bits": 4, "group_size": 32})):
+        r = make_pass(name, options).run(graph, store, ctx)
+        graph, store = r.graph, r.store
+    kernel = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
+    reference = make_pass("select_kernels", {"disable": ("cpu.int4pack",)}).run(graph, store, ctx).graph
+    routed = kernel.copy()
+    routed.nodes = [Node(n.name, n.op, n.inputs, n.outputs,
+                         {**n.attrs, "kernel_by_m": [[2, "cpu.int4pack"], [None, "torch"]]}
+                         if n.kernel == "cpu.int4pack" else n.attrs, n.params) for n in kernel.nodes]
+    params = bind_params(graph, store)
+    run = {name: Executor(g, params, impls({"cpu.int4pack"})) for name, g in
+           (("kernel", kernel), ("reference", reference), ("routed", routed))}
+    for rows, expect, other in ((2, "kernel", "reference"), (6, "reference", "kernel")):
+        ids = torch.randint(0, 256, (1, rows), generator=torch.Generator().manual_seed(rows))
+        out = run_dense(run["routed"], ids)
+        assert torch.equal(out, run_dense(run[expect], ids))
+        assert not torch.equal(out, run_dense(run[other], ids))  # the two paths round differently
+
+
+def test_a_kernel_bound_to_a_shape_it_cannot_run_is_a_build_error():
+    import pytest
+
+    from optc.core.errors import UserError
+    from optc.kernels.choose import Chooser
+    from optc.kernels.registry import KERNELS, KernelQuery
+
+    graph = make_pass("select_kernels", {"measure": False}).run(_graph(), None, PassContext(target="cpu")).graph
+    qkv = next(i for i, n in enumerate(graph.nodes) if n.name == "qkv")
+    n = graph.nodes[qkv]  # 128 x 64 int4: move it onto the int8 kernel, which reads int8_wo only
+    graph.nodes[qkv] = Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, "kernel": "cpu.int8pack"}, n.params)
+    with pytest.raises(UserError, match=r"node qkv \(linear, weight \[128, 64\] int4_g, bfloat16\) is bound to "
+                                        r"kernel cpu\.int8pack"):
+        make_pass("select_kernels").ensures(graph)
+    # a kernel whose predicate lets through a shape it then refuses fails while measured, with the same names
+    from dataclasses import replace
+
+    lax = replace(KERNELS["cpu.int8pack"], supports=lambda q: True)
+    fmt = Format(FormatKind.INT8_WO, dtype="bfloat16", bits=8)
+    node = Node("o", "linear", ["attn"], ["o"], {"in_features": 100, "out_features": 48}, {"weight": "o.weight"})
+    with pytest.raises(UserError, match=r"kernel cpu\.int8pack cannot run node o \(linear, weight \[48, 100\] "
+                                        r"int8_wo, x \(1, 100\) bfloat16\)"):
+        Chooser().choose(node, KernelQuery("linear", "bfloat16", fmt, (48, 100)), [lax])
+
+
+def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
+    from optc.commands.inspect import render, summarize
+    from optc.testing import build_artifact
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: random:tiny\ndtype: bfloat16\ntarget: cpu\npasses:\n  - fuse_qkv\n"
+                      "  - quantize_rtn: {bits: 4, group_size: 32}\n  - select_kernels\n")
+    s = summarize(build_artifact(tmp_path / "a", recipe))
+    measured = next(p for p in s["passes"] if p["name"] == "select_kernels")["stats"]["measured_us"]
+    assert set(measured["linear 128x64 int4_g/g32 bfloat16"]) == {"1", "8", "32", "128", "512"}  # JSON keys
+    bound = {n for n, k in s["kernels"].items() if k == "cpu.int4pack"}
+    assert set(s["kernel_by_m"]) <= bound
+    qkv = "model.layers.0.self_attn.qkv_proj"
+    s["kernels"][qkv] = "cpu.int4pack"
+    s["kernel_by_m"] = {qkv: [[1, "cpu.int4pack"], [128, "torch"], [None, "cpu.int4pack"]]}
+    s["kernel_layouts"] = {"cpu.int4pack": "int4pack_cpu(inner_k_tiles=2)"}
+    text = render(s)
+    assert "qkv_proj" in text and "M<=1 cpu.int4pack, M<=128 torch, M>128 cpu.int4pack" in text
+    assert "cpu.int4pack repacks its weights at load into int4pack_cpu(inner_k_tiles=2)" in text
+    assert "linear 128x64 int4_g/g32 bfloat16 (µs, 1 thread) M=1: cpu.int4pack" in text

@@ -32,6 +32,9 @@ def summarize(path: str | Path) -> dict:
         "num_nodes": len(graph.nodes),
         "ops": dict(sorted(Counter(n.op for n in graph.nodes).items())),
         "kernels": {n.name: n.kernel for n in graph.nodes},
+        "kernel_by_m": {n.name: n.attrs["kernel_by_m"] for n in graph.nodes if n.attrs.get("kernel_by_m")},
+        "kernel_layouts": _layouts({n.kernel for n in graph.nodes}
+                                   | {k for n in graph.nodes for _, k in n.attrs.get("kernel_by_m", ())}),
     }
 
 
@@ -53,9 +56,31 @@ def render(s: dict) -> str:
     for p in s["passes"]:
         stats = ", ".join(f"{k}={v}" for k, v in p["stats"].items() if not isinstance(v, dict | list))
         lines.append(f"  {p['name']:<18} {'changed' if p['changed'] else 'no change':<10} {stats}")
+        for shape, buckets in p["stats"].get("measured_us", {}).items():  # select_kernels on cpu
+            times = "; ".join(f"M={m}: " + " ".join(f"{k} {us:g}" for k, us in t.items()) for m, t in buckets.items())
+            lines.append(f"    {shape} (µs, 1 thread) {times}")
     lines.append(f"ops        {', '.join(f'{k} x{v}' for k, v in s['ops'].items())}")
     kernels = Counter(s["kernels"].values())
     lines.append(f"kernels    {', '.join(f'{k} x{v}' for k, v in sorted(kernels.items()))}")
+    for k, layout in s.get("kernel_layouts", {}).items():
+        lines.append(f"  {k} repacks its weights at load into {layout} (the artifact keeps the format's parts)")
+    by_m = s.get("kernel_by_m", {})
     for name, k in s["kernels"].items():
-        lines.append(f"  {name:<48} {k}")
+        lines.append(f"  {name:<48} {_by_m(by_m[name]) if name in by_m else k}")
     return "\n".join(lines)
+
+
+def _by_m(table: list) -> str:
+    """[[1, "a"], [128, "b"], [None, "a"]] -> "M<=1 a, M<=128 b, M>128 a"."""
+    parts, prev = [], None
+    for bound, k in table:
+        parts.append(f"M<={bound} {k}" if bound is not None else f"M>{prev} {k}")
+        prev = bound
+    return ", ".join(parts)
+
+
+def _layouts(names: set[str]) -> dict[str, str]:
+    """Kernel -> the in-memory weight layout its prepare makes, for the kernels that have one."""
+    from optc.kernels.registry import KERNELS
+
+    return {k: KERNELS[k].layout for k in sorted(names) if k in KERNELS and KERNELS[k].layout}

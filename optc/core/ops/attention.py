@@ -79,22 +79,31 @@ def paged_attention_sdpa(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """The torch-bound runtime path: `paged_attention_ref`'s math through SDPA on the gathered cache.
 
     SDPA reads K/V in the cache dtype and accumulates in fp32 inside, so no fp32 copy of the gathered
     cache is made (on the CPU that copy was half of a decode step). Agrees with the reference to the
-    rounding of the output dtype; the tests hold it to that.
+    rounding of the output dtype; the tests hold it to that. In a decode step whose caller knows the
+    longest context as a Python int (`max_seq_len`, with `max_query_len` 1) it is used instead of
+    reading it off `seq_lens`, which saves a reduction and a host read per layer.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_requests = seq_lens.shape[0]
     dev = q.device
-    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    max_query = int(query_lens.max()) if num_requests else 0
+    if num_tokens == num_requests > 0 and max_query_len == 1 and max_seq_len is not None:
+        max_query, longest = 1, max_seq_len
+    else:
+        query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+        max_query = int(query_lens.max()) if num_requests else 0
+        longest = int(seq_lens.max()) if num_requests else 0
     if num_tokens == 0 or max_query == 0:
         return torch.empty_like(q)
-    num_blocks = -(-int(seq_lens.max()) // block_size)
+    # a capacity bound (a CUDA-graph batch) may exceed the table: more masked keys change nothing
+    num_blocks = min(-(-longest // block_size), block_tables.shape[1])
     length = num_blocks * block_size
     # index_select copies whole blocks as contiguous rows: much faster on the CPU than advanced indexing
     table = block_tables[:, :num_blocks].reshape(-1).long()
@@ -135,7 +144,8 @@ def attention_ref(
     # q: (T, H_q, D), k, v: (T, H_kv, D) -> (T, H_q, D)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
-    return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale)
+    return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale,
+                                max_query_len, max_seq_len)
 
 
 def _attention_call(fn, node, inputs, params, step):

@@ -1,0 +1,161 @@
+"""Output tokens/s of SmolLM2 as f32, bf16, int8, RTN int4, AWQ int4 and GPTQ int4 artifacts and as
+transformers bf16, at batch 1 and 8, on the same prompts, on the CPU.
+
+Artifacts come from the repository's recipes (`recipes/smollm2-*.yaml`; f32 is smollm2-bf16.yaml with
+dtype=float32), built into `--work` unless already there (`--artifact NAME=PATH` uses another). Every
+config is loaded once; then `--rounds` rounds each run every config in turn (A B C ... A B C ...), so
+load on the shared machine falls on all of them alike; the table gives the median over rounds and the
+ratio to the bf16 artifact's median. One run at batch B = B requests of `--input-len` prompt tokens
+(consecutive slices of pydoc text, the same for every config), `--output-len` greedy tokens each, EOS
+ignored, all added at once with max_num_seqs = B; tok/s = output tokens / wall time of the run (the
+prefill included, as `optc bench`). transformers: a dense LlamaForCausalLM holding the bf16
+artifact's weights, `generate` with a static cache (no compile on the CPU), left-padded batches.
+Prints the load average (1 min) before and after each round. It measures; it asserts nothing.
+
+Two rates per run: wall (output tokens / elapsed seconds) and CPU (output tokens / this process's CPU
+seconds, `time.process_time`). On a machine that other jobs load, wall time counts the time the
+process waited for a core and CPU time does not; with `--threads 1` the CPU rate is what an idle core
+would give (minus cache sharing), with more threads it also counts the threads' spin-waits.
+
+    python benchmarks/quant_speed.py --rounds 3 --json build/quant-speed.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from optc.runtime import Engine, SamplingParams
+from optc.testing import build_artifact
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = {  # name -> (recipe, overrides)
+    "f32": ("smollm2-bf16.yaml", ("dtype=float32",)),
+    "bf16": ("smollm2-bf16.yaml", ()),
+    "int8": ("smollm2-int8.yaml", ()),
+    "rtn-int4": ("smollm2-rtn.yaml", ()),
+    "awq-int4": ("smollm2-awq.yaml", ()),
+    "gptq-int4": ("smollm2-gptq.yaml", ()),
+}
+HF = "transformers-bf16"
+
+
+def prompts(tokenizer, num: int, length: int) -> list[list[int]]:
+    """`num` prompts of `length` token ids: consecutive slices of the pydoc topics text."""
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:40])
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) >= num * length, f"{len(ids)} tokens of text for {num} x {length}"
+    return [ids[i * length:(i + 1) * length] for i in range(num)]
+
+
+def optc_run(engine: Engine, batch: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(wall, CPU) output tokens/s of one run of `batch` through the engine."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = engine.generate(batch, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    assert all(len(c.token_ids) == output_len for c in out)
+    return len(batch) * output_len / elapsed, len(batch) * output_len / cpu
+
+
+def hf_run(model, batch: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(wall, CPU) output tokens/s of one transformers `generate` over `batch` (left-padded, static cache)."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, cache_implementation="static",
+                             pad_token_id=0)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    num = (out.shape[1] - width) * len(batch)
+    return num / elapsed, num / cpu
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=REPO / "build" / "quant-speed", help="where artifacts are built")
+    p.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
+                   help=f"use this artifact for NAME (one of {', '.join(CONFIGS)}) instead of building it")
+    p.add_argument("--configs", default=",".join([*CONFIGS, HF]), help="which configs to run, comma-separated")
+    p.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the core count)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    given = dict(a.split("=", 1) for a in args.artifact)
+    paths = {}
+    for name in [n for n in names if n in CONFIGS]:
+        if name in given:
+            paths[name] = Path(given[name])
+            continue
+        recipe, overrides = CONFIGS[name]
+        paths[name] = args.work / name
+        if not (paths[name] / "manifest.json").exists():
+            print(f"building {name} from {recipe}", flush=True)
+            build_artifact(paths[name], REPO / "recipes" / recipe, *overrides)
+    batches = [int(b) for b in args.batches.split(",")]
+    engines = {n: Engine.load(paths[n], max_num_seqs=max(batches), enable_prefix_caching=False) for n in paths}
+    tokenizer = next(iter(engines.values())).tokenizer
+    runs = {}
+    if HF in names:
+        from optc.frontend.models.llama import hf_model_from_artifact
+
+        bf16 = paths.get("bf16") or Path(given["bf16"])
+        model = hf_model_from_artifact(bf16, torch.device("cpu"), torch.bfloat16)
+        model.generation_config.disable_compile = True
+        runs[HF] = lambda batch: hf_run(model, batch, args.output_len)
+    for n, engine in engines.items():
+        runs[n] = lambda batch, e=engine: optc_run(e, batch, args.output_len)
+    work = {b: prompts(tokenizer, b, args.input_len) for b in batches}
+    for b in batches:  # warm-up: first calls, prepared layouts
+        for run in runs.values():
+            run(work[b][:1] if b == batches[0] else work[b])
+    results: dict[int, dict[str, list[tuple[float, float]]]] = {b: {n: [] for n in runs} for b in batches}
+    loads = []
+    for r in range(args.rounds):
+        for b in batches:
+            before = os.getloadavg()[0]
+            for n, run in runs.items():
+                results[b][n].append(run(work[b]))
+            loads.append((before, os.getloadavg()[0]))
+            print(f"round {r + 1} batch {b}: load {before:.2f} -> {loads[-1][1]:.2f}; "
+                  + ", ".join(f"{n} {v[-1][0]:.1f} ({v[-1][1]:.1f} cpu)" for n, v in results[b].items()), flush=True)
+    print(f"\nSmolLM2-135M, CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"{args.input_len} prompt + {args.output_len} output tokens per request, {args.rounds} rounds, "
+          f"load average {min(x for x, _ in loads):.2f}-{max(y for _, y in loads):.2f}")
+    print("| config | " + " | ".join(f"batch {b} tok/s | vs bf16 | CPU tok/s | vs bf16" for b in batches) + " |")
+    print("|---|" + "---:|---:|---:|---:|" * len(batches))
+    summary = {}
+    for n in runs:
+        cells = []
+        for b in batches:
+            entry = summary.setdefault(n, {}).setdefault(b, {"runs": results[b][n]})
+            for i, what in enumerate(("wall", "cpu")):
+                med = statistics.median(r[i] for r in results[b][n])
+                base = statistics.median(r[i] for r in results[b]["bf16"]) if "bf16" in runs else float("nan")
+                cells += [f"{med:.1f}", f"{med / base:.2f}x"]
+                entry[what] = {"median": med, "vs_bf16": med / base}
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "input_len": args.input_len,
+                                         "output_len": args.output_len, "loads": loads, "results": summary,
+                                         "artifacts": {n: str(p) for n, p in paths.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

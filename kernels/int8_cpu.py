@@ -1,0 +1,34 @@
+"""int8_wo linear on the CPU through torch's int8 weight-only matmul (`aten._weight_int8pack_mm`).
+
+The kernel reads the format's own parts as they are stored: `qweight` (N, K) int8 row-major and
+`scales` (N,) in the activation dtype, and computes y = x @ (q * s)^T with the scale applied once per
+output (the reference dequantizes the whole weight on every call). So it needs no `prepare` and no
+layout of its own.
+
+Its limits, found by running it (torch 2.13, `tests/test_kernels_int8_cpu.py` checks them): K must be
+a multiple of 16 (bfloat16 with K = 104 gives wrong rows, with K = 100 it crashes the process), so
+the registry offers it only for such K; x is 2-D, so leading dimensions are flattened here.
+Where it pays is measured per M by `select_kernels` (docs/PERF.md, "Quantized artifacts that run
+faster"): at decode sizes it reads 1 byte per weight instead of dequantizing 2-4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optc.core.formats import Format
+
+K_MULTIPLE = 16  # the kernel's K tiling: other K give wrong results or crash
+
+
+def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref for an int8_wo weight: x (..., K) -> (..., N) in x's dtype."""
+    q, s = parts["qweight"], parts["scales"]
+    n, k = q.shape
+    assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
+    assert k % K_MULTIPLE == 0, f"K = {k} is not a multiple of {K_MULTIPLE}"
+    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, k).contiguous(), q, s.to(x.dtype))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], n)
