@@ -11,7 +11,7 @@ import torch
 
 from optc.artifact import read, read_manifest
 from optc.compare.variants import Mode, expand
-from optc.kv_cache import KVCache, KVCacheSpec
+from optc.kv_cache import QMAX, STORAGE_DTYPES, KVCache, KVCacheSpec, dequantize
 from optc.ops.attention import kv_store_ref
 from optc.recipe import Recipe, load_recipe
 from optc.runtime import Engine, EngineConfig, SamplingParams
@@ -84,8 +84,15 @@ def test_kv_spec_bytes_per_block_is_what_allocation_takes():
         assert caches[0].data.shape == (5, 2, spec.block_size, config.num_kv_heads, config.head_dim)
     assert KVCacheSpec.from_json({"block_size": 16, "dtype": "float16"}) == KVCacheSpec(16, "float16")  # schema 2
     assert KVCacheSpec.from_json(KVCacheSpec(32, "bfloat16").to_json()) == KVCacheSpec(32, "bfloat16")
-    with pytest.raises(ValueError, match="int8"):
-        KVCacheSpec(16, "int8")
+    for spec in (KVCacheSpec(16, "int8"), KVCacheSpec(32, "fp8_e4m3")):  # data plus an fp32 scale per (token, head)
+        caches = spec.allocate(config, 5, "cpu")
+        assert caches[0].scales.shape == (5, 2, spec.block_size, config.num_kv_heads)
+        assert sum(c.data.nbytes + c.scales.nbytes for c in caches) == 5 * spec.bytes_per_block(config)
+        assert caches[0].data.dtype.itemsize == 1 and caches[0].scales.dtype == torch.float32
+    with pytest.raises(ValueError, match="KV cache dtype int8 takes scales 'per_token_head', not 'none'"):
+        KVCacheSpec(16, "int8", "none")
+    with pytest.raises(ValueError, match="KV cache dtype bfloat16 takes scales 'none', not 'per_token_head'"):
+        KVCacheSpec(16, "bfloat16", "per_token_head")
 
 
 def test_kv_store_goes_through_the_cache_object():
@@ -94,9 +101,28 @@ def test_kv_store_goes_through_the_cache_object():
     kv_store_ref(k, v, cache, torch.tensor([4, -1, 6]))
     assert torch.equal(cache.data[1, 0, 0], k[0].bfloat16()) and torch.equal(cache.data[1, 1, 2], v[2].bfloat16())
     assert cache.data[1, :, 1].abs().sum() == 0  # slot -1: nothing stored
-    integer = KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.int8))
-    with pytest.raises(NotImplementedError, match="quantizer"):  # never a blind cast into an integer cache
-        kv_store_ref(k, v, integer, torch.tensor([4, 5, 6]))
+    with pytest.raises(ValueError, match="torch.int8 KV cache needs its scales"):  # never a blind cast
+        KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("kv_dtype,step", [("int8", 0.5 / 127), ("fp8_e4m3", 2.0**-4)])
+def test_kv_store_quantizes_per_token_and_head_and_reads_back_within_half_a_step(kv_dtype, step):
+    # int8: |error| <= half a step of the row's absmax / 127; e4m3 (3 mantissa bits): relative
+    # error <= 2**-4 of the value for normal values, 2**-10 of the absmax below them
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 32, generator=g) * 4, torch.randn(5, 2, 32, generator=g) * 0.01
+    cache = KVCache(torch.zeros(2, 2, 16, 2, 32, dtype=STORAGE_DTYPES[kv_dtype]), torch.zeros(2, 2, 16, 2),
+                    QMAX[kv_dtype])
+    kv_store_ref(k, v, cache, torch.tensor([16, 17, -1, 19, 20]))
+    stored = dequantize(cache.data[1], cache.scales[1], torch.float32)  # (2, 16, H_kv, D)
+    for i, x in enumerate((k, v)):
+        kept = x[[0, 1, 3, 4]]
+        amax = kept.abs().amax(-1, keepdim=True)
+        assert torch.allclose(cache.scales[1, i, [0, 1, 3, 4]], amax[..., 0] / cache.qmax)
+        err = (stored[i, [0, 1, 3, 4]] - kept).abs()
+        bound = step * amax if kv_dtype == "int8" else step * kept.abs() + 2.0**-10 * amax
+        assert (err <= bound * 1.0001).all(), (err / bound).max()
+    assert (cache.scales[1, :, 2] == 0).all() and (cache.data[1, :, 2].float() == 0).all()  # slot -1
 
 
 def test_model_reads_the_manifest_kv_spec(tiny_artifact):
