@@ -11,6 +11,7 @@ import torch
 
 from optc.artifact import read, read_manifest
 from optc.compare.variants import Mode, expand
+from optc.ir import ModelConfig
 from optc.kv_cache import QMAX, STORAGE_DTYPES, KVCache, KVCacheSpec, dequantize
 from optc.ops.attention import kv_store_ref
 from optc.recipe import Recipe, load_recipe
@@ -187,3 +188,19 @@ def test_a_schema_2_manifest_loads_and_gives_the_same_tokens(tiny_artifact, tmp_
     expected = [c.token_ids for c in Engine.load(tiny_artifact).generate(prompts, params)]
     assert [c.token_ids for c in Engine.load(old).generate(prompts, params)] == expected
     assert Engine.load(old).config == Engine.load(tiny_artifact).config
+
+
+def test_int8_kv_pool_holds_at_least_1_8x_the_tokens_of_a_bfloat16_one(tiny_int8_kv_artifact):
+    # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64; scales are 2 x 4 bytes per (token, KV head)
+    smollm2 = ModelConfig("LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_layers=30,
+                          num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                          rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True)
+    bf16, int8, fp8 = (KVCacheSpec(16, d).bytes_per_token(smollm2) for d in ("bfloat16", "int8", "fp8_e4m3"))
+    assert (bf16, int8, fp8) == (30 * 2 * 3 * 64 * 2, 30 * (2 * 3 * 64 + 2 * 3 * 4), 30 * (2 * 3 * 64 + 2 * 3 * 4))
+    assert bf16 / int8 >= 1.8
+    # the engine sizes its pool with the scales counted, and reports the bytes per token
+    budget = 100 * 16 * 160 + 7
+    engine = Engine.load(tiny_int8_kv_artifact, kv_cache_memory=budget)
+    assert engine.stats().kv_bytes_per_token == 160  # 2 layers x (2 x 2 x 16 + 2 x 2 x 4)
+    assert engine.kv_manager.num_blocks == 100 + 1
+    assert engine.runner.kv_caches[0].scales.shape == (101, 2, 16, 2)
