@@ -49,8 +49,9 @@ KV_DTYPES = ("bfloat16", "int8", "fp8_e4m3")
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=100_000)
-    ap.add_argument("--windows", default="512,2048")
-    ap.add_argument("--greedy-prompts", type=int, default=8)
+    ap.add_argument("--windows", default="512,2048", help="window lengths of the quality runs ('' for none)")
+    ap.add_argument("--per-head-windows", default="512", help="window lengths that also score fp8_e4m3-per-head")
+    ap.add_argument("--greedy-prompts", type=int, default=8, help="0: no greedy comparison")
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None)
@@ -70,14 +71,19 @@ def main() -> None:
     for dtype in KV_DTYPES:
         graph, store, _, _ = PassManager([("kv_layout", {"dtype": dtype})]).run(ref_graph, ref_store, ctx)
         variants[dtype] = Loaded(graph, store, tokenizer)
-    calibration, _ = calibration_batch("builtin:pydoc", tokenizer, 32, 128, 0)
-    per_head_amax = calibrate_per_head(ref_graph, ref_store, calibration)
+    per_head_windows = {int(w) for w in args.per_head_windows.split(",") if w}
+    if per_head_windows:
+        calibration, _ = calibration_batch("builtin:pydoc", tokenizer, 32, 128, 0)
+        per_head_amax = calibrate_per_head(ref_graph, ref_store, calibration)
     result = {"quality": [], "greedy": [], "per_head_calibration": "builtin:pydoc 32 x 128 seed 0"}
-    for window in (int(w) for w in args.windows.split(",")):
+    for window in (int(w) for w in args.windows.split(",") if w):
         t0 = time.perf_counter()
         scores = score_windows(list(variants.values()), reference, max_tokens=args.max_tokens, window=window)
-        scores.append(score_per_head(variants["fp8_e4m3"], reference, per_head_amax, args.max_tokens, window))
-        for name, rows in zip([*variants, "fp8_e4m3-per-head"], scores, strict=True):
+        names = list(variants)
+        if window in per_head_windows:
+            scores.append(score_per_head(variants["fp8_e4m3"], reference, per_head_amax, args.max_tokens, window))
+            names.append("fp8_e4m3-per-head")
+        for name, rows in zip(names, scores, strict=True):
             rows = [asdict(r) for r in rows]
             entry = {"kv": name, "window": window, "windows": len(rows), "tokens": sum(r["num_tokens"] for r in rows)}
             for key in ("kld", "top1_agreement", "ppl"):
@@ -86,9 +92,10 @@ def main() -> None:
             result["quality"].append(entry)
             print(json.dumps(entry), flush=True)
         print(f"window {window}: {time.perf_counter() - t0:.0f} s", flush=True)
-    result["greedy"] = greedy_agreement(ref_graph, ref_store, variants, tokenizer, args.greedy_prompts,
-                                        args.greedy_tokens)
-    print(json.dumps(result["greedy"]), flush=True)
+    if args.greedy_prompts:
+        result["greedy"] = greedy_agreement(ref_graph, ref_store, variants, tokenizer, args.greedy_prompts,
+                                            args.greedy_tokens)
+        print(json.dumps(result["greedy"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
