@@ -164,6 +164,42 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         byts = 4 * batch * PREFILL * (m.heads + m.kv_heads) * m.head_dim * e
         fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill)
         yield ("paged_prefill", f"B={batch} T={PREFILL}", byts, *fns)
+    # int8 / fp8 KV (a value byte per element, an fp32 scale per (token, KV head) for K and V): the
+    # fused store at T=32, decode at batch 32 x 4,096 (compare its GB/s with the bf16 row above:
+    # the target is the same bytes per second on half the bytes), prefill at B=1
+    for kv in ("int8", "fp8_e4m3"):
+        t = BATCHES[-1]
+        q = data(t, m.heads, m.head_dim)
+        k, v = data(2, t, m.kv_heads, m.head_dim)
+        pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
+        cache = _quantized_cache(data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim), kv, data)
+        byts = (2 * m.heads + 2 * m.kv_heads) * t * m.head_dim * e + 2 * t * m.kv_heads * (m.head_dim + 4)
+        args = (q, k, v, pos, cos_sin, cache, slots)
+        yield f"rope_kv_store.{kv}", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
+        ctx = CONTEXTS[-1]
+        byts = 2 * t * ctx * m.kv_heads * (m.head_dim + 4) + 2 * t * m.heads * m.head_dim * e
+        yield (f"paged_decode.{kv}", f"B={t} ctx={ctx}", byts,
+               *_decode(m, t, ctx, dev, data, paged_decode.paged_decode, kv))
+        byts = 2 * PREFILL * m.heads * m.head_dim * e + 2 * PREFILL * m.kv_heads * (m.head_dim + 4)
+        yield (f"paged_prefill.{kv}", f"B=1 T={PREFILL}", byts,
+               *_prefill(m, 1, dev, data, paged_prefill.paged_prefill, kv))
+
+
+def _gather(cache, kv_scales, tables, dtype):
+    """The blocks of `tables` (B, nb) as (B, nb, 2, block_size, H_kv, D) in `dtype` (dequantized with scales)."""
+    from optc.core.kv_cache import dequantize
+
+    table = tables.long()
+    return cache[table] if kv_scales is None else dequantize(cache[table], kv_scales[table], dtype)
+
+
+def _quantized_cache(cache, kv: str, data):
+    """A KVCache of `kv` (int8 | fp8_e4m3) with the float cache's shape: values from it, scales drawn."""
+    from optc.core.kv_cache import QMAX, STORAGE_DTYPES, KVCache
+
+    storage = STORAGE_DTYPES[kv]
+    values = (cache * 40).clamp(-127, 127).to(storage) if storage == torch.int8 else cache.to(storage)
+    return KVCache(values, data(*cache.shape[:4], dtype=torch.float32).abs() * 0.02, QMAX[kv])
 
 
 def _paged(m, batch, ctx, dev, data):
@@ -175,33 +211,42 @@ def _paged(m, batch, ctx, dev, data):
     return cache, tables, seq_lens
 
 
-def _decode(m, batch, ctx, dev, data, kernel):
+def _decode(m, batch, ctx, dev, data, kernel, kv_dtype=None):
     cache, tables, seq_lens = _paged(m, batch, ctx, dev, data)
     starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
     q = data(batch, m.heads, m.head_dim)
     scale = m.head_dim ** -0.5
+    kv_scales = None
+    if kv_dtype is not None:  # the kernel reads the quantized cache; torch gathers and dequantizes, as the reference
+        quantized = _quantized_cache(cache, kv_dtype, data)
+        cache, kv_scales = quantized.data, quantized.scales
 
-    def torch_fn():  # gather each request's K/V, then SDPA with GQA (no causal mask needed for decode)
-        kv = cache[tables.long()].transpose(1, 2).reshape(batch, 2, ctx, m.kv_heads, m.head_dim)
+    def torch_fn():  # gather each request's K/V (dequantized), then SDPA with GQA (no causal mask for decode)
+        kv = _gather(cache, kv_scales, tables, q.dtype).transpose(1, 2).reshape(batch, 2, ctx, m.kv_heads, m.head_dim)
         k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # (B, H_kv, ctx, D)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-    return bind(kernel, q, cache, tables, seq_lens, starts, scale, max_seq_len=ctx), torch_fn
+    return bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_seq_len=ctx), torch_fn
 
 
-def _prefill(m, batch, dev, data, kernel):
+def _prefill(m, batch, dev, data, kernel, kv_dtype=None):
     cache, tables, seq_lens = _paged(m, batch, PREFILL, dev, data)
     starts = torch.arange(0, (batch + 1) * PREFILL, PREFILL, device=dev, dtype=torch.int32)
     q = data(batch * PREFILL, m.heads, m.head_dim)
     scale = m.head_dim ** -0.5
+    kv_scales = None
+    if kv_dtype is not None:
+        quantized = _quantized_cache(cache, kv_dtype, data)
+        cache, kv_scales = quantized.data, quantized.scales
 
-    def torch_fn():  # causal SDPA with GQA over each prompt's gathered K/V
-        kv = cache[tables.long()].transpose(1, 2).reshape(batch, 2, PREFILL, m.kv_heads, m.head_dim)
+    def torch_fn():  # causal SDPA with GQA over each prompt's gathered (dequantized) K/V
+        kv = _gather(cache, kv_scales, tables, q.dtype)
+        kv = kv.transpose(1, 2).reshape(batch, 2, PREFILL, m.kv_heads, m.head_dim)
         k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
         qb = q.view(batch, PREFILL, m.heads, m.head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(qb, k, v, scale=scale, is_causal=True, enable_gqa=True)
 
-    return bind(kernel, q, cache, tables, seq_lens, starts, scale, max_query_len=PREFILL), torch_fn
+    return bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=PREFILL), torch_fn
 
 
 def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) -> dict:

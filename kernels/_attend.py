@@ -7,6 +7,11 @@ it (decode passes the request's last position: every key in the context). Scores
 units (the scale is folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`,
 sum `l_i` and unnormalized output `acc` are fp32; P is cast to the cache dtype for the second
 dot. The caller divides `acc` by `l_i` at the end.
+
+An int8 / fp8 cache (`HAS_SCALES`) is read as stored and cast to q's dtype (exact: int8 and e4m3
+values are bf16 / fp16 values); its per-(token, KV head) scales fold into the scores (a column
+scale of q K^T) and into P before the second dot (a row scale of V), so no dequantized tile is
+formed and the scale multiplies are per key, not per element.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from optc.kernels._dot import dot
 @triton.jit
 def attend(
     q, m_i, l_i, acc, query_pos,
-    kv_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co, D, qk_scale,
-    FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    kv_base, scale_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co,
+    stride_sb, stride_skv, stride_so, D, qk_scale,
+    HAS_SCALES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base points at the KV head's K of block 0
+    # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base (scale_base) points at the KV head's K (K
+    # scale) of block 0
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < end
@@ -33,7 +40,12 @@ def attend(
     kv_ptr = kv_base + rows[:, None] + offs_d[None, :]
     mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
     k = tl.load(kv_ptr, mask=mask_nd, other=0.0)
+    if HAS_SCALES:
+        scale_ptr = scale_base + blocks.to(tl.int64) * stride_sb + (offs_n % block_size) * stride_so
+        k = k.to(q.dtype)
     s = dot(q, tl.trans(k), FP32_DOT)
+    if HAS_SCALES:  # s[i, n] = q_i . (k_n * ks_n)
+        s = s * tl.load(scale_ptr, mask=mask_n, other=0.0)[None, :]
     visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
     s = tl.where(visible, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each caller's first step shows every row a key
@@ -41,6 +53,9 @@ def attend(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
+    if HAS_SCALES:  # sum_n p[i, n] * (v_n * vs_n) = sum_n (p[i, n] * vs_n) * v_n
+        p = p * tl.load(scale_ptr + stride_skv, mask=mask_n, other=0.0)[None, :]
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
     return m_new, l_i, acc
 
@@ -51,6 +66,7 @@ def check_paged_args(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """The Triton launchers' checks of the layout above; returns (num_requests, num_heads,
     num_kv_heads, head_dim, block_size, group)."""
@@ -67,4 +83,12 @@ def check_paged_args(
     assert 16 <= head_dim <= 256, f"head dim {head_dim} must be in [16, 256]"
     assert query_start_loc.shape == (num_requests + 1,), "query_start_loc must be (B + 1,)"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_requests, "block_tables must be (B, max_blocks)"
+    if kv_scales is not None:
+        assert kv_scales.shape == kv_cache.shape[:4] and kv_scales.dtype == torch.float32, (
+            f"kv_scales {list(kv_scales.shape)} {kv_scales.dtype} must be fp32 {list(kv_cache.shape[:4])}"
+        )
+    else:
+        assert kv_cache.dtype.is_floating_point and kv_cache.dtype.itemsize > 1, (
+            f"a {kv_cache.dtype} KV cache needs its kv_scales"
+        )
     return num_requests, num_heads, num_kv_heads, head_dim, block_size, num_heads // num_kv_heads

@@ -35,10 +35,9 @@ def paged_attention(
     kernel's split count is baked into the graph.
     """
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
-    assert kv_cache.scales is None, "the paged attention kernels read float KV caches (no scales)"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
-    args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale)
+    args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale, kv_cache.scales)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if q.shape[0] else 0
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:

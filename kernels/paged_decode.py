@@ -9,8 +9,9 @@ normalized partial output with its running max and sum, and a second kernel comb
 
 K/V tokens are gathered through the block table (`BLOCK_N` tokens per step, any number of cache
 blocks), so the kernel does not depend on the cache's block size. Softmax math is fp32 (exp2 with
-the scale folded into log2 e); P is cast to the cache dtype for the second dot; the output is cast
-on store. Semantics are optc.core.ops.attention.paged_attention_ref's for requests whose query length
+the scale folded into log2 e); P is cast to the cache dtype for the second dot (an int8 / fp8 cache:
+to q's dtype, with the scales folded in as optc.kernels._attend describes); the output is cast on
+store. Semantics are optc.core.ops.attention.paged_attention_ref's for requests whose query length
 is 1 (a request with seq_len 0 gets zeros).
 
 Splits (`split_shape`): at batch 1 a long context is the only parallelism there is, so the
@@ -39,15 +40,17 @@ MIN_SPLIT_TOKENS = BLOCK_N  # the smallest split: one inner step
 @triton.jit
 def _decode_kernel(
     # pointers
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_ptr, ml_ptr,
+    q_ptr, cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr, part_ptr, ml_ptr,
     # sizes
     G, D, block_size, tokens_per_split, qk_scale,
-    # strides: q / out (token, head); cache (block, k|v, offset, head); block table (request);
+    # strides: q / out (token, head); cache (block, k|v, offset, head); scales (block, k|v, offset, head);
+    # block table (request);
     # partials (request, head, split) and max/sum (request, head, split, 2)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
+    stride_sb, stride_skv, stride_so, stride_sh,
     stride_bt, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ms,
     # meta
-    IS_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -58,7 +61,8 @@ def _decode_kernel(
     heads = kv_head * G + offs_g
     mask_gd = (offs_g < G)[:, None] & (offs_d < D)[None, :]
     q = tl.load(q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_gd, other=0.0)
-    q = q.to(cache_ptr.dtype.element_ty)
+    if not HAS_SCALES:  # a float cache: both dots in the cache dtype; a scaled one reads K/V into q's
+        q = q.to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -66,11 +70,12 @@ def _decode_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     kv_base = cache_ptr + kv_head * stride_ch
+    scale_base = scale_ptr + kv_head * stride_sh
     last = tl.full([BLOCK_G], seq_len - 1, tl.int32)  # decode: every row sees the whole context
     for n0 in range(start, end, BLOCK_N):
-        m_i, l_i, acc = attend(q, m_i, l_i, acc, last, kv_base, block_tables_ptr + req * stride_bt, n0, end,
-                               block_size, stride_cb, stride_ckv, stride_co, D, qk_scale,
-                               FP32_DOT, BLOCK_D, BLOCK_N)
+        m_i, l_i, acc = attend(q, m_i, l_i, acc, last, kv_base, scale_base, block_tables_ptr + req * stride_bt,
+                               n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
+                               stride_so, D, qk_scale, HAS_SCALES, FP32_DOT, BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or request) stays zero
     if IS_SPLIT:
@@ -120,17 +125,19 @@ def paged_decode(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref for batches where every request has exactly one query token.
 
-    `max_seq_len` (the batch's longest context) sizes the splits; without it the launcher reads
-    seq_lens (a device sync). `num_splits` overrides the heuristic.
+    `kv_scales`: an int8 / fp8 cache's scales (None: a float cache). `max_seq_len` (the batch's
+    longest context) sizes the splits; without it the launcher reads seq_lens (a device sync).
+    `num_splits` overrides the heuristic.
     """
     # q: (B, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (B, H_q, D)
     num_requests, num_heads, num_kv_heads, head_dim, block_size, group = check_paged_args(
-        q, kv_cache, block_tables, seq_lens, query_start_loc)
+        q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales)
     assert q.shape[0] == num_requests, f"decode needs one query token per request: {q.shape[0]} != {num_requests}"
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_requests == 0:
@@ -144,15 +151,18 @@ def paged_decode(
     else:
         part = ml = out  # placeholders, never dereferenced
     cs = kv_cache.stride()
+    ss = kv_scales.stride() if kv_scales is not None else (0,) * 4
     block_d = triton.next_power_of_2(head_dim)
     grid = lambda meta: (num_requests, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
+        q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc,
+        out, part, ml,
         group, head_dim, block_size, tokens_per_split, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
-        IS_SPLIT=is_split, FP32_DOT=fp32_dot(kv_cache),
+        IS_SPLIT=is_split, HAS_SCALES=kv_scales is not None,
+        FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N, num_warps=4,
     )
     if is_split:

@@ -9,7 +9,8 @@ position seq_lens[b] - query_len_b + i and sees keys 0 .. its own position.
 One program serves one (request, KV head, row tile): the rows of a tile are (query token, query
 head of the group) pairs flattened as row = i * G + g, so each K/V tile is read once per group.
 The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
-(exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot; cast on store.
+(exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot (an int8 / fp8
+cache: to q's dtype, scales folded in as optc.kernels._attend describes); cast on store.
 
 Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
@@ -31,13 +32,16 @@ BLOCK_N = 32  # KV tokens per inner step
 @triton.jit
 def _prefill_kernel(
     # pointers
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
     # sizes
     G, D, block_size, qk_scale,
-    # strides: q / out (token, head); cache (block, k|v, offset, head); block table (request)
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch, stride_bt,
+    # strides: q / out (token, head); cache (block, k|v, offset, head); scales (block, k|v, offset, head);
+    # block table (request)
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
+    stride_sb, stride_skv, stride_so, stride_sh, stride_bt,
     # meta
-    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_ptr + req)
@@ -54,7 +58,9 @@ def _prefill_kernel(
     mask_md = mask_m[:, None] & (offs_d < D)[None, :]
     tokens = (q_start + query_idx).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_md, other=0.0).to(cache_ptr.dtype.element_ty)
+                mask=mask_md, other=0.0)
+    if not HAS_SCALES:  # a float cache: both dots in the cache dtype; a scaled one reads K/V into q's
+        q = q.to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -63,10 +69,11 @@ def _prefill_kernel(
     last_query = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, query_len - 1)
     end = tl.where(tile * BLOCK_M < query_len * G, context_len + last_query + 1, 0)
     kv_base = cache_ptr + kv_head * stride_ch
+    scale_base = scale_ptr + kv_head * stride_sh
     for n0 in range(0, end, BLOCK_N):
-        m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, block_tables_ptr + req * stride_bt, n0, end,
-                               block_size, stride_cb, stride_ckv, stride_co, D, qk_scale,
-                               FP32_DOT, BLOCK_D, BLOCK_N)
+        m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, scale_base, block_tables_ptr + req * stride_bt,
+                               n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
+                               stride_so, D, qk_scale, HAS_SCALES, FP32_DOT, BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -80,27 +87,31 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref for any query lengths (prefill, chunked prefill, speculative verify).
 
-    `max_query_len` sizes the grid; without it the launcher reads query_start_loc (a device sync).
+    `kv_scales`: an int8 / fp8 cache's scales (None: a float cache). `max_query_len` sizes the grid;
+    without it the launcher reads query_start_loc (a device sync).
     """
     # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
     num_requests, _, num_kv_heads, head_dim, block_size, group = check_paged_args(
-        q, kv_cache, block_tables, seq_lens, query_start_loc)
+        q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_requests == 0 or q.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     cs = kv_cache.stride()
+    ss = kv_scales.stride() if kv_scales is not None else (0,) * 4
     grid = lambda meta: (num_requests, num_kv_heads, triton.cdiv(max_query_len * group, meta["BLOCK_M"]))
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc, out,
         group, head_dim, block_size, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
-        FP32_DOT=fp32_dot(kv_cache),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
+        block_tables.stride(0),
+        HAS_SCALES=kv_scales is not None, FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
         BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
     )
     return out

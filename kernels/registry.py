@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from optc.core.formats import DTYPES, Activations, Format, FormatKind
 from optc.core.ir import REFERENCE_KERNEL
+from optc.core.kv_cache import KV_DTYPES
 from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
@@ -173,13 +174,13 @@ def _rope_ok(q: KernelQuery) -> bool:
 
 def _attention_ok(q: KernelQuery) -> bool:
     d = q.head_dim
-    return (_dtype_ok(q) and (q.kv_dtype or q.dtype) in DTYPES and 16 <= d <= 256 and d & (d - 1) == 0
+    return (_dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES and 16 <= d <= 256 and d & (d - 1) == 0
             and q.num_kv_heads > 0 and q.num_heads % q.num_kv_heads == 0
             and q.num_heads // q.num_kv_heads <= MAX_GROUP)
 
 
 def _rope_kv_store_ok(q: KernelQuery) -> bool:
-    return _rope_ok(q) and (q.kv_dtype or q.dtype) in DTYPES
+    return _rope_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES
 
 
 def _w4a16_ok(q: KernelQuery) -> bool:

@@ -7,7 +7,9 @@ once at load time from the model's rope parameters (see optc.core.rope). Math is
 One kernel serves three launchers: `rope_kv_store` (rotate q and k, write rotated k and v into the
 paged cache through the slot mapping; one program per token), `rope` (rotate one tensor) and
 `kv_store` (write k and v without rotating). Rotated k is rounded to k's dtype and then to the
-cache dtype, exactly as the reference's two steps do; the stores take a float `KVCache` (no scales).
+cache dtype, exactly as the reference's two steps do. Into an int8 / fp8 cache each (token, KV head)
+row is quantized as optc.core.kv_cache.quantize does (absmax over the row, fp32 scale stored beside the
+block, int8 rounded half up, fp8 rounded to nearest even), in the same expressions.
 
 Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
 """
@@ -33,17 +35,32 @@ def _rotate(x_ptr, offs_h, offs_d, mask, cos, sin, stride_h, HALF, ROTATE: tl.co
 
 
 @triton.jit
+def _quantize(x1, x2, scale_ptrs, mask_h, qmax, IS_INT: tl.constexpr):
+    # x1, x2: (BLOCK_H, BLOCK_HALF) fp32 halves of each head's row -> stored values (fp32 holding
+    # them exactly); the row's scale amax / qmax goes to scale_ptrs (BLOCK_H,)
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    tl.store(scale_ptrs, amax / qmax, mask=mask_h)
+    inv = tl.where(amax > 0, qmax / tl.where(amax > 0, amax, 1.0), 0.0)[:, None]  # a zero row stays zero
+    y1 = tl.minimum(tl.maximum(x1 * inv, -qmax), qmax)
+    y2 = tl.minimum(tl.maximum(x2 * inv, -qmax), qmax)
+    if IS_INT:  # round half up; the cast to int8 then truncates an integer
+        y1, y2 = tl.floor(y1 + 0.5), tl.floor(y2 + 0.5)
+    return y1, y2
+
+
+@triton.jit
 def _rope_kv_store_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, q_out_ptr, positions_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
-    # sizes
-    H_Q, H_KV, HALF, block_size,
-    # strides: q, k, v, q_out (token, head); cos_sin (position); cache (block, k|v, offset, head)
+    q_ptr, k_ptr, v_ptr, q_out_ptr, positions_ptr, cos_sin_ptr, cache_ptr, scale_ptr, slot_ptr,
+    # sizes; qmax: a scaled cache's largest stored magnitude
+    H_Q, H_KV, HALF, block_size, qmax,
+    # strides: q, k, v, q_out (token, head); cos_sin (position); cache (block, k|v, offset, head);
+    # scales (block, k|v, offset, head)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_cs, stride_cb, stride_ckv, stride_co, stride_ch,
+    stride_cs, stride_cb, stride_ckv, stride_co, stride_ch, stride_sb, stride_skv, stride_so, stride_sh,
     # meta
-    HAS_Q: tl.constexpr, HAS_KV: tl.constexpr, ROTATE_K: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_Q: tl.constexpr, HAS_KV: tl.constexpr, ROTATE_K: tl.constexpr, HAS_SCALES: tl.constexpr,
+    IS_INT: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -65,14 +82,19 @@ def _rope_kv_store_kernel(
         # slot -1: a padding token, no head is stored
         num_stored = tl.where(slot >= 0, H_KV, 0)
         mask = (offs_h < num_stored)[:, None] & mask_d[None, :]
-        dst = cache_ptr + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
-        dst = dst + offs_h[:, None] * stride_ch + offs_d[None, :]
+        block, offset = slot // block_size, slot % block_size
+        dst = cache_ptr + block * stride_cb + offset * stride_co + offs_h[:, None] * stride_ch + offs_d[None, :]
         k1, k2 = _rotate(k_ptr + tok * stride_kt, offs_h, offs_d, mask, cos, sin, stride_kh, HALF, ROTATE_K)
         # round to k's dtype first (the reference rotates, then stores)
         k1, k2 = k1.to(k_ptr.dtype.element_ty), k2.to(k_ptr.dtype.element_ty)
+        v1, v2 = _rotate(v_ptr + tok * stride_vt, offs_h, offs_d, mask, cos, sin, stride_vh, HALF, False)
+        if HAS_SCALES:
+            mask_h = offs_h < num_stored
+            scales = scale_ptr + block * stride_sb + offset * stride_so + offs_h * stride_sh
+            k1, k2 = _quantize(k1.to(tl.float32), k2.to(tl.float32), scales, mask_h, qmax, IS_INT)
+            v1, v2 = _quantize(v1, v2, scales + stride_skv, mask_h, qmax, IS_INT)
         tl.store(dst, k1.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, k2.to(cache_ptr.dtype.element_ty), mask=mask)
-        v1, v2 = _rotate(v_ptr + tok * stride_vt, offs_h, offs_d, mask, cos, sin, stride_vh, HALF, False)
         tl.store(dst + stride_ckv, v1.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_ckv + HALF, v2.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -92,7 +114,7 @@ def rope_kv_store(
     _check(q, positions, cos_sin)
     _check_kv(k, v, kv_cache, slot_mapping, q.shape[0], q.shape[2])
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _launch(q, k, v, q_out, positions, cos_sin, kv_cache.data, slot_mapping, rotate_k=True)
+    _launch(q, k, v, q_out, positions, cos_sin, kv_cache, slot_mapping, rotate_k=True)
     return q_out
 
 
@@ -107,7 +129,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tor
 def kv_store(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """optc.core.ops.attention.kv_store_ref: k, v: (T, H_kv, D) -> kv_cache at `slot_mapping`, in place."""
     _check_kv(k, v, kv_cache, slot_mapping, k.shape[0], k.shape[2])
-    _launch(None, k, v, None, slot_mapping, None, kv_cache.data, slot_mapping, rotate_k=False)
+    _launch(None, k, v, None, slot_mapping, None, kv_cache, slot_mapping, rotate_k=False)
 
 
 def _check(x, positions, cos_sin):
@@ -122,7 +144,6 @@ def _check(x, positions, cos_sin):
 
 
 def _check_kv(k, v, cache: KVCache, slot_mapping, num_tokens, head_dim):
-    assert cache.scales is None, "the KV store kernel writes float KV caches (no scales)"
     kv_cache = cache.data
     assert k.shape == v.shape, f"k {list(k.shape)} != v {list(v.shape)}"
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k {list(k.shape)} mismatches q"
@@ -133,28 +154,36 @@ def _check_kv(k, v, cache: KVCache, slot_mapping, num_tokens, head_dim):
     assert kv_cache.shape[3:] == k.shape[1:], f"kv_cache {list(kv_cache.shape)} mismatches k"
     assert kv_cache.stride(4) == 1, "kv_cache head dim must be contiguous"
     assert slot_mapping.shape == (num_tokens,), f"slot_mapping {list(slot_mapping.shape)}"
+    if cache.scales is not None:
+        assert cache.scales.shape == kv_cache.shape[:4] and cache.scales.dtype == torch.float32, (
+            f"scales {list(cache.scales.shape)} {cache.scales.dtype} must be fp32 {list(kv_cache.shape[:4])}"
+        )
 
 
-def _launch(q, k, v, q_out, positions, cos_sin, kv_cache, slot_mapping, rotate_k):
+def _launch(q, k, v, q_out, positions, cos_sin, cache: KVCache | None, slot_mapping, rotate_k):
     x = q if q is not None else k
     num_tokens, head_dim = x.shape[0], x.shape[2]
-    has_kv = kv_cache is not None
+    has_kv = cache is not None
+    kv_cache = cache.data if has_kv else None
+    scales = cache.scales if has_kv else None
     dummy = x  # never dereferenced: the kernel's HAS_Q / HAS_KV branches are compiled out
     qs = q.stride()[:2] if q is not None else (0, 0)
     os_ = q_out.stride()[:2] if q is not None else (0, 0)
     ks, vs = (k.stride()[:2], v.stride()[:2]) if has_kv else ((0, 0), (0, 0))
     cs = kv_cache.stride() if has_kv else (0,) * 5
+    ss = scales.stride() if scales is not None else (0,) * 4
     h_q, h_kv = (q.shape[1] if q is not None else 0), (k.shape[1] if has_kv else 0)
     grid = lambda meta: (num_tokens,)
     _rope_kv_store_kernel[grid](
         q if q is not None else dummy, k if has_kv else dummy, v if has_kv else dummy,
         q_out if q is not None else dummy, positions,
         cos_sin if cos_sin is not None else dummy, kv_cache if has_kv else dummy,
-        slot_mapping if has_kv else positions,
-        h_q, h_kv, head_dim // 2, kv_cache.shape[2] if has_kv else 1,
+        scales if scales is not None else dummy, slot_mapping if has_kv else positions,
+        h_q, h_kv, head_dim // 2, kv_cache.shape[2] if has_kv else 1, cache.qmax if has_kv else 0.0,
         *qs, *ks, *vs, *os_,
-        cos_sin.stride(0) if cos_sin is not None else 0, cs[0], cs[1], cs[2], cs[3],
-        HAS_Q=q is not None, HAS_KV=has_kv, ROTATE_K=rotate_k,
+        cos_sin.stride(0) if cos_sin is not None else 0, cs[0], cs[1], cs[2], cs[3], *ss,
+        HAS_Q=q is not None, HAS_KV=has_kv, ROTATE_K=rotate_k, HAS_SCALES=scales is not None,
+        IS_INT=has_kv and not kv_cache.dtype.is_floating_point,
         BLOCK_HQ=triton.next_power_of_2(max(h_q, 1)), BLOCK_HKV=triton.next_power_of_2(max(h_kv, 1)),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=4,
     )

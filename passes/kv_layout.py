@@ -1,8 +1,10 @@
-"""Choose the paged KV-cache layout (block size, dtype) and record it on every attention.
+"""Choose the paged KV-cache layout (block size, dtype and its scales) and record it on every node
+that touches the cache.
 
 The layout is a `KVCacheSpec` (optc/core/kv_cache.py): the manifest's `kv_layout` section holds it, and
-every node that touches the cache gets its block size and dtype as attrs (what kernel selection
-reads off a node).
+every node that touches the cache gets its block size, dtype, scale policy and, for a quantized
+cache, where the scales live as attrs (what kernel selection and the executor's transient caches
+read off a node). An int8 / fp8_e4m3 cache stores a scale per (token, KV head) beside each block.
 """
 
 from __future__ import annotations
@@ -16,32 +18,37 @@ from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 
 BLOCK_SIZES = (16, 32)
+ROW_ALIGN_BYTES = 16  # cuda: a cache row (one token, one KV head) is read and written in 16-byte vectors
 
 
 class KvLayout(Pass):
-    """Choose the paged KV-cache layout (block size, dtype) and record it on every attention."""
+    """Choose the paged KV-cache layout (block size, dtype, scales) and record it on every KV-touching node."""
 
     @dataclass(frozen=True)
     class Options:
         block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={
             "choices": BLOCK_SIZES, "help": "tokens per KV block"})
         dtype: str | None = field(default=None, metadata={
-            "choices": KV_DTYPES, "help": "KV cache dtype; default: the recipe's dtype"})
+            "choices": KV_DTYPES, "help": "KV cache dtype (int8 / fp8_e4m3: a scale per token and KV head); "
+                                          "default: the recipe's dtype"})
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         block_size, dtype = self.options.block_size, self.options.dtype or ctx.dtype
         self._validate(graph, block_size, dtype, ctx.target)
         spec = KVCacheSpec(block_size, dtype)
-        stats = {"block_size": block_size, "dtype": dtype,
-                 "bytes_per_token": spec.bytes_per_block(graph.config) // block_size}
+        stats = {"block_size": block_size, "dtype": dtype, "scales": spec.scales.value,
+                 "bytes_per_token": spec.bytes_per_token(graph.config)}
         manifest = {"kv_layout": spec}
-        attrs = {"kv_block_size": block_size, "kv_dtype": dtype}
-        todo = [n for n in graph.nodes if _touches_kv(n) and any(n.attrs.get(k) != v for k, v in attrs.items())]
+        attrs = spec.node_attrs()
+        stale = {"kv_scales_at"} - set(attrs)  # a float layout over a quantized one drops the scales' location
+        todo = [n for n in graph.nodes if _touches_kv(n)
+                and (any(n.attrs.get(k) != v for k, v in attrs.items()) or stale & set(n.attrs))]
         if not todo:
             return PassResult(graph, store, changed=False, stats=stats, manifest=manifest)
         graph = graph.copy()
-        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, **attrs}, n.params) if _touches_kv(n)
-                       else n for n in graph.nodes]
+        graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs,
+                            {**{k: v for k, v in n.attrs.items() if k not in stale}, **attrs}, n.params)
+                       if _touches_kv(n) else n for n in graph.nodes]
         return PassResult(graph, store, changed=True, stats=stats, manifest=manifest)
 
     def ensures(self, graph: Graph) -> None:
@@ -63,11 +70,17 @@ class KvLayout(Pass):
             if (a["num_heads"], a["num_kv_heads"], a["head_dim"]) != (c.num_heads, c.num_kv_heads, c.head_dim):
                 raise ValueError(f"kv_layout: {n.name} has heads {a['num_heads']}/{a['num_kv_heads']} x "
                                  f"{a['head_dim']}, the model {c.num_heads}/{c.num_kv_heads} x {c.head_dim}")
-        # on cuda a cache row (one token, one KV head) must be 16-byte aligned for vectorized access
-        row_bytes = c.head_dim * KVCacheSpec(block_size, dtype).torch_dtype.itemsize
-        if target == "cuda" and row_bytes % 16:
-            raise ValueError(f"kv_layout: head_dim {c.head_dim} in {dtype} gives {row_bytes}-byte rows; target "
-                             "cuda needs a multiple of 16 bytes (use another dtype or target cpu)")
+        if target != "cuda":
+            return
+        # the kernels move a cache row (one token, one KV head) in 16-byte vectors
+        itemsize = KVCacheSpec(block_size, dtype).torch_dtype.itemsize
+        row_bytes = c.head_dim * itemsize
+        if row_bytes % ROW_ALIGN_BYTES:
+            allowed = [d for d in KV_DTYPES
+                       if (c.head_dim * KVCacheSpec(dtype=d).torch_dtype.itemsize) % ROW_ALIGN_BYTES == 0]
+            raise ValueError(f"kv_layout: dtype {dtype} with head_dim {c.head_dim} gives {row_bytes}-byte rows; "
+                             f"target cuda needs a multiple of {ROW_ALIGN_BYTES} bytes; allowed dtypes for this "
+                             f"model: {', '.join(allowed) or 'none'} (or target cpu)")
 
 
 def _touches_kv(node: Node) -> bool:

@@ -51,6 +51,7 @@ class Engine:
         self.max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         models = [model] if draft_model is None else [model, draft_model]
         num_blocks = config.num_blocks or num_kv_blocks(models, config, self.max_model_len)
+        self._kv_bytes_per_token = sum(m.kv_bytes_per_block(config.block_size) for m in models) / config.block_size
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, num_blocks, self.max_model_len,
                                   make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len))
@@ -197,6 +198,7 @@ class Engine:
             num_kv_blocks_used=kv.num_used_blocks,
             num_kv_blocks_free=kv.num_free_blocks,
             kv_usage=kv.num_used_blocks / (kv.num_blocks - 1),
+            kv_bytes_per_token=self._kv_bytes_per_token,
             prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_prefix_cache_hit_tokens=kv.num_prefix_hit_tokens,
             num_prefix_cache_query_tokens=kv.num_prefix_query_tokens,

@@ -21,6 +21,7 @@ class EngineStats:
     num_kv_blocks_used: int
     num_kv_blocks_free: int  # free blocks still holding a cached prefix count as free
     kv_usage: float
+    kv_bytes_per_token: float  # KV bytes one token holds over every layer, scales included (with a draft: both)
     prefix_cache_hit_rate: float  # hit tokens / looked-up tokens, over admissions
     num_prefix_cache_hit_tokens: int
     num_prefix_cache_query_tokens: int  # prompt tokens looked up in the prefix cache (the rate's denominator)

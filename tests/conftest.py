@@ -51,6 +51,17 @@ def tiny_artifact(tmp_path_factory) -> Path:
     return build_artifact(tmp_path_factory.mktemp("tiny") / "a", RECIPES / "tiny.yaml")
 
 
+TINY_INT8_KV = "passes=[fuse_qkv, fuse_gate_up, {kv_layout: {dtype: int8}}]"
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_kv_artifact(tmp_path_factory) -> Path:
+    """random:tiny as tiny_artifact, with an int8 KV cache (a scale per token and KV head)."""
+    from optc.testing import build_artifact
+
+    return build_artifact(tmp_path_factory.mktemp("tiny-int8-kv") / "a", RECIPES / "tiny.yaml", TINY_INT8_KV)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_dir() -> Path:
     from optc.testing import smollm2_gguf_dir, smollm2_hf_checkpoint

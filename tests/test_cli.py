@@ -235,3 +235,17 @@ def test_a_bug_shows_its_traceback_and_exits_1(tmp_path, tiny_artifact, monkeypa
     r = optc("inspect", tiny_artifact)
     assert r.exit_code == 1 and isinstance(r.exception, KeyError), r.output  # not turned into a user error
     assert "error:" not in r.output
+
+
+def test_int8_kv_inspect_reports_bytes_per_token_and_export_refuses_it(tiny_int8_kv_artifact, tmp_path):
+    # random:tiny: 2 layers x (K and V of 2 KV heads x 16 int8 values + an fp32 scale per (K|V, head))
+    summary = json.loads(optc("inspect", tiny_int8_kv_artifact, "--json").output)
+    assert summary["kv_layout"] == {"block_size": 16, "dtype": "int8", "scales": "per_token_head",
+                                    "scale_dtype": "float32", "scales_at": "block"}
+    assert summary["kv_bytes_per_token"] == 2 * (2 * 2 * 16 + 2 * 2 * 4)
+    assert "160 bytes per token over 2 layers (scales included)" in optc("inspect", tiny_int8_kv_artifact).output
+    pytest.importorskip("onnx")
+    out = tmp_path / "onnx"
+    assert_user_error(optc("export", tiny_int8_kv_artifact, "--out", out), "int8", "kv_layout.dtype",
+                      "float32, float16 or bfloat16")
+    assert not out.exists()

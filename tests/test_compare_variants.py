@@ -128,3 +128,15 @@ def test_a_bad_variant_stops_the_comparison_before_any_build(base, tmp_path, mon
 def test_missing_variants_file(base):
     with pytest.raises(UserError, match="variants file nope.yaml does not exist"):
         expand(base, Mode.FILE, Path("nope.yaml"))
+
+
+def test_kv_cache_dtype_variants(base, tmp_path):
+    # the KV format is a kv_layout option: a variant adds the pass with it; a bad dtype names what is allowed
+    path = tmp_path / "v.yaml"
+    path.write_text("int8-kv: [{add: {kv_layout: {dtype: int8}}}]\nfp8-kv: [{add: {kv_layout: {dtype: fp8_e4m3}}}]\n")
+    e = expand(base, Mode.FILE, path)
+    assert [(v.name, v.recipe.passes[-1].name, v.recipe.passes[-1].options["dtype"]) for v in e.variants[1:]] == [
+        ("int8-kv", "kv_layout", "int8"), ("fp8-kv", "kv_layout", "fp8_e4m3")]
+    path.write_text("int4-kv: [{add: {kv_layout: {dtype: int4}}}]\n")
+    with pytest.raises(UserError, match="int4.*int8, fp8_e4m3"):
+        expand(base, Mode.FILE, path)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from optc.core.artifact import read
 from optc.core.errors import InputError
 from optc.core.kv_cache import KVCache
 from optc.runtime import Completion, Engine, EngineConfig, SamplingParams
@@ -309,9 +310,15 @@ def tiny_artifact(tmp_path_factory) -> Path:
     return build.build(build.BuildOptions(recipe=REPO / "recipes" / "tiny.yaml", out=out, quiet=True))
 
 
+@pytest.fixture(scope="module", params=["float32", "int8"], ids=["float-kv", "int8-kv"])
+def tiny_kv_artifact(request, tiny_artifact) -> Path:
+    """random:tiny with a float KV cache, and with an int8 one (scales per token and KV head)."""
+    return tiny_artifact if request.param == "float32" else request.getfixturevalue("tiny_int8_kv_artifact")
+
+
 @pytest.fixture(scope="module")
-def tiny_singles(tiny_artifact) -> list[Completion]:
-    engine = Engine.load(tiny_artifact, enable_prefix_caching=False)
+def tiny_singles(tiny_kv_artifact) -> list[Completion]:
+    engine = Engine.load(tiny_kv_artifact, enable_prefix_caching=False)
     out = [engine.generate([p], GREEDY)[0] for p in TINY_PROMPTS]
     assert_no_leaks(engine)
     return out
@@ -322,8 +329,11 @@ def tiny_singles(tiny_artifact) -> list[Completion]:
     [{}, {"max_num_batched_tokens": 16}, {"num_blocks": 8, "max_num_batched_tokens": 16, "max_num_seqs": 5}],
     ids=["plain", "chunked16", "preempt-chunked16"],
 )
-def test_tiny_batched_equals_single(tiny_artifact, tiny_singles, config):
-    engine = Engine.load(tiny_artifact, **config)
+def test_tiny_batched_equals_single(tiny_kv_artifact, tiny_singles, config):
+    engine = Engine.load(tiny_kv_artifact, **config)
+    cache = engine.runner.kv_caches[0]  # the manifest's KV format: float, or int8 with its scales
+    assert cache.data.dtype == read(tiny_kv_artifact, verify=False).manifest.kv_layout.torch_dtype
+    assert (cache.scales is None) == (cache.data.dtype == torch.float32)
     assert engine.generate(TINY_PROMPTS, GREEDY) == tiny_singles
     assert all(len(c.token_ids) == 8 for c in tiny_singles)  # random:tiny has no EOS
     if "num_blocks" in config:
@@ -331,8 +341,8 @@ def test_tiny_batched_equals_single(tiny_artifact, tiny_singles, config):
     assert_no_leaks(engine)
 
 
-def test_tiny_prefix_hit_skips_work_with_identical_output(tiny_artifact):
-    engine = Engine.load(tiny_artifact)
+def test_tiny_prefix_hit_skips_work_with_identical_output(tiny_kv_artifact):
+    engine = Engine.load(tiny_kv_artifact)
     assert engine.config.block_size == 16
     shared = [(j * 5) % 250 + 1 for j in range(64)]  # 4 blocks
     engine.generate([shared + [3, 4, 5]], GREEDY)
@@ -340,7 +350,7 @@ def test_tiny_prefix_hit_skips_work_with_identical_output(tiny_artifact):
     out = engine.generate([shared + [9, 8, 7, 6, 5, 4, 3]], GREEDY)[0]
     after = engine.stats()
     assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == 7
-    cold = Engine.load(tiny_artifact, enable_prefix_caching=False)
+    cold = Engine.load(tiny_kv_artifact, enable_prefix_caching=False)
     assert out == cold.generate([shared + [9, 8, 7, 6, 5, 4, 3]], GREEDY)[0]
     assert_no_leaks(engine)
 

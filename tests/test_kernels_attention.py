@@ -7,6 +7,7 @@ request may read. Sequence and query lengths are ragged and not multiples of the
 import pytest
 import torch
 
+from optc.core.kv_cache import QMAX, STORAGE_DTYPES, dequantize, quantize
 from optc.core.ops.attention import paged_attention_ref, paged_attention_sdpa
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
@@ -135,6 +136,55 @@ def test_paged_prefill_kernel_rejects_bad_gqa():
         paged_prefill(q[:, :3], cache, tables, seq_lens, starts, 0.1)
 
 
+def _quantized(args, kv_dtype):
+    """A `_case` with its cache quantized per (token, KV head): (q, data, tables, seq_lens, starts, scales)."""
+    q, cache, tables, seq_lens, starts = args
+    data, scales = quantize(cache, STORAGE_DTYPES[kv_dtype], QMAX[kv_dtype])
+    return q, data, tables, seq_lens, starts, scales
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 1)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_kernel_reads_quantized_kv_like_ref(kv_dtype, num_heads, num_kv_heads, num_splits):
+    q, data, tables, seq_lens, starts, scales = _quantized(
+        _case([1, 37, 150, 64], [1] * 4, num_heads, num_kv_heads, 32, 16, torch.float32, seed=6), kv_dtype)
+    out = paged_decode(q, data, tables, seq_lens, starts, 0.2, scales, num_splits=num_splits)
+    ref = paged_attention_ref(q, data, tables, seq_lens, starts, 0.2, scales)
+    assert_close(out, ref, TOL[torch.float32])
+    # the reference reads value * scale: the same as attending over the dequantized cache
+    float_cache = dequantize(data, scales, torch.float32)
+    assert_close(ref, paged_attention_ref(q, float_cache, tables, seq_lens, starts, 0.2), 1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_prefill_kernel_reads_quantized_kv_like_ref(kv_dtype, dtype, block_size):
+    # a prompt, a chunk after context, a decode, nothing scheduled; q in the model dtype, K/V quantized
+    q, data, tables, seq_lens, starts, scales = _quantized(
+        _case([23, 57, 70, 9], [23, 17, 1, 0], 6, 2, 32, block_size, dtype, seed=7), kv_dtype)
+    out = paged_prefill(q, data, tables, seq_lens, starts, 0.2, scales)
+    assert out.dtype == dtype
+    assert_close(out, paged_attention_ref(q, data, tables, seq_lens, starts, 0.2, scales), TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens", [[23, 17, 1, 0], [1, 1, 1, 1]], ids=["mixed", "decode"])
+def test_paged_attention_sdpa_reads_quantized_kv_like_ref(kv_dtype, dtype, query_lens):
+    args = _quantized(_case([23, 57, 70, 9], query_lens, 8, 2, 32, 16, dtype, seed=8), kv_dtype)
+    q, data, tables, seq_lens, starts, scales = args
+    out = paged_attention_sdpa(q, data, tables, seq_lens, starts, 0.2, kv_scales=scales)
+    assert_close(out, paged_attention_ref(q, data, tables, seq_lens, starts, 0.2, scales), TOL[dtype])
+
+
+def test_paged_kernels_refuse_a_quantized_cache_without_scales():
+    q, data, tables, seq_lens, starts, _ = _quantized(_case([5], [5], 4, 4, 16, 16, torch.float32), "int8")
+    with pytest.raises(AssertionError, match="needs its kv_scales"):
+        paged_prefill(q, data, tables, seq_lens, starts, 0.1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -151,3 +201,11 @@ def test_paged_attention_kernels_on_cuda(dtype, block_size, num_heads, num_kv_he
     args = [a.cuda() for a in _case([700, 300, 33], [700, 45, 1], num_heads, num_kv_heads, head_dim,
                                     block_size, dtype)]
     assert_close(paged_prefill(*args, scale), paged_attention_ref(*args, scale), tol)
+    for kv_dtype in ("int8", "fp8_e4m3"):
+        q, data, tables, seq_lens, starts, scales = _quantized(args, kv_dtype)
+        quantized = (q, data, tables, seq_lens, starts, scale, scales)
+        assert_close(paged_prefill(*quantized), paged_attention_ref(*quantized), tol)
+        decode = [a.cuda() for a in _quantized(_case([4096, 513, 77, 1], [1, 1, 1, 1], num_heads, num_kv_heads,
+                                                     head_dim, block_size, dtype), kv_dtype)]
+        decode.insert(5, scale)
+        assert_close(paged_decode(*decode), paged_attention_ref(*decode), tol)

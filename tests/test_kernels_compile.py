@@ -71,6 +71,10 @@ def test_kernels_compile_sm90_smollm2_shapes(tmp_path):
     report = _compile_report(tmp_path, "--model", "smollm2-135m", "--dtypes", "bfloat16,float16")
     assert {c["kernel"] for c in report["compiled"]} == FAMILIES
     assert not [c for c in report["compiled"] if c["spill_bytes"]]
+    # the int8 / fp8 KV variants (store quantizes, attention reads scales) compiled for both dtypes
+    scaled = {(c["kernel"], c["dtype"]) for c in report["compiled"] if c["config"].get("HAS_SCALES")}
+    assert scaled == {(k, d) for k in ("_rope_kv_store_kernel", "_decode_kernel", "_prefill_kernel")
+                      for d in ("bfloat16", "float16")}
 
 
 def test_compile_only_reports_what_the_interpreter_accepts(tmp_path):

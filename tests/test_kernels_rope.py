@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import QMAX, STORAGE_DTYPES, KVCache
 from optc.core.ops.attention import kv_store_ref
 from optc.core.ops.rope import rope_kv_store_ref, rope_ref
 from optc.kernels.rope import kv_store, rope, rope_kv_store
@@ -76,6 +76,72 @@ def test_kv_store_kernel_matches_ref():
     kv_store(k, v, KVCache(cache), slots)
     kv_store_ref(k, v, KVCache(cache_ref), slots)
     assert torch.equal(cache, cache_ref)  # a copy: bit-exact
+
+
+def _quantized_cache(kv_dtype, num_blocks, block_size, num_kv_heads, head_dim):
+    data = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=STORAGE_DTYPES[kv_dtype])
+    return KVCache(data, torch.zeros(data.shape[:4]), QMAX[kv_dtype])
+
+
+def assert_same_stored(cache: KVCache, ref: KVCache):
+    """The kernel's int8 / fp8 cache holds the reference's values and scales.
+
+    fp8 under the interpreter: its fp32 -> e4m3 conversion (triton/runtime/interpreter.py
+    `_convert_float`) drops the carry when rounding up crosses a power of two (31.6 -> 16, not 32)
+    and rounds ties up rather than to even, and subnormals (below 2**-6) off; those elements, and
+    only those, may differ: half the reference's value, or one e4m3 step apart (2**-3 of the binade,
+    2**-9 below 2**-6). Compiled, the conversion is round-to-nearest-even and the store exact.
+    """
+    assert torch.equal(cache.scales, ref.scales)
+    got, want = cache.data.float(), ref.data.float()
+    differ = got != want
+    if cache.data.dtype == torch.float8_e4m3fn and triton_interpreting():
+        carry = (got == want / 2) & (want.abs().log2() == want.abs().log2().round())
+        step = torch.exp2(want.abs().clamp(min=2**-6).log2().floor() - 3)
+        other = differ & ~carry & ((got - want).abs() > step)
+        assert not other.any(), f"{int(other.sum())} elements differ"
+        assert differ.float().mean() < 0.05
+    else:
+        assert not differ.any(), f"{int(differ.sum())} of {differ.numel()} elements differ"
+
+
+def triton_interpreting() -> bool:
+    from optc.kernels._dot import interpreting
+
+    return interpreting()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 1)])
+def test_rope_kv_store_kernel_quantizes_like_ref(kv_dtype, dtype, num_heads, num_kv_heads):
+    # each (token, KV head) row quantized with its own absmax scale; a padding token and a zero row
+    g = torch.Generator().manual_seed(4)
+    num_tokens, head_dim, block_size = 13, 32, 16
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    k, v = ((torch.randn(num_tokens, num_kv_heads, head_dim, generator=g) * 3).to(dtype) for _ in range(2))
+    v[5] = 0  # a zero row: scale 0, stored zeros
+    pos = torch.randint(0, 40, (num_tokens,), generator=g)
+    slots = torch.randperm(3 * block_size, generator=g)[:num_tokens] + block_size
+    slots[3] = -1
+    cache, ref = (_quantized_cache(kv_dtype, 4, block_size, num_kv_heads, head_dim) for _ in range(2))
+    q_out = rope_kv_store(q, k, v, pos, _cos_sin(40, head_dim), cache, slots)
+    q_ref = rope_kv_store_ref(q, k, v, pos, _cos_sin(40, head_dim), ref, slots)
+    assert_close(q_out, q_ref, *TOL[dtype])
+    assert_same_stored(cache, ref)
+    assert (ref.scales[slots[5] // block_size, 1, slots[5] % block_size] == 0).all()
+    assert (ref.scales[0] == 0).all() and int((ref.scales[:, 0] > 0).sum()) == (num_tokens - 1) * num_kv_heads
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_kv_store_kernel_quantizes_like_ref(kv_dtype):
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(9, 3, 32, generator=g) * 10 for _ in range(2))
+    slots = torch.tensor([32, 33, 34, -1, 64, 65, 40, 41, -1])
+    cache, ref = (_quantized_cache(kv_dtype, 4, 32, 3, 32) for _ in range(2))
+    kv_store(k, v, cache, slots)
+    kv_store_ref(k, v, ref, slots)
+    assert_same_stored(cache, ref)
 
 
 @pytest.mark.gpu

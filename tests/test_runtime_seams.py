@@ -11,7 +11,8 @@ import torch
 
 from optc.commands.compare.variants import Mode, expand
 from optc.core.artifact import read, read_manifest
-from optc.core.kv_cache import KVCache, KVCacheSpec
+from optc.core.ir import ModelConfig
+from optc.core.kv_cache import QMAX, STORAGE_DTYPES, KVCache, KVCacheSpec, dequantize
 from optc.core.ops.attention import kv_store_ref
 from optc.core.settings import CUDA_GRAPH_BATCH_SIZES, RuntimeSettings, SpeculativeConfig
 from optc.frontend.recipe import Recipe, load_recipe
@@ -84,8 +85,15 @@ def test_kv_spec_bytes_per_block_is_what_allocation_takes():
         assert caches[0].data.shape == (5, 2, spec.block_size, config.num_kv_heads, config.head_dim)
     assert KVCacheSpec.from_json({"block_size": 16, "dtype": "float16"}) == KVCacheSpec(16, "float16")  # schema 2
     assert KVCacheSpec.from_json(KVCacheSpec(32, "bfloat16").to_json()) == KVCacheSpec(32, "bfloat16")
-    with pytest.raises(ValueError, match="int8"):
-        KVCacheSpec(16, "int8")
+    for spec in (KVCacheSpec(16, "int8"), KVCacheSpec(32, "fp8_e4m3")):  # data plus an fp32 scale per (token, head)
+        caches = spec.allocate(config, 5, "cpu")
+        assert caches[0].scales.shape == (5, 2, spec.block_size, config.num_kv_heads)
+        assert sum(c.data.nbytes + c.scales.nbytes for c in caches) == 5 * spec.bytes_per_block(config)
+        assert caches[0].data.dtype.itemsize == 1 and caches[0].scales.dtype == torch.float32
+    with pytest.raises(ValueError, match="KV cache dtype int8 takes scales 'per_token_head', not 'none'"):
+        KVCacheSpec(16, "int8", "none")
+    with pytest.raises(ValueError, match="KV cache dtype bfloat16 takes scales 'none', not 'per_token_head'"):
+        KVCacheSpec(16, "bfloat16", "per_token_head")
 
 
 def test_kv_store_goes_through_the_cache_object():
@@ -94,9 +102,28 @@ def test_kv_store_goes_through_the_cache_object():
     kv_store_ref(k, v, cache, torch.tensor([4, -1, 6]))
     assert torch.equal(cache.data[1, 0, 0], k[0].bfloat16()) and torch.equal(cache.data[1, 1, 2], v[2].bfloat16())
     assert cache.data[1, :, 1].abs().sum() == 0  # slot -1: nothing stored
-    integer = KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.int8))
-    with pytest.raises(NotImplementedError, match="quantizer"):  # never a blind cast into an integer cache
-        kv_store_ref(k, v, integer, torch.tensor([4, 5, 6]))
+    with pytest.raises(ValueError, match="torch.int8 KV cache needs its scales"):  # never a blind cast
+        KVCache(torch.zeros(2, 2, 4, 2, 4, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("kv_dtype,step", [("int8", 0.5 / 127), ("fp8_e4m3", 2.0**-4)])
+def test_kv_store_quantizes_per_token_and_head_and_reads_back_within_half_a_step(kv_dtype, step):
+    # int8: |error| <= half a step of the row's absmax / 127; e4m3 (3 mantissa bits): relative
+    # error <= 2**-4 of the value for normal values, 2**-10 of the absmax below them
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 2, 32, generator=g) * 4, torch.randn(5, 2, 32, generator=g) * 0.01
+    cache = KVCache(torch.zeros(2, 2, 16, 2, 32, dtype=STORAGE_DTYPES[kv_dtype]), torch.zeros(2, 2, 16, 2),
+                    QMAX[kv_dtype])
+    kv_store_ref(k, v, cache, torch.tensor([16, 17, -1, 19, 20]))
+    stored = dequantize(cache.data[1], cache.scales[1], torch.float32)  # (2, 16, H_kv, D)
+    for i, x in enumerate((k, v)):
+        kept = x[[0, 1, 3, 4]]
+        amax = kept.abs().amax(-1, keepdim=True)
+        assert torch.allclose(cache.scales[1, i, [0, 1, 3, 4]], amax[..., 0] / cache.qmax)
+        err = (stored[i, [0, 1, 3, 4]] - kept).abs()
+        bound = step * amax if kv_dtype == "int8" else step * kept.abs() + 2.0**-10 * amax
+        assert (err <= bound * 1.0001).all(), (err / bound).max()
+    assert (cache.scales[1, :, 2] == 0).all() and (cache.data[1, :, 2].float() == 0).all()  # slot -1
 
 
 def test_model_reads_the_manifest_kv_spec(tiny_artifact):
@@ -163,3 +190,19 @@ def test_a_schema_2_manifest_loads_and_gives_the_same_tokens(tiny_artifact, tmp_
     expected = [c.token_ids for c in Engine.load(tiny_artifact).generate(prompts, params)]
     assert [c.token_ids for c in Engine.load(old).generate(prompts, params)] == expected
     assert Engine.load(old).config == Engine.load(tiny_artifact).config
+
+
+def test_int8_kv_pool_holds_at_least_1_8x_the_tokens_of_a_bfloat16_one(tiny_int8_kv_artifact):
+    # SmolLM2-135M's KV shape: 30 layers, 3 KV heads of 64; scales are 2 x 4 bytes per (token, KV head)
+    smollm2 = ModelConfig("LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_layers=30,
+                          num_heads=9, num_kv_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                          rope_theta=1e5, max_position_embeddings=8192, tie_word_embeddings=True)
+    bf16, int8, fp8 = (KVCacheSpec(16, d).bytes_per_token(smollm2) for d in ("bfloat16", "int8", "fp8_e4m3"))
+    assert (bf16, int8, fp8) == (30 * 2 * 3 * 64 * 2, 30 * (2 * 3 * 64 + 2 * 3 * 4), 30 * (2 * 3 * 64 + 2 * 3 * 4))
+    assert bf16 / int8 >= 1.8
+    # the engine sizes its pool with the scales counted, and reports the bytes per token
+    budget = 100 * 16 * 160 + 7
+    engine = Engine.load(tiny_int8_kv_artifact, kv_cache_memory=budget)
+    assert engine.stats().kv_bytes_per_token == 160  # 2 layers x (2 x 2 x 16 + 2 x 2 x 4)
+    assert engine.kv_manager.num_blocks == 100 + 1
+    assert engine.runner.kv_caches[0].scales.shape == (101, 2, 16, 2)

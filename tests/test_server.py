@@ -63,6 +63,17 @@ def engine(tiny_artifact):
     return Engine.load(tiny_artifact)
 
 
+@pytest.fixture(scope="module", params=["float32", "int8"], ids=["float-kv", "int8-kv"])
+def served(request):
+    """(URL, in-process engine) for tiny_artifact's server, and for a server of the int8 KV build."""
+    if request.param == "float32":
+        yield request.getfixturevalue("server"), request.getfixturevalue("engine")
+        return
+    artifact = request.getfixturevalue("tiny_int8_kv_artifact")
+    with serve_process(artifact, "--api-key", KEY, "--served-model-name", "tiny") as (url, process):
+        yield url, Engine.load(artifact)
+
+
 def client(url: str, key: str = KEY) -> "openai.OpenAI":
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=60, max_retries=0)
 
@@ -74,7 +85,8 @@ def post(url: str, path: str, body: dict, key: str | None = KEY) -> httpx.Respon
     return httpx.post(f"{url}{path}", content=json.dumps(body), headers=headers, timeout=60)
 
 
-def test_completions_sync_equal_the_engine_streaming_or_not(server, engine):
+def test_completions_sync_equal_the_engine_streaming_or_not(served):
+    server, engine = served
     expected = engine.generate([PROMPT], SamplingParams(max_tokens=12))[0]
     c = client(server)
     out = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
@@ -90,7 +102,8 @@ def test_completions_sync_equal_the_engine_streaming_or_not(server, engine):
     assert [ch.choices[0].finish_reason for ch in chunks[:-1]][-1] == "length"
 
 
-def test_chat_async_equal_the_engine_streaming_or_not(server, engine):
+def test_chat_async_equal_the_engine_streaming_or_not(served):
+    server, engine = served
     ids = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     expected = engine.generate([list(ids)], SamplingParams(max_tokens=10, stop=("ab",)))[0]

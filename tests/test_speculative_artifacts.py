@@ -37,8 +37,15 @@ def tiny_draft(tmp_path_factory, recipes) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_artifact) -> list[list[int]]:
-    engine = Engine.load(tiny_artifact)
+def target(request, tiny_artifact) -> Path:
+    """The target model: random:tiny with a float KV cache, or (parametrized "int8") with an int8 one."""
+    kv_dtype = getattr(request, "param", "float32")
+    return tiny_artifact if kv_dtype == "float32" else request.getfixturevalue("tiny_int8_kv_artifact")
+
+
+@pytest.fixture(scope="module")
+def plain(target) -> list[list[int]]:
+    engine = Engine.load(target)
     return [c.token_ids for c in engine.generate(PROMPTS, GREEDY)]
 
 
@@ -57,11 +64,18 @@ def other_tokenizer(artifact: Path, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 32, "num_blocks": 24}], ids=["batch", "small"])
-def test_greedy_identical_on_tiny(tiny_artifact, tiny_draft, plain, method, config):
+SMALL = {"max_num_batched_tokens": 32, "num_blocks": 24}  # chunked prefill and preemption
+
+
+# int8 KV: rejected drafts roll back by block id as with a float cache (ngram only: the draft model's
+# own pool is float either way, and the draft runs are the slow ones)
+@pytest.mark.parametrize("method,target,config", [
+    ("ngram", "float32", {}), ("draft", "float32", {}), ("ngram", "float32", SMALL), ("draft", "float32", SMALL),
+    ("ngram", "int8", SMALL)], ids=["batch-ngram", "batch-draft", "small-ngram", "small-draft", "small-int8-kv-ngram"],
+    indirect=["target"])
+def test_greedy_identical_on_tiny(target, tiny_draft, plain, method, config):
     spec = SpeculativeConfig(method, 4, draft=tiny_draft if method == "draft" else None, disable_above_num_requests=32)
-    engine = Engine.load(tiny_artifact, speculative=spec, **config)
+    engine = Engine.load(target, speculative=spec, **config)
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
     assert [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS[::4]] == plain[::4]  # batch 1
     stats = engine.stats()

@@ -79,7 +79,8 @@ class BenchResult:
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     peak_memory_bytes: int
-    kv_cache: dict[str, Any]  # num_blocks, block_size, peak_blocks_used, peak_usage, num_preemptions, hit rate
+    kv_cache: dict[str, Any]  # num_blocks, block_size, bytes_per_token, peak_blocks_used, peak_usage,
+    # num_preemptions, prefix_cache_hit_rate
     num_steps: int
     speculative: str | None = None  # ngram:K | draft:PATH:K; None: off
     num_drafts: int = 0  # verifications of a request that had draft tokens
@@ -175,6 +176,7 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
         kv_cache={
             "num_blocks": stats.num_kv_blocks,
             "block_size": engine.config.block_size,
+            "bytes_per_token": stats.kv_bytes_per_token,
             "peak_blocks_used": peak_blocks,
             "peak_usage": peak_blocks / stats.num_kv_blocks,
             "num_preemptions": stats.num_preemptions - before.num_preemptions,
@@ -217,7 +219,7 @@ def format_bench(result: BenchResult) -> str:
         f"TTFT ms     p50 {ttft['p50']:.1f}   p90 {ttft['p90']:.1f}   p99 {ttft['p99']:.1f}",
         f"TPOT ms     p50 {tpot['p50']:.2f}   p90 {tpot['p90']:.2f}   p99 {tpot['p99']:.2f}",
         f"memory      peak {result.peak_memory_bytes / 2**20:.0f} MiB   KV peak {kv['peak_usage']:.0%} of "
-        f"{kv['num_blocks']} blocks, {kv['num_preemptions']} preemptions",
+        f"{kv['num_blocks']} blocks ({kv['bytes_per_token']:.0f} B/token), {kv['num_preemptions']} preemptions",
     ]
     if result.speculative:
         lines.append(

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from optc.core.artifact import read
+from optc.core.kv_cache import KVCacheSpec
 
 
 def summarize(path: str | Path) -> dict:
@@ -23,6 +24,7 @@ def summarize(path: str | Path) -> dict:
         "model": m["model"],
         "quantization": m.get("quantization"),
         "kv_layout": m.get("kv_layout"),
+        "kv_bytes_per_token": KVCacheSpec.from_json(m["kv_layout"]).bytes_per_token(graph.config),
         "target": m["target"],
         "toolchain": m["toolchain"],
         "quality": m.get("quality"),
@@ -47,6 +49,8 @@ def render(s: dict) -> str:
         f"model      {model['architecture']}, {model['num_layers']} layers, hidden {model['hidden_size']}, "
         f"{model['num_heads']} q heads / {model['num_kv_heads']} kv heads, vocab {model['vocab_size']}",
         f"target     {s['target']['device']}   dtype {s['recipe']['dtype']}   kv {s['kv_layout']}",
+        f"kv cache   {s['kv_bytes_per_token']:.0f} bytes per token over {model['num_layers']} layers"
+        + (" (scales included)" if s["kv_layout"].get("scales", "none") != "none" else ""),
         f"size       weights {s['weight_bytes'] / 2**20:.1f} MiB, total {s['total_bytes'] / 2**20:.1f} MiB",
         f"formats    {', '.join(f'{k} x{v}' for k, v in s['formats'].items())}",
         f"quant      {s['quantization'] or 'none'}",

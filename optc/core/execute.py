@@ -2,9 +2,10 @@
 their last use.
 
 Used by the runtime (paged KV caches that persist across steps) and by calibration and evaluation
-in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer). Binding is
-by `Node.kernel`: `torch` (the default) is the op's reference in optc.core.ops; other names resolve
-through the `impls` table the caller passes (the runtime passes the Triton table). With
+in the compiler (`run_dense`: equal-length sequences, transient KV caches per layer, in the KV
+layout the graph records). Binding is by `Node.kernel`: `torch` (the default) is the op's reference
+in optc.core.ops; other names resolve through the `impls` table the caller passes (the runtime passes
+the Triton table). With
 `use_references`, every node runs its op's reference whatever kernel it is bound to: evaluation and
 calibration score the graph's math, which every kernel is tested to match, on any device. This
 module imports no runtime machinery: a batch is any object with ForwardBatch's fields.
@@ -118,14 +119,17 @@ def dense_step(
     dtype=torch.float32,
     block_size: int = DEFAULT_BLOCK_SIZE,
     all_logits: bool = True,
+    kv_spec: KVCacheSpec | None = None,
 ) -> Step:
     """A Step for `num_seqs` sequences of `seq_len` tokens each, from position 0, with transient caches
-    of the KV spec (`block_size`, `dtype`)."""
+    of `kv_spec` (None: a float cache of `block_size`, `dtype`)."""
     from functools import partial
 
     from optc.core.rope import cos_sin_table
 
     cfg = graph.config
+    spec = kv_spec or KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
+    block_size = spec.block_size
     per_seq = -(-seq_len // block_size)
     blocks = torch.arange(1, 1 + num_seqs * per_seq, dtype=torch.int32).view(num_seqs, per_seq)
     pos = torch.arange(seq_len).repeat(num_seqs)
@@ -137,7 +141,6 @@ def dense_step(
         slot_mapping=slots.to(device),
     )
     last = None if all_logits else (torch.arange(1, num_seqs + 1) * seq_len - 1).to(device)
-    spec = KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
     return Step(
         pos.to(device),
         batch,
@@ -147,11 +150,20 @@ def dense_step(
     )
 
 
+def graph_kv_spec(graph: Graph) -> KVCacheSpec | None:
+    """The KV layout kv_layout recorded on the graph's KV-touching nodes; None when it has not run."""
+    node = next((n for n in graph.nodes if OPS[n.op].touches_kv_cache), None)
+    return None if node is None else KVCacheSpec.from_node_attrs(node.attrs)
+
+
 def run_dense(executor: Executor, input_ids: torch.Tensor, hook=None, all_logits: bool = True) -> torch.Tensor:
-    """Logits for a (num_seqs, seq_len) batch of token ids: (num_seqs, seq_len | 1, vocab) float32."""
+    """Logits for a (num_seqs, seq_len) batch of token ids: (num_seqs, seq_len | 1, vocab) float32. The
+    transient KV caches have the layout the graph records (an int8 KV graph is scored with int8 KV),
+    else the graph's dtype."""
     n, s = input_ids.shape
     some = next(iter(executor.params.values())).parts
     dev = next(iter(some.values())).device
-    step = dense_step(executor.graph, n, s, dev, DTYPES[executor.graph.config.dtype], all_logits=all_logits)
+    step = dense_step(executor.graph, n, s, dev, DTYPES[executor.graph.config.dtype], all_logits=all_logits,
+                      kv_spec=graph_kv_spec(executor.graph))
     logits = executor.run(input_ids.reshape(-1).to(dev), step, hook)["logits"]
     return logits.view(n, s if all_logits else 1, -1)

@@ -1,20 +1,28 @@
 """The paged KV cache's spec and the per-layer cache object the ops receive.
 
 `KVCacheSpec` (block size, dtype, scale policy) is the one description of the cache: the `kv_layout`
-pass writes it, the manifest stores it (`kv_layout` section), and the runtime's sizing and
-allocation, the executor's transient caches and the ops read it. `bytes_per_block` is the only
-place a block's size in bytes is computed. `KVCache` is one layer's cache as it reaches an op: the
-data and, for a scaled cache, its scales; the store goes through `KVCache.encode`, so a quantized
-cache changes what is stored in one place. Not here: which blocks a request holds (runtime/
-kv_cache_manager.py) or how many blocks fit in memory (runtime/kv_sizing.py).
+pass writes it, the manifest stores it (`kv_layout` section), the graph's KV-touching nodes carry it
+as attrs (`node_attrs`), and the runtime's sizing and allocation, the executor's transient caches
+and the ops read it. `bytes_per_block` is the only place a block's size in bytes is computed.
+`KVCache` is one layer's cache as it reaches an op: the data and, for a scaled cache, its scales;
+the store goes through `KVCache.encode` and the references read through `dequantize`, so a
+quantized cache changes what is stored and read in one place each. Not here: which blocks a request
+holds (runtime/kv_cache_manager.py) or how many blocks fit in memory (runtime/kv_sizing.py).
 
 Layout of `data`, per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V.
+
+Quantized caches (`int8`, `fp8_e4m3`) hold one fp32 scale per (token, KV head), for K and for V,
+in `scales`: (num_blocks, 2, block_size, H_kv), indexed by the same block id as the data, so a
+block carries its own scales (prefix caching, copy-on-write, preemption and speculative rollback
+move block ids and nothing else). The scale is symmetric absmax, computed when the token is
+written: s = max_d |x_d| / QMAX, stored value = x / s (int8: rounded half up, clamped to +-127;
+fp8: rounded to nearest e4m3), read back as value * s. A row of zeros has s = 0 and reads as zeros.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -24,55 +32,100 @@ from optc.core.formats import DTYPES
 from optc.core.ir import ModelConfig
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block, unless the kv_layout pass chose another
-KV_DTYPES = ("float32", "float16", "bfloat16")  # the cache dtypes whose scale policy is `none`
+KV_FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # stored as they are: scale policy `none`
+KV_QUANT_DTYPES = ("int8", "fp8_e4m3")  # stored with a scale per (token, KV head)
+KV_DTYPES = KV_FLOAT_DTYPES + KV_QUANT_DTYPES
+STORAGE_DTYPES = {**DTYPES, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest stored magnitude: int8's symmetric range, e4m3fn's max
+SCALE_DTYPE = torch.float32
+SCALES_AT = "block"  # where a scaled cache's scales live: beside the block's data, under its block id
 
 
 class KVScales(StrEnum):
-    """How stored values relate to k and v. An int8 / fp8 cache adds a policy (per block, per head)."""
+    """How stored values relate to k and v."""
 
     NONE = "none"  # a float cache: k and v stored as they are, rounded to the cache dtype
+    PER_TOKEN_HEAD = "per_token_head"  # one absmax scale per (token, KV head), K and V each, written with the token
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float32"
-    scales: KVScales = KVScales.NONE
+    scales: KVScales | None = None  # None: the dtype's policy (`none` for floats, per (token, head) otherwise)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "scales", KVScales(self.scales))
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"KV block_size must be an int >= 1, got {self.block_size!r}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype {self.dtype!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
+        wanted = KVScales.PER_TOKEN_HEAD if self.dtype in KV_QUANT_DTYPES else KVScales.NONE
+        scales = wanted if self.scales is None else KVScales(self.scales)
+        if scales is not wanted:
+            raise ValueError(f"KV cache dtype {self.dtype} takes scales {wanted.value!r}, not {scales.value!r}")
+        object.__setattr__(self, "scales", scales)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype of the stored values."""
+        return STORAGE_DTYPES[self.dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.scales is not KVScales.NONE
 
     def block_shape(self, config: ModelConfig) -> tuple[int, ...]:
         """One block of one layer: (2, block_size, H_kv, D)."""
         return (2, self.block_size, config.num_kv_heads, config.head_dim)
 
+    def scale_shape(self, config: ModelConfig) -> tuple[int, ...]:
+        """One block's scales in one layer: (2, block_size, H_kv); () for a float cache."""
+        return (2, self.block_size, config.num_kv_heads) if self.is_quantized else ()
+
     def bytes_per_block(self, config: ModelConfig) -> int:
-        """Bytes of one block over every layer (a float cache has no scales to add)."""
-        return config.num_layers * math.prod(self.block_shape(config)) * self.torch_dtype.itemsize
+        """Bytes of one block over every layer, its scales included."""
+        data = math.prod(self.block_shape(config)) * self.torch_dtype.itemsize
+        scales = math.prod(self.scale_shape(config)) * SCALE_DTYPE.itemsize if self.is_quantized else 0
+        return config.num_layers * (data + scales)
+
+    def bytes_per_token(self, config: ModelConfig) -> float:
+        """KV bytes one token costs over every layer (scales included)."""
+        return self.bytes_per_block(config) / self.block_size
 
     def allocate_layer(self, config: ModelConfig, num_blocks: int, device: torch.device | str) -> KVCache:
         """One layer's zeroed cache of `num_blocks` blocks."""
         data = torch.zeros((num_blocks, *self.block_shape(config)), dtype=self.torch_dtype, device=device)
-        return KVCache(data)
+        scales = None
+        if self.is_quantized:
+            scales = torch.zeros((num_blocks, *self.scale_shape(config)), dtype=SCALE_DTYPE, device=device)
+        return KVCache(data, scales, QMAX.get(self.dtype, 0.0))
 
     def allocate(self, config: ModelConfig, num_blocks: int, device: torch.device | str) -> list[KVCache]:
         """Every layer's cache."""
         return [self.allocate_layer(config, num_blocks, device) for _ in range(config.num_layers)]
 
+    def node_attrs(self) -> dict[str, Any]:
+        """What kv_layout records on every node that touches the cache."""
+        attrs = {"kv_block_size": self.block_size, "kv_dtype": self.dtype, "kv_scales": self.scales.value}
+        return attrs | ({"kv_scales_at": SCALES_AT} if self.is_quantized else {})
+
+    @staticmethod
+    def from_node_attrs(attrs: dict[str, Any]) -> KVCacheSpec | None:
+        """The spec a node's attrs record; None when kv_layout has not run."""
+        if "kv_block_size" not in attrs:
+            return None
+        return KVCacheSpec(attrs["kv_block_size"], attrs["kv_dtype"], attrs.get("kv_scales"))
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "scales": self.scales.value}
+        d = {"block_size": self.block_size, "dtype": self.dtype, "scales": self.scales.value}
+        if self.is_quantized:
+            d |= {"scale_dtype": str(SCALE_DTYPE).removeprefix("torch."), "scales_at": SCALES_AT}
+        return d
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> KVCacheSpec:
-        """The manifest's section; one written before the scale policy existed has `none`."""
+        """The manifest's section; one written before the scale policy existed has `none`. The scale
+        dtype and location are fixed by the policy, so they are written for readers, not read back."""
         return KVCacheSpec(d["block_size"], d["dtype"], KVScales(d.get("scales", KVScales.NONE)))
 
 
@@ -81,7 +134,14 @@ class KVCache:
     """One layer's paged cache as the ops receive it."""
 
     data: torch.Tensor  # (num_blocks, 2, block_size, H_kv, D)
-    scales: torch.Tensor | None = None  # None: a float cache (KVScales.NONE)
+    scales: torch.Tensor | None = None  # (num_blocks, 2, block_size, H_kv) fp32; None: a float cache
+    qmax: float = 0.0  # the largest stored magnitude of a scaled cache (QMAX of its dtype)
+
+    def __post_init__(self) -> None:
+        if self.scales is not None and self.qmax <= 0:
+            raise ValueError("a KV cache with scales needs its dtype's qmax")
+        if self.scales is None and (not self.data.dtype.is_floating_point or self.data.dtype.itemsize < 2):
+            raise ValueError(f"a {self.data.dtype} KV cache needs its scales: never a blind cast into it")
 
     @property
     def block_size(self) -> int:
@@ -91,15 +151,35 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """k or v (T, H_kv, D) in the form the cache stores: rounded to a float cache's dtype. A cache
-        with scales (or of an integer dtype) needs its quantizer, which no policy defines yet."""
-        if self.scales is not None or not self.data.dtype.is_floating_point:
-            raise NotImplementedError(f"storing into a {self.data.dtype} KV cache with scales needs a quantizer")
-        return x.to(self.data.dtype)
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k or v (T, H_kv, D) in the form the cache stores, and its scales (T, H_kv) (None for a float
+        cache, whose values are only rounded to its dtype)."""
+        if self.scales is None:
+            return x.to(self.data.dtype), None
+        return quantize(x, self.data.dtype, self.qmax)
 
     def copy_block(self, source: int, destination: int) -> None:
         """Copy one block's K/V (and scales) over another's: copy-on-write of a shared block."""
         self.data[destination].copy_(self.data[source])
         if self.scales is not None:
             self.scales[destination].copy_(self.scales[source])
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> values of `dtype` and fp32 scales (...,): absmax symmetric over the last dim. The
+    kernels (optc.kernels.rope) compute the same expressions in the same order."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = amax / qmax
+    inv = torch.where(amax > 0, qmax / amax, 0.0)
+    y = (xf * inv[..., None]).clamp(-qmax, qmax)
+    if not dtype.is_floating_point:
+        y = torch.floor(y + 0.5)  # round half up: the kernels' rounding, not torch.round's half to even
+    return y.to(dtype), scale
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values (..., D) and their scales (...,) as `dtype` (a float cache: only cast)."""
+    if scales is None:
+        return data.to(dtype)
+    return (data.float() * scales[..., None]).to(dtype)

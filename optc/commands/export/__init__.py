@@ -92,6 +92,7 @@ def export(options: ExportOptions) -> ExportResult:
 
     opened = read(options.artifact, verify=options.verify)
     graph, store, tokenizer_dir = opened.graph, opened.store, opened.tokenizer_dir
+    check_kv_layout(opened.manifest.kv_layout)
     from optc.commands.export.portable import check_formats
 
     if fmt is ExportFormat.HF:
@@ -133,6 +134,18 @@ def export(options: ExportOptions) -> ExportResult:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def check_kv_layout(spec) -> None:
+    """Refuse a KV format the exported model cannot express: its past/present KV are plain float
+    tensors (B, H_kv, T, D) with no scales, and GroupQueryAttention takes no int8 / fp8 cache."""
+    if spec.is_quantized:
+        raise UserError(
+            f"the artifact's KV cache is {spec.dtype} with scales {spec.scales.value} (kv_layout.dtype); the "
+            "exported model's past/present KV are float tensors without scales and ONNX Runtime's "
+            "GroupQueryAttention takes no quantized cache: rebuild with kv_layout dtype float32, float16 or "
+            "bfloat16 to export"
+        )
 
 
 def write_onnx(graph, store, out: Path, flavor: Flavor, show_progress: bool = False,

@@ -3,9 +3,10 @@
 KV cache per layer: a `KVCache` (optc/core/kv_cache.py) whose data is (num_blocks, 2, block_size, H_kv,
 D); index 0 of dim 1 is K, 1 is V. The op and the store take the `KVCache` (data plus optional
 scales) and store through `KVCache.encode`; the attention math (`paged_attention_ref`/`_sdpa`)
-reads a float cache's data. K/V are stored once per KV head, never repeated per query head. A token
-at slot s lives in block s // block_size, offset s % block_size; slot -1 is not stored (padding).
-Block tables are padded with block 0, the reserved null block.
+takes the cache's data and, for an int8 / fp8 cache, its per-(token, KV head) scales, and reads
+K/V dequantized (value * scale, optc/core/kv_cache.py). K/V are stored once per KV head, never repeated
+per query head. A token at slot s lives in block s // block_size, offset s % block_size; slot -1
+is not stored (padding). Block tables are padded with block 0, the reserved null block.
 
 Attention is causal over each request's whole context: query i of request b (at position
 seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import KVCache, dequantize
 from optc.core.ops.spec import OpSpec, heads, no_params
 
 
@@ -29,8 +30,11 @@ def kv_store_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mappi
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache.data[blocks, 0, offsets] = kv_cache.encode(k[keep])
-    kv_cache.data[blocks, 1, offsets] = kv_cache.encode(v[keep])
+    for i, x in enumerate((k, v)):
+        values, scales = kv_cache.encode(x[keep])
+        kv_cache.data[blocks, i, offsets] = values
+        if scales is not None:  # (T, H_kv): beside the values, in the same block
+            kv_cache.scales[blocks, i, offsets] = scales
 
 
 def paged_attention_ref(
@@ -40,8 +44,10 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """All requests at once: queries and K/V padded per request, one causal mask (no Python loop)."""
+    """All requests at once: queries and K/V padded per request, one causal mask (no Python loop).
+    `kv_scales` (num_blocks, 2, block_size, H_kv): a quantized cache's scales (None: a float cache)."""
     # q: (T, H_q, D) -> (T, H_q, D)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -53,7 +59,9 @@ def paged_attention_ref(
     if num_tokens == 0 or max_query == 0:
         return torch.empty_like(q)
     num_blocks = -(-int(seq_lens.max()) // block_size)
-    kv = kv_cache[block_tables[:, :num_blocks].long()].float()  # (B, nb, 2, bs, H_kv, D)
+    table = block_tables[:, :num_blocks].long()
+    kv = dequantize(kv_cache[table], None if kv_scales is None else kv_scales[table], torch.float32)
+    # kv: (B, nb, 2, bs, H_kv, D)
     k = kv[:, :, 0].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
     v = kv[:, :, 1].reshape(num_requests, -1, num_kv_heads, head_dim).transpose(1, 2)
     request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
@@ -81,14 +89,16 @@ def paged_attention_sdpa(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch-bound runtime path: `paged_attention_ref`'s math through SDPA on the gathered cache.
 
-    SDPA reads K/V in the cache dtype and accumulates in fp32 inside, so no fp32 copy of the gathered
-    cache is made (on the CPU that copy was half of a decode step). Agrees with the reference to the
-    rounding of the output dtype; the tests hold it to that. In a decode step whose caller knows the
-    longest context as a Python int (`max_seq_len`, with `max_query_len` 1) it is used instead of
-    reading it off `seq_lens`, which saves a reduction and a host read per layer.
+    SDPA reads K/V in the cache dtype (a quantized cache: dequantized to q's dtype) and accumulates
+    in fp32 inside, so no fp32 copy of the gathered cache is made (on the CPU that copy was half of
+    a decode step). Agrees with the reference to the rounding of the output dtype; the tests hold
+    it to that. In a decode step whose caller knows the longest context as a Python int
+    (`max_seq_len`, with `max_query_len` 1) it is used instead of reading it off `seq_lens`, which
+    saves a reduction and a host read per layer.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -107,17 +117,20 @@ def paged_attention_sdpa(
     length = num_blocks * block_size
     # index_select copies whole blocks as contiguous rows: much faster on the CPU than advanced indexing
     table = block_tables[:, :num_blocks].reshape(-1).long()
-    k, v = (kv_cache[:, i].index_select(0, table).view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)
+    dtype = q.dtype if kv_scales is not None else kv_cache.dtype
+    k, v = (dequantize(kv_cache[:, i].index_select(0, table), None if kv_scales is None
+                       else kv_scales[:, i].index_select(0, table), dtype)
+            .view(num_requests, length, num_kv_heads, head_dim).transpose(1, 2)
             for i in (0, 1))  # (B, H_kv, L, D)
     if num_tokens == num_requests and max_query == 1:  # a decode step: one query per request, no padding
         allowed = torch.arange(length, device=dev)[None, :] < seq_lens.long()[:, None]  # (B, L)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.to(kv_cache.dtype)[:, :, None], k, v, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True)
+            q.to(dtype)[:, :, None], k, v, attn_mask=allowed[:, None, None], scale=scale, enable_gqa=True)
         return out[:, :, 0].to(q.dtype)
     request = torch.repeat_interleave(torch.arange(num_requests, device=dev), query_lens)  # (T,)
     row = torch.arange(num_tokens, device=dev) - query_start_loc[request].long()
-    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=kv_cache.dtype)
-    qp[request, row] = q.to(kv_cache.dtype)
+    qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=dtype)
+    qp[request, row] = q.to(dtype)
     query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
     allowed = torch.arange(length, device=dev)[None, None, :] <= query_pos[:, :, None]  # (B, Lq, L)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -145,7 +158,7 @@ def attention_ref(
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
     return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len, max_seq_len)
+                                max_query_len, max_seq_len, kv_scales=kv_cache.scales)
 
 
 def _attention_call(fn, node, inputs, params, step):
