@@ -12,6 +12,7 @@ from __future__ import annotations
 from optc.formats import Format, part_name
 from optc.ir import REFERENCE_KERNEL, Graph, Node
 from optc.ops.attention import ATTENTION
+from optc.ops.collective import ALL_GATHER, ALL_REDUCE
 from optc.ops.elementwise import ADD, SILU_MUL
 from optc.ops.linear import EMBEDDING, LINEAR, LM_HEAD
 from optc.ops.norm import ADD_RMS_NORM, RMS_NORM
@@ -32,6 +33,8 @@ OPS: dict[str, OpSpec] = {
     "attention": ATTENTION,
     "silu_mul": SILU_MUL,
     "lm_head": LM_HEAD,
+    "all_reduce": ALL_REDUCE,  # the collectives: only in one rank's graph (optc/ops/sharding.py)
+    "all_gather": ALL_GATHER,
 }
 
 
