@@ -8,10 +8,10 @@ rank (rendezvous through `env://`), each running the same optc command: rank 0 s
 other rank `Engine.load` serves steps until rank 0 closes, then exits the process (docs/
 TENSOR_PARALLEL.md has the command).
 
-Groups. Every rank joins the default group, which the model's collectives (optc/ops/collective.py)
-run over: NCCL on CUDA, gloo on the CPU, with a bounded timeout. A second, gloo group carries control:
-each step's message and the agreement on the KV pool size; a worker waits on it without a deadline
-(an idle server sends nothing).
+Groups. The model's collectives (optc/ops/collective.py) run over a device group: NCCL on CUDA, gloo
+on the CPU, with a bounded timeout. The default group (gloo) carries control: each step's message and
+the agreement on the KV pool size; ranks wait on it without a practical deadline (a rank loading a
+large shard, an idle server that sends nothing).
 
 Step. Before each forward, rank 0's model runner sends the step: the block copies and the forward's
 arguments (new token ids, start positions, block ids, logits rows per request) flattened into one
@@ -66,13 +66,10 @@ class TensorParallelGroup:
     backend: str
     timeout_s: float
     control: Any  # the gloo group steps travel in
+    device_group: Any  # the group the model's collectives run over, with the collective timeout
     workers: list[Any] = field(default_factory=list)  # spawned processes of ranks 1 .. N-1
     error: TensorParallelError | None = None  # set by the first failure: every later step raises it
     is_closed: bool = False
-
-    @property
-    def device_group(self) -> Any:
-        return dist.group.WORLD
 
     def load_model(self, artifact: Any, device: str) -> Any:
         """This rank's shard of the artifact, its collectives over the device group."""
@@ -90,9 +87,9 @@ class TensorParallelGroup:
                   block_ids: list[list[int]], num_rows: list[int] | None) -> None:
         """Rank 0: broadcast one step's arguments to every rank."""
         self.check()
-        header, body = encode_step(block_copies, token_ids, starts, block_ids, num_rows)
-        dist.broadcast(header, 0, group=self.control)
-        dist.broadcast(body, 0, group=self.control)
+        timeout = datetime.timedelta(seconds=self.timeout_s)  # the control group waits forever; the sender not
+        for t in encode_step(block_copies, token_ids, starts, block_ids, num_rows):
+            dist.broadcast(t, 0, group=self.control, async_op=True).wait(timeout)
 
     def receive_step(self) -> StepArgs | None:
         """Ranks > 0: the next step's arguments, or None when rank 0 says stop."""
@@ -130,7 +127,8 @@ class TensorParallelGroup:
         self.is_closed = True
         if self.rank == 0 and self.error is None:
             with contextlib.suppress(RuntimeError):
-                dist.broadcast(torch.tensor([STOP, 0, 0, 0]), 0, group=self.control)
+                stop = dist.broadcast(torch.tensor([STOP, 0, 0, 0]), 0, group=self.control, async_op=True)
+                stop.wait(datetime.timedelta(seconds=self.timeout_s))
         deadline = time.monotonic() + (JOIN_TIMEOUT_S if self.error is None else 1.0)
         for w in self.workers:
             w.join(max(0.0, deadline - time.monotonic()))
@@ -175,10 +173,13 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
         w.start()
     try:
         group = _join(0, size, backend, init_method, config.collective_timeout_s)
-    except BaseException:
+    except BaseException as e:
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, 1) if not w.is_alive()]
         for w in workers:
             w.kill()
             w.join()
+        if dead:
+            raise TensorParallelError(f"tensor-parallel {', '.join(dead)} died while starting") from e
         raise
     group.workers = workers
     return group
@@ -257,16 +258,20 @@ def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float
                         "(Engine.close)")
     if backend == "nccl":
         torch.cuda.set_device(torch.device(_rank_device("cuda")))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
-    return TensorParallelGroup(rank, size, backend, timeout_s, control)
+    # the default group (gloo, no practical deadline) is the control group: ranks start and load at
+    # their own pace, and an idle worker waits for the next step as long as the engine idles
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(days=365))
+    device_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallelGroup(rank, size, backend, timeout_s, dist.group.WORLD, device_group)
 
 
 def _spawned_worker(rank: int, size: int, backend: str, init_method: str, config: EngineConfig, path: str,
                     device: str, verify: bool, parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     os.environ["LOCAL_RANK"] = str(rank)
+    if device == "cpu":  # the ranks share the machine's cores: oversubscribed threads stall every collective
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
     group = _join(rank, size, backend, init_method, config.collective_timeout_s)
     run_worker(group, config, path, device, verify)
 
