@@ -114,12 +114,15 @@ def build(
 def inspect(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1,
+        help="Also show how each tensor shards over N ranks and the weight bytes each rank holds."),
 ) -> None:
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.inspect import summarize
 
     with _user_errors():
-        summary = summarize(artifact)
+        summary = summarize(artifact, tensor_parallel_size)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:

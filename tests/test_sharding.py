@@ -160,3 +160,27 @@ def _rtn(w: torch.Tensor, fmt: Format):
     lo, hi = fmt.scheme.qrange(fmt)
     q = torch.clamp(torch.round(w.view(n, k // g, g) / s[..., None]) + z[..., None], lo, hi).view(n, k)
     return q, s, z
+
+
+def test_inspect_shows_each_ranks_slices_and_bytes(tiny_artifact):
+    from optc.inspect import render, summarize
+
+    tp = summarize(tiny_artifact, 4)["tensor_parallel"]
+    assert tp["slices"]["model.layers.0.self_attn.o_proj.weight"] == [
+        {"axis": 1, "ranges": [[16 * r, 16 * r + 16]]} for r in range(4)]
+    assert len(set(tp["rank_weight_bytes"])) == 1 and tp["rank_weight_bytes"][0] > 0
+    assert "model.layers.1.mlp.down_proj.weight" in render(summarize(tiny_artifact, 2))
+    with pytest.raises(ShardError, match="3 ways"):
+        summarize(tiny_artifact, 3)
+
+
+def test_a_recipe_records_its_tensor_parallel_size(tmp_path, recipes):
+    from optc.artifact import read
+    from optc.runtime.config import EngineConfig
+    from optc.testing import build_artifact
+
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml", "runtime.tensor_parallel_size=2")
+    manifest = read(path).manifest
+    assert manifest.runtime.tensor_parallel_size == 2
+    assert EngineConfig.from_manifest(manifest).tensor_parallel_size == 2
+    assert EngineConfig.from_manifest(manifest, tensor_parallel_size=1).tensor_parallel_size == 1
