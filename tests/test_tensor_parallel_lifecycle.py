@@ -1,5 +1,6 @@
 """Tensor-parallel engines that start and end within one test, on the CPU (gloo, 2 spawned ranks):
-`optc run -tp 2` gives the tokens of one rank, a model that does not split is a one-line error, and
+`optc run -tp 2`, and two `torchrun` launches as two machines would run it, give the tokens of one
+rank; a model that does not split is a one-line error; and
 a dead or hung rank is one clear error naming it within the collective timeout, after which the engine
 stays failed and no process is left.
 
@@ -12,7 +13,11 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -37,6 +42,29 @@ def test_optc_run_tensor_parallel_gives_the_tokens_of_one_rank(tiny_artifact):
     assert three.output.strip().splitlines()[-1] == (
         "error: cannot split attention (4 query heads over 2 KV heads) 3 ways: 4 query heads do not split evenly; "
         "tensor-parallel sizes that work for this model: 1, 2, 4")
+
+
+def test_two_torchrun_nodes_give_the_tokens_of_one_rank(tiny_artifact):
+    """The multi-machine path (docs/TENSOR_PARALLEL.md) with both nodes on this machine."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = lambda rank: [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                            "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
+                            str(Path(sys.executable).parent / "optc"), "run", str(tiny_artifact), "--prompt",
+                            "hello there", "--max-tokens", "6", "--json", "-tp", "2"]
+    nodes = [subprocess.Popen(command(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    engine = Engine.load(tiny_artifact)
+    want = engine.generate(["hello there"], SamplingParams(max_tokens=6))[0].token_ids
+    assert json.loads(outputs[0].strip().splitlines()[-1])["token_ids"] == want
 
 
 @pytest.mark.parametrize("fault", ["dead", "hung"])
