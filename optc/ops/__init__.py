@@ -20,7 +20,8 @@ from optc.ops.rope import ROPE, ROPE_KV_STORE
 from optc.ops.spec import Impl, OpSpec, Param
 from optc.store import TensorStore
 
-__all__ = ["OPS", "REFERENCE_KERNEL", "Impl", "OpSpec", "Param", "VerifyError", "host_syncing_nodes", "verify"]
+__all__ = ["COLLECTIVE_OPS", "OPS", "REFERENCE_KERNEL", "Impl", "OpSpec", "Param", "VerifyError", "host_syncing_nodes",
+           "verify"]
 
 OPS: dict[str, OpSpec] = {
     "embedding": EMBEDDING,
@@ -33,9 +34,12 @@ OPS: dict[str, OpSpec] = {
     "attention": ATTENTION,
     "silu_mul": SILU_MUL,
     "lm_head": LM_HEAD,
-    "all_reduce": ALL_REDUCE,  # the collectives: only in one rank's graph (optc/ops/sharding.py)
+    "all_reduce": ALL_REDUCE,
     "all_gather": ALL_GATHER,
 }
+# only in a tensor-parallel rank's graph, derived at load (optc/ops/sharding.py): never in an artifact,
+# so nothing that reads artifacts (export, calibration) meets them
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
 
 
 def host_syncing_nodes(graph: Graph) -> list[Node]:
