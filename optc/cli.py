@@ -27,6 +27,13 @@ app = typer.Typer(
 )
 
 
+TENSOR_PARALLEL_HELP = (
+    "Split the model over N ranks (tensor parallelism: N GPUs, or N CPU processes); the size must divide "
+    "the model's heads (`optc inspect --tensor-parallel-size N` shows what each rank holds). Default: the "
+    "artifact's runtime.tensor_parallel_size, else 1."
+)
+BACKEND_HELP = "torch.distributed backend of tensor parallelism: nccl or gloo (default: nccl on cuda, gloo on cpu)."
+
 SPECULATIVE_HELP = (
     "Speculative decoding: ngram[:K] (prompt lookup) or draft:PATH[:K] (a draft artifact with the same "
     "tokenizer, e.g. an int4 build of the model); K = draft tokens per step, 1..16, default 4. Default: the "
@@ -43,6 +50,12 @@ def _main(
     """optc: compile LLM checkpoints into optimized, self-describing inference artifacts."""
     if show_traceback:  # the flag lives in this process's environment: every command of the run sees it
         os.environ["OPTC_TRACEBACK"] = "1"
+
+
+def _parallel_options(tensor_parallel_size: int | None, distributed_backend: str | None) -> dict:
+    """The engine overrides of the tensor-parallel options given (unset ones keep the artifact's)."""
+    options = {"tensor_parallel_size": tensor_parallel_size, "distributed_backend": distributed_backend}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 @contextmanager
@@ -101,12 +114,15 @@ def build(
 def inspect(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1,
+        help="Also show how each tensor shards over N ranks and the weight bytes each rank holds."),
 ) -> None:
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.commands.inspect import summarize
 
     with _user_errors():
-        summary = summarize(artifact)
+        summary = summarize(artifact, tensor_parallel_size)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -134,6 +150,9 @@ def run(
         False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
     ),
     speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
+    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
 ) -> None:
     """Generate text from one prompt."""
     import time
@@ -146,10 +165,14 @@ def run(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
         spec = SpeculativeConfig.parse(speculative) if speculative else None
-        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec)
-        t0 = time.perf_counter()
-        (completion,) = engine.generate([prompt], params, chat=chat)
-        seconds = time.perf_counter() - t0
+        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec,
+                             **_parallel_options(tensor_parallel_size, distributed_backend))
+        try:
+            t0 = time.perf_counter()
+            (completion,) = engine.generate([prompt], params, chat=chat)
+            seconds = time.perf_counter() - t0
+        finally:
+            engine.close()
     if as_json:
         typer.echo(
             json.dumps(

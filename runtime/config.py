@@ -1,12 +1,13 @@
 """EngineConfig: how an engine serves an artifact: the artifact's runtime settings (optc/core/settings.py),
 its KV block size, and what only a running engine decides (pool size, prefix caching, CUDA graphs,
-seeds). Not here: the settings' defaults and validation (optc/core/settings.py) or the KV spec
-(optc/core/kv_cache.py).
+seeds, the tensor-parallel backend and collective timeout). Not here: the settings' defaults and
+validation (optc/core/settings.py) or the KV spec (optc/core/kv_cache.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,11 @@ from optc.core.artifact import Manifest
 from optc.core.errors import InputError
 from optc.core.kv_cache import DEFAULT_BLOCK_SIZE
 from optc.core.settings import RuntimeSettings
+
+
+class DistributedBackend(enum.StrEnum):
+    NCCL = "nccl"  # CUDA
+    GLOO = "gloo"  # the CPU
 
 
 @dataclass(frozen=True)
@@ -26,9 +32,19 @@ class EngineConfig(RuntimeSettings):
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] | None = None  # decode buckets; None = the default plan, () = none
     seed: int | None = None  # seeds the generators of requests without a seed
+    distributed_backend: DistributedBackend | str | None = None  # tensor parallelism: None = nccl on CUDA, gloo
+    collective_timeout_s: float = 60.0  # a collective waiting longer fails: a rank died or hung
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.distributed_backend is not None:
+            try:
+                object.__setattr__(self, "distributed_backend", DistributedBackend(self.distributed_backend))
+            except ValueError:
+                raise InputError(f"distributed backend must be one of {[b.value for b in DistributedBackend]}, "
+                                 f"got {self.distributed_backend!r}") from None
+        if self.collective_timeout_s <= 0:
+            raise InputError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise InputError(f"num_blocks must be >= 2, got {self.num_blocks}")
 

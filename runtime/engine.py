@@ -41,9 +41,10 @@ Prompt = str | Sequence[int]
 class Engine:
     def __init__(
         self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
-        speculative: SpeculativeConfig | None = None, draft_model: Any = None,
+        speculative: SpeculativeConfig | None = None, draft_model: Any = None, group: Any = None,
     ) -> None:
-        """`draft_model` serves a `draft` speculative config; its KV pool shares the target's budget."""
+        """`draft_model` serves a `draft` speculative config; its KV pool shares the target's budget.
+        `group`: rank 0's TensorParallelGroup (runtime/distributed.py) when `model` is its shard."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
@@ -51,10 +52,13 @@ class Engine:
         self.max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         models = [model] if draft_model is None else [model, draft_model]
         num_blocks = config.num_blocks or num_kv_blocks(models, config, self.max_model_len)
+        if group is not None:  # every rank allocates the smallest pool any rank holds
+            num_blocks = group.agree_num_blocks(num_blocks)
         self._kv_bytes_per_token = sum(m.kv_bytes_per_block(config.block_size) for m in models) / config.block_size
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, config, num_blocks, self.max_model_len,
-                                  make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len))
+                                  make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len),
+                                  group=group)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
@@ -77,24 +81,29 @@ class Engine:
         cls, path: str | Path, device: str = "cpu", verify: bool = True,
         speculative: SpeculativeConfig | None = None, **overrides: Any,
     ) -> Engine:
-        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's;
+        """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's (e.g.
+        `tensor_parallel_size=N`: rank 0 of N, which starts the others; `close()` stops them);
         `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
         from optc.core.artifact import read
+        from optc.runtime.distributed import start
         from optc.runtime.loader import load_model
         from optc.runtime.speculative import load_draft
 
         artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        model = load_model(artifact, device)
-        if speculative is None and config.speculative:
-            speculative = SpeculativeConfig.parse(config.speculative)
-        draft_model = None
-        if speculative is not None and speculative.draft is not None:
-            draft_model = load_draft(speculative, artifact, model, tokenizer, verify)
-        return cls(model, tokenizer, config, speculative, draft_model)
+        group = start(config, artifact, device, verify) if config.tensor_parallel_size > 1 else None
+        try:
+            model = group.load_model(artifact, device) if group else load_model(artifact, device)
+            speculative = speculative or (SpeculativeConfig.parse(config.speculative) if config.speculative else None)
+            draft_model = (load_draft(speculative, artifact, model, tokenizer, verify)
+                           if speculative is not None and speculative.draft is not None else None)
+            return cls(model, tokenizer, config, speculative, draft_model, group)
+        except BaseException:
+            group and group.close()
+            raise
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -149,6 +158,11 @@ class Engine:
         if self.speculator is not None:
             self.speculator.release(request_id)
         return self.scheduler.abort(request_id) is not None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (with one rank: nothing); the engine steps no more."""
+        if self.runner.group is not None:
+            self.runner.group.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -280,9 +294,5 @@ class Engine:
 
 
 def _completion(request: Request) -> Completion:
-    return Completion(
-        text=request.text,
-        token_ids=request.output_token_ids,
-        finish_reason=str(request.finish_reason),
-        prompt_token_ids=list(request.prompt_token_ids),
-    )
+    return Completion(text=request.text, token_ids=request.output_token_ids,
+                      finish_reason=str(request.finish_reason), prompt_token_ids=list(request.prompt_token_ids))

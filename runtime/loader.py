@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from optc.core.artifact import Artifact
 from optc.core.ir import REFERENCE_KERNEL, Graph
+from optc.core.ops.sharding import shard
 from optc.runtime.model import Model
 
 
-def load_model(artifact: Artifact, device: str = "cpu") -> Model:
-    """The artifact's graph bound to the kernels its nodes name, with its weights on `device`."""
-    return Model(artifact.graph, artifact.store, device, kv_spec=artifact.manifest.kv_layout,
-                 impls=_impls(artifact.graph))
+def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_size: int = 1,
+               group: object = None) -> Model:
+    """The artifact's graph bound to the kernels its nodes name, with its weights on `device`; with
+    `world_size` > 1, tensor-parallel rank `rank`'s graph and weight slices (optc/core/ops/sharding.py;
+    ShardError when the model does not split that many ways), its collectives over `group`."""
+    graph, store = shard(artifact.graph, artifact.store, rank, world_size)
+    return Model(graph, store, device, kv_spec=artifact.manifest.kv_layout, impls=_impls(graph), group=group)
 
 
 def _impls(graph: Graph) -> dict:

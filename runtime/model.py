@@ -2,7 +2,8 @@
 
 It owns the weights, the rope table and the KV spec (from the manifest), not the KV cache: the
 caller allocates the per-layer caches (`allocate_kv_caches`, a `KVCache` per layer) and passes them
-to every `forward`.
+to every `forward`. A tensor-parallel rank's model holds the rank's graph (its heads, its weight
+slices, the collectives) and the process group its collectives run over.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Model:
         device: str | torch.device = "cpu",
         kv_spec: KVCacheSpec | None = None,  # None: the model's dtype, the default block size
         impls: dict[str, Impl] | None = None,
+        group: object = None,  # the tensor-parallel process group of a rank's graph (optc/core/ops/sharding.py)
     ):
         c = graph.config
         self.graph = graph
@@ -35,6 +37,7 @@ class Model:
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.executor = Executor(graph, bind_params(graph, store, self.device), impls)
+        self.group = group
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
         self.max_position_embeddings = c.max_position_embeddings
@@ -54,5 +57,5 @@ class Model:
         """float32 logits (len(batch.logits_indices), vocab) for the batch's selected rows."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches)
+        step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
         return self.executor.run(batch.input_ids, step)["logits"]

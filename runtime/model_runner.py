@@ -8,8 +8,9 @@ sampling, speculative verification and logprobs. `execute(out)` is the one call 
 output in, `RunnerOutput` (the tokens each finished-prefill request emits, with their logprobs) out.
 `forward` is the lower-level call a draft proposer drives its own runner with. The engine keeps
 scheduling and output processing (appending tokens, stops, detokenization); the runner never
-changes a request's tokens or its computed count. A tensor-parallel engine would drive one runner
-per rank.
+changes a request's tokens or its computed count. With tensor parallelism (runtime/distributed.py)
+every rank has a runner over its shard: rank 0's sends each forward's arguments (and block copies)
+to the others before running it, the others run what they receive; all end with the whole logits.
 
 Rows. A request gets one logits row per step (its last scheduled token), or one per new prompt
 token while it asks for prompt logprobs (runtime/logprobs.py), plus one per draft token: a request
@@ -43,11 +44,13 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: Any, config: Any, num_blocks: int, max_model_len: int, speculator: Any = None,
-        max_num_requests: int | None = None,
+        max_num_requests: int | None = None, group: Any = None,
     ) -> None:
         """`config`: an EngineConfig; `max_num_requests`: the most requests a decode step of this runner
-        holds (the engine's max_num_seqs by default; a draft's the speculation cut-off)."""
+        holds (the engine's max_num_seqs by default; a draft's the speculation cut-off); `group`: rank
+        0's TensorParallelGroup, which every forward is sent through first."""
         self.model = model
+        self.group = group
         self.device = torch.device(model.device)
         self.block_size = config.block_size
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
@@ -64,11 +67,20 @@ class ModelRunner:
 
     def forward(
         self, token_ids: list[list[int]], starts: list[int], block_ids: list[list[int]],
-        num_rows: list[int] | None = None,
+        num_rows: list[int] | None = None, block_copies: Sequence[tuple[int, int]] = (),
     ) -> torch.Tensor:
         """float32 logits (sum(num_rows), V): request b's new `token_ids[b]` from position `starts[b]`,
-        its last `num_rows[b]` (default 1) rows. A pure-decode step that fits a bucket replays a graph,
-        built straight into the graph's buffers; the logits are valid until the next step."""
+        its last `num_rows[b]` (default 1) rows, after the block copies. A pure-decode step that fits a
+        bucket replays a graph, built straight into the graph's buffers; the logits are valid until the
+        next step."""
+        if self.group is None:
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
+        with self.group.guard():  # a dead or hung rank: a TensorParallelError naming it
+            self.group.send_step(block_copies, token_ids, starts, block_ids, num_rows)
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
+
+    def _forward(self, token_ids, starts, block_ids, num_rows, block_copies) -> torch.Tensor:
+        self.copy_blocks(block_copies)
         builder = self.graph_runner or self.batch_builder
         batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)
         return (self.graph_runner or self.model).forward(batch, self.kv_caches)
@@ -81,7 +93,6 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the scheduled step: copy blocks, forward, record prompt logprobs, then sample (or verify
         the drafts of) every request that reaches its last token."""
-        self.copy_blocks(out.block_copies)
         requests = out.requests
         starts = [r.num_computed_tokens for r in requests]
         num_drafts = [len(r.draft_token_ids) for r in requests]
@@ -89,7 +100,7 @@ class ModelRunner:
         num_rows = [logprobs.num_logits_rows(r, s, n - d) + d
                     for r, s, n, d in zip(requests, starts, out.num_new_tokens, num_drafts, strict=True)]
         token_ids = [r.query_token_ids(n) for r, n in zip(requests, out.num_new_tokens, strict=True)]
-        logits = self.forward(token_ids, starts, out.block_ids, num_rows)  # (sum(num_rows), V) float32
+        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies)  # (sum(num_rows), V)
         last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
         ends = [s + n for s, n in zip(starts, out.num_new_tokens, strict=True)]
         result = RunnerOutput(ready=[b for b, r in enumerate(requests) if ends[b] >= r.num_tokens])

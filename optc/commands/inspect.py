@@ -9,8 +9,9 @@ from optc.core.artifact import read
 from optc.core.kv_cache import KVCacheSpec
 
 
-def summarize(path: str | Path) -> dict:
-    """The artifact at `path` (sizes checked, hashes not: inspect reads no weights) as plain data."""
+def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict:
+    """The artifact at `path` (sizes checked, hashes not: inspect reads no weights) as plain data; with
+    `tensor_parallel_size`, how each split tensor shards and the weight bytes each rank holds."""
     artifact = read(path, verify=False)
     m, graph = artifact.manifest.to_json(), artifact.graph
     formats = Counter(info.format.label for info in graph.tensors.values())
@@ -37,6 +38,21 @@ def summarize(path: str | Path) -> dict:
         "kernel_by_m": {n.name: n.attrs["kernel_by_m"] for n in graph.nodes if n.attrs.get("kernel_by_m")},
         "kernel_layouts": _layouts({n.kernel for n in graph.nodes}
                                    | {k for n in graph.nodes for _, k in n.attrs.get("kernel_by_m", ())}),
+        **({"tensor_parallel": tensor_parallel(graph, tensor_parallel_size)} if tensor_parallel_size else {}),
+    }
+
+
+def tensor_parallel(graph, size: int) -> dict:
+    """Per rank: weight bytes, and the slice (axis, ranges) of every tensor it holds a part of; a
+    ShardError when the model does not split `size` ways."""
+    from optc.core.ops.sharding import plan_shards, rank_weight_bytes
+
+    plans = [plan_shards(graph, rank, size) for rank in range(size)]
+    return {
+        "size": size,
+        "rank_weight_bytes": [rank_weight_bytes(p.graph) for p in plans],
+        "slices": {name: [{"axis": p.slices[name][0], "ranges": [list(r) for r in p.slices[name][1]]} for p in plans]
+                   for name in plans[0].slices},
     }
 
 
@@ -71,6 +87,14 @@ def render(s: dict) -> str:
     by_m = s.get("kernel_by_m", {})
     for name, k in s["kernels"].items():
         lines.append(f"  {name:<48} {_by_m(by_m[name]) if name in by_m else k}")
+    tp = s.get("tensor_parallel")
+    if tp:
+        per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp["rank_weight_bytes"])
+        lines.append(f"tensor parallel {tp['size']} ranks: weights per rank (MiB) {per_rank}; other tensors whole")
+        for name, slices in tp["slices"].items():
+            axis = "rows" if slices[0]["axis"] == 0 else "columns"
+            ranks = " | ".join(",".join(f"{a}:{b}" for a, b in rank["ranges"]) for rank in slices)
+            lines.append(f"  {name:<48} {axis:<8} {ranks}")
     return "\n".join(lines)
 
 

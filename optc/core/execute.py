@@ -33,6 +33,7 @@ class Step:
     logits_indices: torch.Tensor | None  # rows that get logits; None = all
     kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
     new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
+    group: object = None  # the tensor-parallel process group the collective ops run over; None: one rank
     _transient: dict[int, KVCache] = field(default_factory=dict)
 
     def kv_cache(self, layer: int) -> KVCache:

@@ -5,7 +5,9 @@ and the engine's `EngineConfig` say about serving, one name per concept.
 - `SpeculativeConfig.disable_above_num_requests`: the speculation cut-off, a step with more running
   requests than this does not speculate;
 - `CUDA_GRAPH_BATCH_SIZES`: the default decode buckets the `cuda_graphs` pass plans; the largest
-  bucket an engine captures is its graph config's `max_capture_size`.
+  bucket an engine captures is its graph config's `max_capture_size`;
+- `tensor_parallel_size`: ranks the model is split over (runtime/distributed.py), one per GPU; the KV
+  budget (`kv_cache_memory`, `gpu_memory_utilization`) is each rank's.
 
 This module imports neither the recipe nor the runtime: both import it. Not here: the KV cache's
 layout (optc/core/kv_cache.py) or options of the compiler passes.
@@ -45,10 +47,14 @@ class RuntimeSettings:
         default=None,
         metadata={"help": "default speculative decoding: ngram[:K] or draft:PATH[:K] (K draft tokens, 1..16)"},
     )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"min": 1, "help": "ranks the model is split over (tensor parallelism, one per GPU)"})
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise InputError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from optc.core.errors import InputError
-from optc.core.formats.scheme import PartShapes, Scheme, check_2d, round_scale
+from optc.core.formats.scheme import PartShapes, Ranges, Scheme, check_2d, round_scale
 
 if TYPE_CHECKING:
     from optc.core.formats import Format
@@ -68,6 +68,11 @@ class Int4G(Scheme):
                 f"(allowed group sizes dividing {k}: "
                 f"{[g for g in INT4_GROUP_SIZES if k % g == 0] or 'none'})"
             )
+
+    def part_slices(self, fmt: Format, shape: tuple[int, ...], axis: int, ranges: Ranges) -> dict:
+        if axis == 1 and fmt.act_order:  # stored columns are permuted: a slice of inputs is no slice of parts
+            raise ValueError("an act_order weight's input dimension is permuted and cannot be sliced")
+        return super().part_slices(fmt, shape, axis, ranges)
 
     def can_concat_rows(self, fmt: Format) -> bool:
         return not fmt.act_order

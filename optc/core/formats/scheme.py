@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from optc.core.formats import Format
 
 PartShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Ranges = tuple[tuple[int, int], ...]  # [start, stop) slices along one axis, in order
 
 
 class Activations(StrEnum):
@@ -86,6 +87,29 @@ class Scheme:
 
     def check_shape(self, fmt: Format, shape: tuple[int, ...], what: str) -> None:
         """Raise an InputError naming `what` when `shape` cannot be stored in `fmt`."""
+
+    def part_slices(self, fmt: Format, shape: tuple[int, ...], axis: int,
+                    ranges: Ranges) -> dict[str, tuple[int, Ranges]]:
+        """Where the logical slices `ranges` ([start, stop) along `axis` of a weight of `shape`) live
+        in the stored parts: role -> (part axis, part ranges), for the parts that run along `axis`
+        (the others are kept whole). A part runs along `axis` when its size there grows with the
+        weight's; a slice must not cut a stored unit (8 int4 values of a word, a group of scales):
+        ValueError naming the unit otherwise. Tensor parallelism shards weights with it."""
+        size = shape[axis]
+        grown = self.part_shapes(fmt, tuple(2 * d if i == axis else d for i, d in enumerate(shape)))
+        out = {}
+        for role, (pshape, _) in self.part_shapes(fmt, shape).items():
+            part_axes = [i for i, (a, b) in enumerate(zip(pshape, grown[role][0], strict=True)) if a != b]
+            if not part_axes:
+                continue
+            p = part_axes[0]
+            unit = size // pshape[p]  # logical entries per stored entry of this part along the axis
+            cut = [x for a, b in ranges for x in (a, b) if x % unit]
+            if cut:
+                raise ValueError(f"a slice at {cut[0]} of dimension {size} cuts a stored unit of {unit} "
+                                 f"({fmt.kind.value} part {role})")
+            out[role] = (p, tuple((a // unit, b // unit) for a, b in ranges))
+        return out
 
     def can_concat_rows(self, fmt: Format) -> bool:
         """Whether sibling weights in `fmt` fuse by concatenating their parts along the output rows."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from optc.core.formats import Format, part_name
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.ops.attention import ATTENTION
+from optc.core.ops.collective import ALL_GATHER, ALL_REDUCE
 from optc.core.ops.elementwise import ADD, SILU_MUL
 from optc.core.ops.linear import EMBEDDING, LINEAR, LM_HEAD
 from optc.core.ops.norm import ADD_RMS_NORM, RMS_NORM
@@ -19,7 +20,8 @@ from optc.core.ops.rope import ROPE, ROPE_KV_STORE
 from optc.core.ops.spec import Impl, OpSpec, Param
 from optc.core.store import TensorStore
 
-__all__ = ["OPS", "REFERENCE_KERNEL", "Impl", "OpSpec", "Param", "VerifyError", "host_syncing_nodes", "verify"]
+__all__ = ["COLLECTIVE_OPS", "OPS", "REFERENCE_KERNEL", "Impl", "OpSpec", "Param", "VerifyError", "host_syncing_nodes",
+           "verify"]
 
 OPS: dict[str, OpSpec] = {
     "embedding": EMBEDDING,
@@ -32,7 +34,12 @@ OPS: dict[str, OpSpec] = {
     "attention": ATTENTION,
     "silu_mul": SILU_MUL,
     "lm_head": LM_HEAD,
+    "all_reduce": ALL_REDUCE,
+    "all_gather": ALL_GATHER,
 }
+# only in a tensor-parallel rank's graph, derived at load (optc/core/ops/sharding.py): never in an artifact,
+# so nothing that reads artifacts (export, calibration) meets them
+COLLECTIVE_OPS = ("all_reduce", "all_gather")
 
 
 def host_syncing_nodes(graph: Graph) -> list[Node]:

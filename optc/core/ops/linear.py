@@ -45,8 +45,14 @@ def logits_ref(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> 
 
 
 def _embedding_call(fn, node, inputs, params, step):
-    # embedding(input_ids) [weight] -> hidden
-    return [fn(inputs[0], params["weight"].dense())]
+    # embedding(input_ids) {vocab_start?} [weight] -> hidden
+    w = params["weight"].dense()
+    if "vocab_start" not in node.attrs:
+        return [fn(inputs[0], w)]
+    # a vocab-parallel shard holds rows vocab_start ..: ids outside it give 0 (summed over ranks later)
+    ids = inputs[0] - node.attrs["vocab_start"]
+    inside = (ids >= 0) & (ids < w.shape[0])
+    return [torch.where(inside[:, None], fn(ids.clamp(0, w.shape[0] - 1), w), 0)]
 
 
 def _linear_call(fn, node, inputs, params, step):

@@ -1,0 +1,294 @@
+"""Tensor parallelism across processes on torch.distributed: starting the ranks, the step each step's
+batch travels in, the worker loop, and turning a dead or hung rank into one clear error.
+
+Processes. Rank 0 is the process that loads the engine (`Engine.load(path, tensor_parallel_size=N)`):
+it owns the scheduler, KV manager, sampler, detokenizer and speculative proposer. On one machine it
+starts ranks 1 .. N-1 itself (`torch.multiprocessing`, spawn). Across machines `torchrun` starts every
+rank (rendezvous through `env://`), each running the same optc command: rank 0 serves it, and on any
+other rank `Engine.load` serves steps until rank 0 closes, then exits the process (docs/
+TENSOR_PARALLEL.md has the command).
+
+Groups. The model's collectives (optc/core/ops/collective.py) run over a device group: NCCL on CUDA, gloo
+on the CPU, with a bounded timeout. The default group (gloo) carries control: each step's message and
+the agreement on the KV pool size; ranks wait on it without a practical deadline (a rank loading a
+large shard, an idle server that sends nothing).
+
+Step. Before each forward, rank 0's model runner sends the step: the block copies and the forward's
+arguments (new token ids, start positions, block ids, logits rows per request) flattened into one
+int64 tensor, broadcast as a 4-number header and a body. Every rank builds the same batch, copies the
+same blocks, runs the same forward and ends with the gathered logits; rank 0 samples. Block tables
+are the same on every rank; each rank's KV pool holds its own heads.
+
+Faults. Before every step rank 0 checks its workers are alive; a collective that fails (a peer closed
+its connection) or times out raises on rank 0. Either becomes a TensorParallelError naming the ranks
+whose processes exited, with their exit codes, and every later step raises it again. A worker exits
+on a stop message, when rank 0's connection closes, or (spawned) when its parent dies. `close()`
+stops and joins the workers and kills any that do not exit in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from optc.core.errors import UserError
+from optc.core.ops.sharding import plan_shards
+from optc.runtime.config import EngineConfig
+
+STOP = -1  # a header's request count that tells workers to exit
+JOIN_TIMEOUT_S = 10.0  # how long close() waits for a worker before killing it
+WATCHDOG_INTERVAL_S = 1.0
+StepArgs = tuple[list[tuple[int, int]], list[list[int]], list[int], list[list[int]], list[int]]
+
+
+class TensorParallelError(UserError, RuntimeError):
+    """A tensor-parallel rank died or stopped answering; the engine cannot step any more."""
+
+
+@dataclass
+class TensorParallelGroup:
+    """One rank's membership: its rank, the control group, and (rank 0 on one machine) the workers."""
+
+    rank: int
+    size: int
+    backend: str
+    timeout_s: float
+    control: Any  # the gloo group steps travel in
+    device_group: Any  # the group the model's collectives run over, with the collective timeout
+    workers: list[Any] = field(default_factory=list)  # spawned processes of ranks 1 .. N-1
+    error: TensorParallelError | None = None  # set by the first failure: every later step raises it
+    is_closed: bool = False
+
+    def load_model(self, artifact: Any, device: str) -> Any:
+        """This rank's shard of the artifact, its collectives over the device group."""
+        from optc.runtime.loader import load_model
+
+        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group)
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """The smallest KV pool any rank can hold: every rank allocates that many blocks."""
+        t = torch.tensor([num_blocks], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
+    def send_step(self, block_copies: Sequence[tuple[int, int]], token_ids: list[list[int]], starts: list[int],
+                  block_ids: list[list[int]], num_rows: list[int] | None) -> None:
+        """Rank 0: broadcast one step's arguments to every rank."""
+        self.check()
+        timeout = datetime.timedelta(seconds=self.timeout_s)  # the control group waits forever; the sender not
+        for t in encode_step(block_copies, token_ids, starts, block_ids, num_rows):
+            dist.broadcast(t, 0, group=self.control, async_op=True).wait(timeout)
+
+    def receive_step(self) -> StepArgs | None:
+        """Ranks > 0: the next step's arguments, or None when rank 0 says stop."""
+        header = torch.empty(4, dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.control)
+        if header[0].item() == STOP:
+            return None
+        body = torch.empty(body_size(header), dtype=torch.int64)
+        dist.broadcast(body, 0, group=self.control)
+        return decode_step(header, body)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a collective's failure inside into a TensorParallelError naming the dead ranks."""
+        try:
+            yield
+        except TensorParallelError:
+            raise
+        except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+            self.error = self._failure(str(e).splitlines()[0])
+            raise self.error from e
+
+    def check(self) -> None:
+        """Raise the stored failure, or a new one when a worker process has exited."""
+        if self.error is not None:
+            raise self.error
+        if any(not w.is_alive() for w in self.workers):
+            self.error = self._failure("a worker process exited")
+            raise self.error
+
+    def close(self) -> None:
+        """Stop every worker (a stop message, then join; kill what does not exit) and leave the groups."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if self.rank == 0 and self.error is None:
+            with contextlib.suppress(RuntimeError):
+                stop = dist.broadcast(torch.tensor([STOP, 0, 0, 0]), 0, group=self.control, async_op=True)
+                stop.wait(datetime.timedelta(seconds=self.timeout_s))
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if self.error is None else 1.0)
+        for w in self.workers:
+            w.join(max(0.0, deadline - time.monotonic()))
+            if w.is_alive():
+                w.kill()
+                w.join()
+        with contextlib.suppress(RuntimeError, ValueError):
+            dist.destroy_process_group()
+
+    def _failure(self, cause: str) -> TensorParallelError:
+        dead = [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        if dead:
+            which = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
+            return TensorParallelError(f"tensor-parallel {which} died; the engine stopped ({cause})")
+        return TensorParallelError(f"a tensor-parallel collective failed or timed out after {self.timeout_s:g} s "
+                                   f"(a rank died or hung): {cause}")
+
+
+def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> TensorParallelGroup:
+    """Join (torchrun: every rank runs this) or start (one machine: spawn ranks 1 .. N-1) a group of
+    `config.tensor_parallel_size` ranks for an opened artifact; on a torchrun rank other than 0,
+    serve steps and exit. A model that does not split that many ways raises before any process starts."""
+    size, path = config.tensor_parallel_size, artifact.path
+    for rank in range(size):
+        plan_shards(artifact.graph, rank, size)  # ShardError naming the tensor and the sizes that work
+    backend = config.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        if int(os.environ["WORLD_SIZE"]) != size:
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size is "
+                            f"{size}: they must match")
+        group = _join(int(os.environ["RANK"]), size, backend, "env://", config.collective_timeout_s)
+        if group.rank != 0:
+            run_worker(group, config, path, device, verify)
+            raise SystemExit(0)
+        return group
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    spawn = mp.get_context("spawn")
+    workers = [spawn.Process(target=_spawned_worker, daemon=True, name=f"optc-tp-rank-{rank}",
+                             args=(rank, size, backend, init_method, config, str(path), device, verify, os.getpid()))
+               for rank in range(1, size)]
+    for w in workers:
+        w.start()
+    try:
+        group = _join(0, size, backend, init_method, config.collective_timeout_s)
+    except BaseException as e:
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, 1) if not w.is_alive()]
+        for w in workers:
+            w.kill()
+            w.join()
+        if dead:
+            raise TensorParallelError(f"tensor-parallel {', '.join(dead)} died while starting") from e
+        raise
+    group.workers = workers
+    return group
+
+
+def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Path, device: str,
+               verify: bool) -> None:
+    """A rank > 0: load its shard, agree on the KV pool, then run every step rank 0 sends."""
+    from optc.core.artifact import read
+    from optc.runtime.kv_sizing import num_kv_blocks
+    from optc.runtime.model_runner import ModelRunner
+
+    try:
+        model = group.load_model(read(path, verify=verify, device=device), device)
+        max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
+        num_blocks = group.agree_num_blocks(config.num_blocks or num_kv_blocks([model], config, max_model_len))
+        runner = ModelRunner(model, config, num_blocks, max_model_len)
+        while (step := group.receive_step()) is not None:
+            block_copies, token_ids, starts, block_ids, num_rows = step
+            runner.forward(token_ids, starts, block_ids, num_rows, block_copies)
+    finally:
+        group.close()
+
+
+def encode_step(block_copies: Sequence[tuple[int, int]], token_ids: list[list[int]], starts: list[int],
+                block_ids: list[list[int]], num_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step as (header, body) int64 tensors.
+
+    header: [B requests, C copies, T tokens, K block ids];
+    body: copies (2C) | starts (B) | logits rows (B) | tokens per request (B) | blocks per request (B) |
+    tokens (T) | block ids (K)."""
+    num_rows = num_rows or [1] * len(token_ids)
+    flat: list[int] = [x for pair in block_copies for x in pair]
+    flat += starts
+    flat += num_rows
+    flat += [len(t) for t in token_ids]
+    flat += [len(b) for b in block_ids]
+    for t in token_ids:
+        flat += t
+    for b in block_ids:
+        flat += b
+    num_tokens, num_blocks = sum(map(len, token_ids)), sum(map(len, block_ids))
+    header = torch.tensor([len(token_ids), len(block_copies), num_tokens, num_blocks], dtype=torch.int64)
+    return header, torch.tensor(flat, dtype=torch.int64)
+
+
+def body_size(header: torch.Tensor) -> int:
+    b, c, t, k = header.tolist()
+    return 2 * c + 4 * b + t + k
+
+
+def decode_step(header: torch.Tensor, body: torch.Tensor) -> StepArgs:
+    """The inverse of encode_step."""
+    b, c, _, _ = header.tolist()
+    flat = body.tolist()
+    copies = [(flat[2 * i], flat[2 * i + 1]) for i in range(c)]
+    at = 2 * c
+    starts, num_rows, token_lens, block_lens = (flat[at + i * b: at + (i + 1) * b] for i in range(4))
+    at += 4 * b
+    token_ids, block_ids = [], []
+    for n in token_lens:
+        token_ids.append(flat[at: at + n])
+        at += n
+    for n in block_lens:
+        block_ids.append(flat[at: at + n])
+        at += n
+    return copies, token_ids, starts, block_ids, num_rows
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float) -> TensorParallelGroup:
+    if dist.is_initialized():
+        raise UserError("this process already belongs to a tensor-parallel group: close the other engine first "
+                        "(Engine.close)")
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(_rank_device("cuda")))
+    # the default group (gloo, no practical deadline) is the control group: ranks start and load at
+    # their own pace, and an idle worker waits for the next step as long as the engine idles
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(days=365))
+    device_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallelGroup(rank, size, backend, timeout_s, dist.group.WORLD, device_group)
+
+
+def _spawned_worker(rank: int, size: int, backend: str, init_method: str, config: EngineConfig, path: str,
+                    device: str, verify: bool, parent: int) -> None:
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    os.environ["LOCAL_RANK"] = str(rank)
+    if device == "cpu":  # the ranks share the machine's cores: oversubscribed threads stall every collective
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    group = _join(rank, size, backend, init_method, config.collective_timeout_s)
+    run_worker(group, config, path, device, verify)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit this worker when rank 0's process is gone: no worker outlives its engine."""
+    while os.getppid() == parent:
+        time.sleep(WATCHDOG_INTERVAL_S)
+    os._exit(1)
+
+
+def _rank_device(device: str) -> str:
+    """`cuda` on a rank: the GPU of its local rank; anything else as it is."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device == "cuda" else device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,89 @@
+"""Tensor-parallel engines that start and end within one test, on the CPU (gloo, 2 spawned ranks):
+`optc run -tp 2`, and two `torchrun` launches as two machines would run it, give the tokens of one
+rank; a model that does not split is a one-line error; and
+a dead or hung rank is one clear error naming it within the collective timeout, after which the engine
+stays failed and no process is left.
+
+A module of its own: a process belongs to one tensor-parallel group at a time, and the engines of
+test_tensor_parallel.py live until that module ends."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from optc.cli import app
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.distributed import TensorParallelError
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_optc_run_tensor_parallel_gives_the_tokens_of_one_rank(tiny_artifact):
+    run = lambda *extra: CliRunner().invoke(app, ["run", str(tiny_artifact), "--prompt", "hello there",
+                                                  "--max-tokens", "6", "--json", *extra])
+    one, two = run(), run("-tp", "2", "--distributed-backend", "gloo")
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    assert json.loads(two.output.splitlines()[-1])["token_ids"] == json.loads(one.output.splitlines()[-1])["token_ids"]
+    assert not multiprocessing.active_children()
+    three = run("--tensor-parallel-size", "3")
+    assert three.exit_code == 2
+    assert three.output.strip().splitlines()[-1] == (
+        "error: cannot split attention (4 query heads over 2 KV heads) 3 ways: 4 query heads do not split evenly; "
+        "tensor-parallel sizes that work for this model: 1, 2, 4")
+
+
+def test_two_torchrun_nodes_give_the_tokens_of_one_rank(tiny_artifact):
+    """The multi-machine path (docs/TENSOR_PARALLEL.md) with both nodes on this machine."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = lambda rank: [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                            "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
+                            str(Path(sys.executable).parent / "optc"), "run", str(tiny_artifact), "--prompt",
+                            "hello there", "--max-tokens", "6", "--json", "-tp", "2"]
+    nodes = [subprocess.Popen(command(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    engine = Engine.load(tiny_artifact)
+    want = engine.generate(["hello there"], SamplingParams(max_tokens=6))[0].token_ids
+    assert json.loads(outputs[0].strip().splitlines()[-1])["token_ids"] == want
+
+
+@pytest.mark.parametrize("fault", ["dead", "hung"])
+def test_a_dead_or_hung_rank_is_one_clear_error(tiny_artifact, fault):
+    engine = Engine.load(tiny_artifact, tensor_parallel_size=2, collective_timeout_s=3.0)
+    worker = engine.runner.group.workers[0]
+    assert engine.generate([PROMPTS[0]], PARAMS)[0].token_ids
+    if fault == "dead":
+        worker.kill()
+        worker.join()
+        expected = r"tensor-parallel rank 1 \(exit code -9\) died"
+    else:
+        os.kill(worker.pid, signal.SIGSTOP)
+        expected = "timed out after 3 s"
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=expected):
+        engine.generate(PROMPTS[:3], PARAMS)
+    assert time.monotonic() - start < 20
+    with pytest.raises(TensorParallelError, match=expected):  # the engine stays failed
+        engine.generate([PROMPTS[0]], PARAMS)
+    engine.close()
+    assert not worker.is_alive() and not multiprocessing.active_children()
