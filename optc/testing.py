@@ -60,6 +60,16 @@ def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     return hf.to(device, dtype).eval()
 
 
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`max_tokens` greedy tokens of a transformers causal LM after `prompt`, through end-of-sequence tokens
+    (what the runtime's `ignore_eos` gives; `generate(min_new_tokens=...)` would instead mask the eos logits)."""
+    ids = list(prompt)
+    with torch.no_grad():  # the whole sequence each step: no KV-cache API, which transformers versions rename
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
     kv = engine.kv_manager
