@@ -16,7 +16,9 @@ FUSIONS = "fuse_qkv, fuse_gate_up, {quant}{{kv_layout: {{block_size: {block_size
 
 
 def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
-    passes = FUSIONS.format(quant=quant, block_size=block_size) + ", select_kernels"
+    # the CPU build is the reference: no packed CPU kernel (select_kernels may pick one per M on target cpu)
+    select = "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack]}}" if target == "cpu" else "select_kernels"
+    passes = FUSIONS.format(quant=quant, block_size=block_size) + ", " + select
     recipe = tmp / f"{target}.yaml"
     recipe.write_text(
         f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
