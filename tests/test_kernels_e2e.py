@@ -1,7 +1,7 @@
 """End to end: a `target: cuda` artifact of random:tiny served with its Triton kernels bound (under
 TRITON_INTERPRET=1 on a machine without CUDA) gives the same greedy tokens as the same recipe built
-for `target: cpu` (every node on its torch reference). Chunked prefill (a 32-token budget) makes
-the engine run both the prefill and the decode attention kernels."""
+for `target: cpu` with its CPU kernels disabled (every node on its torch reference). Chunked prefill
+(a 32-token budget) makes the engine run both the prefill and the decode attention kernels."""
 
 from pathlib import Path
 
@@ -16,7 +16,8 @@ FUSIONS = "fuse_qkv, fuse_gate_up, {quant}{{kv_layout: {{block_size: {block_size
 
 
 def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
-    passes = FUSIONS.format(quant=quant, block_size=block_size) + ", select_kernels"
+    select = "select_kernels" if target == "cuda" else "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack]}}"
+    passes = FUSIONS.format(quant=quant, block_size=block_size) + ", " + select
     recipe = tmp / f"{target}.yaml"
     recipe.write_text(
         f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
