@@ -54,7 +54,7 @@ def _w8a16_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         x, offs_k, mask_k = _splitk.load_x(x_ptr, offs_m, mask_m, k0, k_end, stride_xm, BLOCK_K, False)
         q = tl.load(qweight_ptr + rows_n[None, :] * stride_qn + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0)  # (BLOCK_K, BLOCK_N)
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # (BLOCK_K, BLOCK_N) int8 | fp8
         w = (q.to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
         acc += dot_or_fma(x, w, FP32_DOT, BLOCK_M)
     _splitk.store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, split, M, N, stride_om, stride_os, HAS_BIAS, IS_SPLIT)
