@@ -18,7 +18,7 @@ from optc.core.formats.fp8_e4m3 import quantize_fp8_weight
 from optc.core.ir import Graph, TensorInfo
 from optc.core.store import Entry, TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.options import dense_linear_weights, ensure_quantized
+from optc.frontend.quant.options import LastParts, dense_linear_weights, ensure_quantized
 
 
 class QuantizeFp8(Pass):
@@ -53,7 +53,7 @@ class QuantizeFp8(Pass):
             return PassResult(graph, store, changed=False, stats={"quantized": 0})
         new = graph.copy()
         entries: dict[str, Entry] = {}
-        last = _LastParts()
+        last = LastParts(quantize_fp8_weight)
         for name in targets:
             info = graph.tensors[name]
             fmt = self.options.format(info.format.dtype)
@@ -73,17 +73,3 @@ class QuantizeFp8(Pass):
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)
-
-
-class _LastParts:
-    """The fp8 parts of the last weight asked for (a one-entry cache)."""
-
-    def __init__(self) -> None:
-        self.name: str | None = None
-        self.value: dict = {}
-
-    def parts(self, name: str, src: Entry, fmt: Format) -> dict:
-        if name != self.name:
-            self.name, self.value = None, {}  # drop the previous weight's parts before computing
-            self.value, self.name = quantize_fp8_weight(src.load(), fmt, name), name
-        return self.value

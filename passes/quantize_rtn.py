@@ -11,7 +11,7 @@ from optc.core.formats import Activations, Format, part_name
 from optc.core.ir import Graph, TensorInfo
 from optc.core.store import Entry, TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.options import WeightQuantOptions, dense_linear_weights, ensure_quantized
+from optc.frontend.quant.options import LastParts, WeightQuantOptions, dense_linear_weights, ensure_quantized
 from optc.frontend.quant.rtn import quantize_weight
 
 
@@ -47,7 +47,7 @@ class QuantizeRtn(Pass):
             return PassResult(graph, store, changed=False, stats={"quantized": 0})
         new = graph.copy()
         entries: dict[str, Entry] = {}
-        last = _LastParts()
+        last = LastParts(quantize_weight)
         for name in targets:
             info = graph.tensors[name]
             fmt = o.format(info.format.dtype)
@@ -66,17 +66,3 @@ class QuantizeRtn(Pass):
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)
-
-
-class _LastParts:
-    """The quantized parts of the last weight asked for (a one-entry cache)."""
-
-    def __init__(self) -> None:
-        self.name: str | None = None
-        self.value: dict = {}
-
-    def parts(self, name: str, src: Entry, fmt) -> dict:
-        if name != self.name:
-            self.name, self.value = None, {}  # drop the previous weight's parts before computing
-            self.value, self.name = quantize_weight(src.load(), fmt, name), name
-        return self.value

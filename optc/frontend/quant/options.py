@@ -9,12 +9,14 @@ gptq.py); this module does not quantize anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from optc.core.errors import InputError
 from optc.core.formats import Format
 from optc.core.ir import Graph
+from optc.core.store import Entry
 from optc.frontend.quant.rtn import make_format
 
 BITS = {"choices": (4, 8), "help": "4: int4_g grouped; 8: int8_wo per output channel"}
@@ -75,3 +77,20 @@ def ensure_quantized(graph: Graph, pass_name: str) -> None:
     left = dense_linear_weights(graph)
     if left:
         raise ValueError(f"{pass_name}: linears left dense: {left[:3]}")
+
+
+class LastParts:
+    """The quantized parts of the last weight asked for (a one-entry cache): a pass's lazy store entries
+    are read one tensor's parts in a row by the artifact writer, so each weight is quantized once and at
+    most one weight's parts are held. `quantize(w, fmt, name)` -> parts."""
+
+    def __init__(self, quantize: Callable[[Any, Format, str], dict]) -> None:
+        self.quantize = quantize
+        self.name: str | None = None
+        self.value: dict = {}
+
+    def parts(self, name: str, src: Entry, fmt: Format) -> dict:
+        if name != self.name:
+            self.name, self.value = None, {}  # drop the previous weight's parts before computing
+            self.value, self.name = self.quantize(src.load(), fmt, name), name
+        return self.value
