@@ -5,7 +5,9 @@ the k8_lsb nibbles unpacked to (N, K) int32 and handed to `aten._convert_weight_
 and the scales and zero points turned into the kernel's (K / G, N, 2) table in the activation dtype.
 The kernel computes w = (q - 8) * s + b per group, so our w = (q - z) * s has b = (8 - z) * s (b = 0
 when symmetric). The launcher `int4pack_linear` has linear_ref's signature and reads those prepared
-parts; the artifact keeps the format's own parts, which the reference reads.
+parts; the artifact keeps the format's own parts, which the reference reads. `int4pack_logits` is the
+lm_head's: its prepared weight keeps the stored parts beside the packed ones, for the fp32 recompute of
+each row's best logits (optc.core.ops.linear.exact_top_logits).
 
 Where it pays (measured in docs/PERF.md): with bfloat16 activations it is several times faster than
 dequantizing per call; with float32 activations it is 30-100x slower than the reference at M >= 64,
@@ -19,6 +21,7 @@ import torch
 
 from optc.core.formats import Format, unpack_int4
 from optc.core.ops import Param
+from optc.core.ops.linear import exact_top_logits
 
 INNER_K_TILES = 2  # the packing's K tile count: any of 1, 2, 4, 8 gives the same product on the CPU
 N_MULTIPLE = 16  # the packing needs whole tiles of 16 output rows
@@ -48,3 +51,18 @@ def int4pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+STORED = ("qweight", "scales", "zeros")  # the int4_g parts an lm_head's prepared weight keeps (no act_order)
+
+
+def prepare_int4pack_logits(params: dict[str, Param]) -> dict[str, Param]:
+    """An lm_head node's params -> the weight's stored parts plus `prepare_int4pack`'s."""
+    w = params["weight"]
+    return {**params, "weight": Param({**w.parts, **prepare_int4pack(params)["weight"].parts}, w.format)}
+
+
+def int4pack_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """logits_ref for an int4_g lm_head prepared by `prepare_int4pack_logits`: x (M, K) -> (M, V) float32."""
+    stored = {r: parts[r] for r in STORED if r in parts}
+    return exact_top_logits(int4pack_linear(x, parts, fmt).float(), x, stored, fmt)

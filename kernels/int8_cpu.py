@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from optc.core.formats import Format
+from optc.core.ops.linear import exact_top_logits
 
 K_MULTIPLE = 16  # the kernel's K tiling: other K give wrong results or crash
 
@@ -32,3 +33,8 @@ def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def int8pack_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """logits_ref for an int8_wo lm_head: x (M, K) -> (M, V) float32."""
+    return exact_top_logits(int8pack_linear(x, parts, fmt).float(), x, parts, fmt)

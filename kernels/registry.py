@@ -15,8 +15,9 @@ this module imports no Triton; a kernel module is imported when its kernel is bo
 Per-M choice: a node may carry `kernel_by_m`, a list of [max_rows, kernel] pairs in increasing
 max_rows (the last max_rows None: no bound), written by `select_kernels` from measurements on the build
 machine. The node's `kernel` is then one of the kernels in that list (what the loader binds), and every
-implementation `impls` returns routes a call whose x has M rows to the first pair with M <= max_rows;
-`torch` in the list is the op's reference. A node without it runs its `kernel` for every M, as before.
+implementation `impls` returns routes a call of M rows (the op's `rows`: an lm_head's selected rows) to
+the first pair with M <= max_rows; `torch` in the list is the op's reference. A node without it runs
+its `kernel` for every M.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class PreparedImpl:
 
 class ByM:
     """The executor's Impl for one kernel name: a node with `kernel_by_m` runs, per call, the
-    implementation its table names for the call's rows (M = x.numel() / x.shape[-1]); any other node
+    implementation its table names for the call's rows (M: the op's `rows`); any other node
     runs the kernel. Implementations are shared through `bound`, so a prepared layout is made once."""
 
     def __init__(self, name: str, bound: _Bound):
@@ -108,8 +109,7 @@ class ByM:
         route = self._routes.get(node.name)
         if route is None:
             route = self._routes[node.name] = ([b for b, _ in table], [self.bound.get(k, node.op) for _, k in table])
-        x = inputs[0]
-        m = x.numel() // x.shape[-1]
+        m = OPS[node.op].rows(inputs, step)
         bounds, fns = route
         for bound, fn in zip(bounds, fns, strict=True):
             if bound is None or m <= bound:
@@ -232,6 +232,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
+    KernelSpec("triton.w4a16_logits", "lm_head", _w4a16_ok, "w4a16:w4a16_logits"),
+    KernelSpec("triton.w8a16_logits", "lm_head", _w8a16_ok, "w8a16:w8a16_logits"),
     KernelSpec("triton.fp8_w8a16", "linear", _fp8_w8a16_ok, "fp8_w8a16:fp8_w8a16_linear",
                prepare="fp8_w8a16:prepare_fp8_w8a16", min_capability=(8, 9)),
     # W8A8 through torch's 8-bit matmuls; not yet measured on a GPU (docs/PERF.md)
@@ -243,4 +245,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
                prepare="int4_cpu:prepare_int4pack", layout="int4pack_cpu(inner_k_tiles=2)"),
     KernelSpec("cpu.int8pack", "linear", _int8pack_cpu_ok, "int8_cpu:int8pack_linear", target="cpu"),
+    # a quantized lm_head (quantize_lm_head): the same matmuls, then logits_ref's fp32 recompute of the best rows
+    KernelSpec("cpu.int4pack_logits", "lm_head", _int4pack_cpu_ok, "int4_cpu:int4pack_logits", target="cpu",
+               prepare="int4_cpu:prepare_int4pack_logits", layout="int4pack_cpu(inner_k_tiles=2) + stored parts"),
+    KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu"),
 )}

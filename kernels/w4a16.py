@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from optc.core.formats import INT4_PACKING, Format
+from optc.core.ops.linear import exact_top_logits
 from optc.kernels import _splitk
 from optc.kernels._dot import dot
 from optc.kernels._splitk import config
@@ -163,3 +164,8 @@ def w4a16_linear(
 def _split_k(n: int, k: int, group: int) -> int:
     # enough (N tile, split) programs to fill the GPU, at least 4 groups of K per split
     return max(1, min(triton.cdiv(_splitk.TARGET_PROGRAMS, triton.cdiv(n, 64)), k // (4 * group)))
+
+
+def w4a16_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """logits_ref for a quantized lm_head through `w4a16_linear`: x (M, K) -> (M, V) float32."""
+    return exact_top_logits(w4a16_linear(x, parts, fmt).float(), x, parts, fmt)

@@ -124,6 +124,21 @@ def test_paged_attention_sdpa_matches_ref(num_heads, num_kv_heads, block_size, d
     assert_close(paged_attention_sdpa(*args, 0.2), paged_attention_ref(*args, 0.2), TOL[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sdpa_decode_step_is_the_reference_math(kv_dtype, dtype):
+    # a decode step whose caller passes the longest context as an int: the reference's fp32 math,
+    # so equal to it up to fp32 reassociation (at most one step of a bf16 output), whatever the cache dtype
+    args = _case([23, 57, 70, 9], [1] * 4, 9, 3, 64, 16, dtype, seed=9)
+    q, data, tables, seq_lens, starts, *scales = args if kv_dtype is None else _quantized(args, kv_dtype)
+    scales = scales[0] if scales else None
+    out = paged_attention_sdpa(q, data, tables, seq_lens, starts, 0.2, max_query_len=1, max_seq_len=70,
+                               kv_scales=scales)
+    ref = paged_attention_ref(q, data, tables, seq_lens, starts, 0.2, scales)
+    assert out.dtype == dtype
+    assert_close(out, ref, 1e-6, rtol=0.0 if dtype == torch.float32 else 2**-8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_prefill_kernel_half_precision(dtype):
     args = _case([45, 80], [45, 33], 6, 2, 16, 16, dtype, seed=4)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from optc.core.formats import Format, FormatKind, linear_ref, pack_int4
-from optc.kernels.w4a16 import w4a16_linear
-from optc.kernels.w8a16 import w8a16_linear
+from optc.core.ops.linear import logits_ref
+from optc.kernels.w4a16 import w4a16_linear, w4a16_logits
+from optc.kernels.w8a16 import w8a16_linear, w8a16_logits
 
 
 def assert_close(actual, expected, atol, rtol=0.0):
@@ -127,6 +128,18 @@ def test_w8a16_kernel_matches_ref(m, dtype):
     bias = torch.randn(90, generator=torch.Generator().manual_seed(7)).to(dtype) if m == 9 else None
     out = w8a16_linear(x, parts, fmt, bias, split_k=2 if m == 1 else None)
     assert_close(out, linear_ref(x, parts, fmt, bias), TOL[dtype], 1e-2)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_lm_head_logits_kernels_match_logits_ref(kind):
+    # a quantized lm_head on cuda: the linear kernel, then logits_ref's fp32 recompute of each row's best
+    parts, fmt = _int4(96, 128, 32, True, torch.bfloat16) if kind == "int4" else _int8(96, 128, torch.bfloat16)
+    x = _x(3, 128, torch.bfloat16)
+    out = (w4a16_logits if kind == "int4" else w8a16_logits)(x, parts, fmt)
+    ref = logits_ref(x, parts, fmt)
+    top = ref.topk(4, dim=-1)
+    assert out.dtype == torch.float32 and torch.equal(out.gather(-1, top.indices), top.values)
+    assert_close(out, ref, TOL[torch.bfloat16], 1e-2)
 
 
 def test_w8a16_kernel_fp16_split_k():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from optc.core.formats import Format, dequantize, linear_ref
 from optc.core.ir import ModelConfig, Node
-from optc.core.ops.spec import OpSpec, vocab_weight
+from optc.core.ops.spec import OpSpec, matmul_rows, vocab_weight
 
 # logits recomputed exactly per row: the greedy token is the float32 argmax unless more than this
 # many logits lie within 16-bit rounding of the row's maximum (a tie that wide is a tie)
@@ -32,7 +32,14 @@ def logits_ref(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> 
     each row are recomputed in fp32 from x and their weight rows. No host sync: CUDA graphs capture it.
     """
     # x: (M, K) -> (M, V) float32
-    logits = linear_ref(x, parts, fmt).float()
+    return exact_top_logits(linear_ref(x, parts, fmt).float(), x, parts, fmt)
+
+
+def exact_top_logits(logits: torch.Tensor, x: torch.Tensor, parts: dict[str, torch.Tensor],
+                     fmt: Format) -> torch.Tensor:
+    """`logits` (M, V) float32, computed by any matmul in x's dtype, with each row's EXACT_TOP_LOGITS
+    largest recomputed in fp32 from x and the weight's stored `parts` (the lm_head kernels share
+    logits_ref's rounding this way). float32 x: `logits` as they are."""
     if x.dtype == torch.float32:
         return logits
     top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices  # (M, k)
@@ -64,10 +71,18 @@ def _linear_call(fn, node, inputs, params, step):
 
 
 def _lm_head_call(fn, node, inputs, params, step):
-    # lm_head(hidden) [weight] -> float32 logits of the rows step.logits_indices selects (None: all)
-    x = inputs[0] if step.logits_indices is None else inputs[0][step.logits_indices]
+    # lm_head(hidden) [weight] -> float32 logits of the rows step.logits_indices selects (None, or no step: all)
+    indices = None if step is None else step.logits_indices
+    x = inputs[0] if indices is None else inputs[0][indices]
     w = params["weight"]
     return [fn(x, w.parts, w.format)]
+
+
+def _lm_head_rows(inputs, step) -> int:
+    # the rows its matmul computes: the selected ones
+    if step is None or step.logits_indices is None:
+        return matmul_rows(inputs, step)
+    return step.logits_indices.numel()
 
 
 def _linear_shapes(node: Node, cfg: ModelConfig) -> dict:
@@ -78,4 +93,4 @@ def _linear_shapes(node: Node, cfg: ModelConfig) -> dict:
 EMBEDDING = OpSpec(1, 1, (), ("weight",), vocab_weight, F.embedding, _embedding_call)
 LINEAR = OpSpec(1, None, ("in_features", "out_features"), ("weight",), _linear_shapes, linear_ref, _linear_call,
                 optional_params=("bias",))
-LM_HEAD = OpSpec(1, 1, (), ("weight",), vocab_weight, logits_ref, _lm_head_call)
+LM_HEAD = OpSpec(1, 1, (), ("weight",), vocab_weight, logits_ref, _lm_head_call, rows=_lm_head_rows)

@@ -44,6 +44,11 @@ class OpSpec:
     optional_params: tuple[str, ...] = ()
     touches_kv_cache: bool = False  # reads or writes the paged KV cache (kv_layout records its layout)
     reference_syncs_host: bool = False  # the reference reads device values on the host: no CUDA-graph capture
+    rows: Callable[[list, Any], int] = None  # (inputs, step) -> the M a per-M kernel choice routes on
+
+    def __post_init__(self) -> None:
+        if self.rows is None:
+            object.__setattr__(self, "rows", matmul_rows)
 
     def bind(self, fn: Callable) -> Impl:
         """An executor Impl that runs `fn` (the reference's signature) on a node."""
@@ -52,6 +57,12 @@ class OpSpec:
     @property
     def ref(self) -> Impl:
         return self.bind(self.reference)
+
+
+def matmul_rows(inputs: list, step: Any) -> int:
+    """The rows of a matmul over the first input (T, ..., K): its product of leading dimensions."""
+    x = inputs[0]
+    return x.numel() // x.shape[-1]
 
 
 def heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

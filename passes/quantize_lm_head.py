@@ -1,0 +1,81 @@
+"""Quantize the lm_head weight by round-to-nearest (int8 per channel or int4 per group).
+
+The weight-quantization passes leave the lm_head dense, as AutoAWQ and GPTQ do. On a small model that
+makes it the largest single read of a decode step: SmolLM2's (49152 x 576) bf16 lm_head is a fifth
+of the dense model's bytes and half of an int4 model's, so it caps what int4 linears can buy
+(docs/PERF.md, issue 22). This pass rounds it too, the way llama.cpp's quantized files do.
+
+A tied lm_head reads the embedding's tensor. The embedding stays dense (a decode step reads one row
+of it per token), so the pass gives the lm_head a tensor of its own, `lm_head.weight`, computed from
+the embedding when the artifact writer streams it, and the graph's config says the two are no longer
+tied (an exported checkpoint then carries both, as an untied model does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from optc.core.errors import InputError
+from optc.core.formats import part_name
+from optc.core.ir import Graph, TensorInfo
+from optc.core.store import Entry, TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.options import LastParts, WeightQuantOptions
+from optc.frontend.quant.rtn import quantize_weight
+
+UNTIED_NAME = "lm_head.weight"  # the untied lm_head's tensor, as transformers names it
+
+
+class QuantizeLmHead(Pass):
+    """Quantize the lm_head weight by round-to-nearest (a tied one gets its own tensor)."""
+
+    Options = WeightQuantOptions
+
+    def requires(self, graph: Graph) -> None:
+        fmt = graph.tensors[_head(graph).params["weight"]].format
+        want = self.options.format(fmt.dtype)
+        if fmt.is_quantized and (fmt.kind, fmt.group_size, fmt.zero_point) != (want.kind, want.group_size,
+                                                                               want.zero_point):
+            raise InputError(f"the lm_head weight is already quantized ({fmt.label}); {self.name} would quantize "
+                             f"it again to {want.label}: keep one lm_head quantization")
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        head = _head(graph)
+        name = head.params["weight"]
+        info = graph.tensors[name]
+        if info.format.is_quantized:
+            return PassResult(graph, store, changed=False, stats={"quantized": 0})
+        fmt = self.options.format(info.format.dtype)
+        fmt.check_shape(info.shape, name)
+        shared = sum(name in n.params.values() for n in graph.nodes) > 1  # tied to the embedding
+        new = graph.copy()
+        target = UNTIED_NAME if shared else name
+        if shared:
+            if UNTIED_NAME in graph.tensors:
+                raise InputError(f"the lm_head reads {name}, which other nodes read too, and the graph already has "
+                                 f"a tensor {UNTIED_NAME}")
+            new.config = replace(graph.config, tie_word_embeddings=False)
+            new.node(head.name).params["weight"] = UNTIED_NAME
+        new.tensors[target] = TensorInfo(info.shape, fmt)
+        src = store.entry(part_name(name, "weight", info.format))
+        last = LastParts(quantize_weight)
+        entries = {
+            part_name(target, role, fmt): Entry(tuple(shape), dtype,
+                                                lambda role=role: last.parts(target, src, fmt)[role])
+            for role, (shape, dtype) in fmt.part_shapes(info.shape).items()
+        }
+        store = store.with_entries(entries, remove=[] if shared else [part_name(name, "weight", info.format)])
+        return PassResult(new, store, changed=True,
+                          stats={"quantized": 1, "tensor": target, "format": fmt.label, "untied": shared})
+
+    def ensures(self, graph: Graph) -> None:
+        name = _head(graph).params["weight"]
+        if not graph.tensors[name].format.is_quantized:
+            raise ValueError(f"{self.name}: the lm_head weight {name} is left dense")
+
+
+def _head(graph: Graph):
+    heads = [n for n in graph.nodes if n.op == "lm_head"]
+    if len(heads) != 1:
+        raise InputError(f"quantize_lm_head needs one lm_head node; the graph has {len(heads)}")
+    return heads[0]
