@@ -38,9 +38,10 @@ target: cpu
 passes:
   - fuse_qkv
   - fuse_gate_up
-  - quantize_rtn: {{bits: 4, group_size: 32, zero_point: true}}
+  - quantize_rtn: {{bits: 4, group_size: 32, zero_point: true}}{extra}
 runtime: {{max_num_seqs: 16, max_seq_len: 512}}
 """
+LM_HEAD = "\n  - quantize_lm_head: {bits: 4, group_size: 32}"  # the lm_head in the projections' format
 # name -> (recipe, overrides); random:tiny, float32 unless the name says otherwise
 ARTIFACTS = {
     "dense": ("tiny.yaml", ()),
@@ -48,6 +49,7 @@ ARTIFACTS = {
     "int4-zp": ("smollm2-rtn.yaml", ("dtype=float32",)),  # zero points, group 64
     "int4-sym": ("smollm2-rtn-sym.yaml", ("dtype=float32",)),  # symmetric, group 64, all fusions
     "int4-zp-g32-bf16": (None, ()),
+    "int4-lm-head": (None, ()),
 }
 FP32 = [a for a in ARTIFACTS if "bf16" not in a]
 PROMPTS = [[5, 17, 200, 3, 9, 44, 81, 2], [120, 7, 63, 1, 250, 33, 90, 11]]
@@ -60,7 +62,8 @@ def artifacts(tmp_path_factory, recipes) -> dict[str, Path]:
     for name, (recipe, overrides) in ARTIFACTS.items():
         if recipe is None:
             recipe_path = root / f"{name}.yaml"
-            recipe_path.write_text(RTN.format(dtype="bfloat16"))
+            dtype = "bfloat16" if "bf16" in name else "float32"
+            recipe_path.write_text(RTN.format(dtype=dtype, extra=LM_HEAD if "lm-head" in name else ""))
         else:
             recipe_path = recipes / recipe
         out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
@@ -153,7 +156,8 @@ def test_folder_and_config_pass_validation(exported, artifacts, name):
         return
     QuantizationConfig.model_validate(qc)
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
-    assert qc["ignore"] == ["lm_head"] and list(qc["config_groups"]) == ["group_0"]
+    # a quantized lm_head (quantize_lm_head) is one more `Linear` of the group
+    assert qc["ignore"] == ([] if "lm-head" in name else ["lm_head"]) and list(qc["config_groups"]) == ["group_0"]
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and group["input_activations"] is None
     fmt = next(i.format for i in read(artifacts[name]).graph.tensors.values() if i.format.is_quantized)
@@ -168,17 +172,18 @@ def test_transformers_holds_optc_weights_exactly(exported, artifacts, name):
     a = read(artifacts[name])
     checked = 0
     for node in a.graph.nodes:
-        if node.op != "linear":
+        info = a.graph.tensors.get(node.params.get("weight", ""))
+        if node.op not in ("linear", "lm_head") or not info.format.is_quantized:
             continue
-        info = a.graph.tensors[node.params["weight"]]
         parts = {r: a.store.get(part_name(node.params["weight"], r, info.format)) for r in info.format.part_shapes(
             info.shape)}
         weight = dequantize(parts, info.format)
-        for module, rows in zip(node.outputs, weight.split(node.attrs.get("split") or [weight.shape[0]]), strict=True):
+        modules = ["lm_head"] if node.op == "lm_head" else node.outputs
+        for module, rows in zip(modules, weight.split(node.attrs.get("split") or [weight.shape[0]]), strict=True):
             hf = model.get_submodule(module).weight
             assert hf.dtype == rows.dtype and torch.equal(hf, rows), module
             checked += 1
-    assert checked == 2 * 7
+    assert checked == 2 * 7 + ("lm-head" in name)
 
 
 @pytest.mark.parametrize("name", FP32)
