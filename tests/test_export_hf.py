@@ -41,7 +41,8 @@ passes:
   - quantize_rtn: {{bits: 4, group_size: 32, zero_point: true}}{extra}
 runtime: {{max_num_seqs: 16, max_seq_len: 512}}
 """
-LM_HEAD = "\n  - quantize_lm_head: {bits: 4, group_size: 32}"  # the lm_head in the projections' format
+LM_HEAD = {"int4-lm-head": "\n  - quantize_lm_head: {bits: 4, group_size: 32}",  # the projections' format: quantized
+           "int4-lm-head-int8": "\n  - quantize_lm_head: {bits: 8}"}  # another format: written dequantized
 # name -> (recipe, overrides); random:tiny, float32 unless the name says otherwise
 ARTIFACTS = {
     "dense": ("tiny.yaml", ()),
@@ -50,6 +51,7 @@ ARTIFACTS = {
     "int4-sym": ("smollm2-rtn-sym.yaml", ("dtype=float32",)),  # symmetric, group 64, all fusions
     "int4-zp-g32-bf16": (None, ()),
     "int4-lm-head": (None, ()),
+    "int4-lm-head-int8": (None, ()),
 }
 FP32 = [a for a in ARTIFACTS if "bf16" not in a]
 PROMPTS = [[5, 17, 200, 3, 9, 44, 81, 2], [120, 7, 63, 1, 250, 33, 90, 11]]
@@ -63,7 +65,7 @@ def artifacts(tmp_path_factory, recipes) -> dict[str, Path]:
         if recipe is None:
             recipe_path = root / f"{name}.yaml"
             dtype = "bfloat16" if "bf16" in name else "float32"
-            recipe_path.write_text(RTN.format(dtype=dtype, extra=LM_HEAD if "lm-head" in name else ""))
+            recipe_path.write_text(RTN.format(dtype=dtype, extra=LM_HEAD.get(name, "")))
         else:
             recipe_path = recipes / recipe
         out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
@@ -156,11 +158,13 @@ def test_folder_and_config_pass_validation(exported, artifacts, name):
         return
     QuantizationConfig.model_validate(qc)
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
-    # a quantized lm_head (quantize_lm_head) is one more `Linear` of the group
-    assert qc["ignore"] == ([] if "lm-head" in name else ["lm_head"]) and list(qc["config_groups"]) == ["group_0"]
+    graph = read(artifacts[name]).graph
+    fmt = next(graph.tensors[n.params["weight"]].format for n in graph.nodes if n.op == "linear")
+    # a quantized lm_head in the projections' format is one more `Linear` of the group; in another, it is dense
+    head_in_group = graph.tensors[graph.node("lm_head").params["weight"]].format == fmt
+    assert qc["ignore"] == ([] if head_in_group else ["lm_head"]) and list(qc["config_groups"]) == ["group_0"]
     group = qc["config_groups"]["group_0"]
     assert group["targets"] == ["Linear"] and group["input_activations"] is None
-    fmt = next(i.format for i in read(artifacts[name]).graph.tensors.values() if i.format.is_quantized)
     assert group["weights"] == fmt.scheme.compressed_tensors_args(fmt)
     assert config["dtype"] == fmt.dtype
 
@@ -173,7 +177,7 @@ def test_transformers_holds_optc_weights_exactly(exported, artifacts, name):
     checked = 0
     for node in a.graph.nodes:
         info = a.graph.tensors.get(node.params.get("weight", ""))
-        if node.op not in ("linear", "lm_head") or not info.format.is_quantized:
+        if not (node.op == "linear" or node.op == "lm_head" and info.format.is_quantized):
             continue
         parts = {r: a.store.get(part_name(node.params["weight"], r, info.format)) for r in info.format.part_shapes(
             info.shape)}
@@ -183,7 +187,7 @@ def test_transformers_holds_optc_weights_exactly(exported, artifacts, name):
             hf = model.get_submodule(module).weight
             assert hf.dtype == rows.dtype and torch.equal(hf, rows), module
             checked += 1
-    assert checked == 2 * 7 + ("lm-head" in name)
+    assert checked == 2 * 7 + a.graph.tensors[a.graph.node("lm_head").params["weight"]].format.is_quantized
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -205,7 +209,10 @@ def test_transformers_logits_and_greedy_tokens_match_the_runtime(exported, artif
 @pytest.mark.parametrize("name", list(ARTIFACTS))
 def test_build_from_the_folder_gives_byte_identical_weights(exported, artifacts, recipes, tmp_path, name):
     dtype = "bfloat16" if "bf16" in name else "float32"
-    again = build_artifact(tmp_path / "again", recipes / "tiny.yaml", f"dtype={dtype}", model=str(exported[name]))
+    # an lm_head written dequantized comes back dense: the recipe's quantize_lm_head rounds it to the same parts
+    extra = ["passes=[fuse_qkv, fuse_gate_up, {quantize_lm_head: {bits: 8}}]"] if name == "int4-lm-head-int8" else []
+    again = build_artifact(tmp_path / "again", recipes / "tiny.yaml", f"dtype={dtype}", *extra,
+                           model=str(exported[name]))
     before, after = artifact_parts(artifacts[name]), artifact_parts(again)
     assert sorted(before) == sorted(after)
     for t, (fmt, parts) in before.items():

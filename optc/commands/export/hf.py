@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from optc.core.errors import UserError
-from optc.core.formats import Format, part_name
+from optc.core.formats import DTYPES, Format, dequantize, part_name
 from optc.core.ir import Graph
 from optc.core.store import TensorStore
 from optc.frontend import models
@@ -115,7 +115,15 @@ def write_hf(graph: Graph, store: TensorStore, out: Path, max_shard_bytes: int =
 
 
 def _linear_schemes(graph: Graph) -> dict[str, dict | None]:
-    """Every transformers `nn.Linear` module -> the compressed-tensors args of its weight (None: dense)."""
+    """Every transformers `nn.Linear` module -> the compressed-tensors args of its weight (None: written dense)."""
+    out = _stored_schemes(graph)
+    if _lm_head_written_dense(out):
+        out["lm_head"] = None
+    return out
+
+
+def _stored_schemes(graph: Graph) -> dict[str, dict | None]:
+    """Every transformers `nn.Linear` module -> the compressed-tensors args of its stored format (None: dense)."""
     family = models.family(graph.config.architecture)
     fmt_of = {n: graph.tensors[t].format for t, names, _ in family.hf_params(graph) for n in names}
     out = {}
@@ -125,6 +133,16 @@ def _linear_schemes(graph: Graph) -> dict[str, dict | None]:
     return out
 
 
+def _lm_head_written_dense(schemes: dict[str, dict | None]) -> bool:
+    """Whether a quantized lm_head is written dequantized, in the model dtype: when its arguments differ from
+    the projections'. transformers (5.x) decompresses a compressed-tensors checkpoint with one scheme for every
+    dense layer, so a second config group for the lm_head (an int8 lm_head beside int4 projections, as the
+    SmolLM2 AWQ recipe builds) fails to load; the dequantized weights are the values optc's reference uses."""
+    head = schemes.get("lm_head")
+    others = [a for m, a in schemes.items() if m != "lm_head" and a is not None]
+    return head is not None and any(a != head for a in others)
+
+
 def _module_tensors(graph: Graph, store: TensorStore | None,
                     param: tuple[str, list[str], list[int] | None]) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one artifact tensor (of each projection, for a fused one), by full name.
@@ -132,6 +150,12 @@ def _module_tensors(graph: Graph, store: TensorStore | None,
     tensor, names, sizes = param
     info = graph.tensors[tensor]
     fmt: Format = info.format
+    if names == ["lm_head.weight"] and fmt.is_quantized and _lm_head_written_dense(_stored_schemes(graph)):
+        dtype = DTYPES[graph.config.dtype]
+        if store is None:
+            return {"lm_head.weight": torch.empty(tuple(info.shape), dtype=dtype, device="meta")}
+        parts = {role: store.get(part_name(tensor, role, fmt)) for role in fmt.part_shapes(info.shape)}
+        return {"lm_head.weight": dequantize(parts, fmt, dtype)}
     parts = {role: (store.get(part_name(tensor, role, fmt)) if store is not None
                     else torch.empty(shape, dtype=dtype, device="meta"))
              for role, (shape, dtype) in fmt.part_shapes(info.shape).items()}
