@@ -3,7 +3,8 @@
 `Gptq(weight)` accumulates the Hessian H = 2/n · Σ xᵀx of the layer's calibration inputs
 (`add_batch`), then `quantize(fmt)` quantizes the columns in order, feeding each column's
 rounding error back into the columns not yet quantized through the Cholesky factor of H⁻¹, with
-lazy block updates. Groups are int4 `group_size` wide, or one per output row for int8.
+lazy block updates. Groups are int4 `group_size` wide, or one per output row for int8 and fp8 (fp8
+`per_tensor`: every row's group gets the one scale of the whole weight).
 
 `quantize_block` is the method's step in the calibrated driver (optc/frontend/quant/calibrated.py): the
 passes that round with GPTQ (quantize_gptq for the integer formats, quantize_fp8 with `method: gptq`)
