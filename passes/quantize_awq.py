@@ -49,8 +49,9 @@ class QuantizeAwq(Pass):
             return {"scaled_groups": len(alphas),
                     "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None}
 
-        return run_calibrated(self.name, "awq", o, graph, store, ctx, partial(self._quantize_block, alphas=alphas),
-                              {"n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples}, stats)
+        return run_calibrated(self.name, "awq", graph, store, ctx, partial(self._quantize_block, alphas=alphas),
+                              {**o.record(), "n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples},
+                              stats)
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)

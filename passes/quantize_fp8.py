@@ -3,14 +3,20 @@ tensor); with `activations: dynamic` the linears also quantize their input to fp
 
 `activations: none` is W8A16 (the weight is dequantized in the GEMV, activations stay in the model
 dtype); `dynamic` is W8A8, what vLLM calls fp8 dynamic per-token. The format (optc/core/formats/fp8_e4m3.py)
-says how weights are rounded and how the linear computes. The embedding and lm_head stay dense, as in
-the other quantization passes. Run `smoothquant` before this pass to move activation outliers into
-the weights; this pass searches nothing.
+says how weights are stored and how the linear computes; `method` says how they are rounded to it:
+`rtn` rounds each weight to the nearest e4m3 value (lazily, as the artifact writer asks for it), `gptq`
+rounds column by column on the calibration tokens and feeds each column's error into the columns not
+yet rounded (optc/frontend/quant/gptq.py, through the calibrated driver), with the same scales. The
+embedding and lm_head stay dense, as in the other quantization passes. Run `smoothquant` before this
+pass to move activation outliers into the weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from functools import partial
+from typing import Any
 
 from optc.core.errors import InputError
 from optc.core.formats import Activations, Format, FormatKind, part_name
@@ -18,23 +24,49 @@ from optc.core.formats.fp8_e4m3 import quantize_fp8_weight
 from optc.core.ir import Graph, TensorInfo
 from optc.core.store import Entry, TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.calibrated import run_calibrated
+from optc.frontend.quant.gptq import GptqOptions, quantize_block
 from optc.frontend.quant.options import LastParts, dense_linear_weights, ensure_quantized
+
+
+class Fp8Method(StrEnum):
+    """How weights are rounded to the e4m3 grid."""
+
+    RTN = "rtn"  # nearest e4m3 value, weight by weight: no calibration data
+    GPTQ = "gptq"  # column by column with error feedback through the calibration inputs' inverse Hessian
 
 
 class QuantizeFp8(Pass):
     """Quantize every dense linear weight to fp8_e4m3; W8A16, or W8A8 with dynamic per-token activations."""
 
     @dataclass(frozen=True)
-    class Options:
+    class Options(GptqOptions):
+        method: Fp8Method = field(default=Fp8Method.RTN, metadata={
+            "help": "rtn: nearest e4m3 value; gptq: GPTQ error feedback on the calibration data (damp, "
+                    "block_size, act_order are its options)"})
         activations: Activations = field(default=Activations.NONE, metadata={
             "help": "none: weight-only (W8A16); dynamic: each token's activations cast to fp8 with its own scale"})
         per_tensor: bool = field(default=False, metadata={"help": "one scale per weight instead of per output channel"})
 
         def __post_init__(self) -> None:
-            object.__setattr__(self, "activations", Activations(self.activations))
+            for name, enum in (("method", Fp8Method), ("activations", Activations)):
+                value = getattr(self, name)
+                if value not in {m.value for m in enum}:
+                    raise InputError(f"{name}: {value!r} is not allowed; allowed: {', '.join(m.value for m in enum)}")
+                object.__setattr__(self, name, enum(value))
+            if self.method is Fp8Method.RTN:
+                changed = [f.name for f in fields(GptqOptions) if getattr(self, f.name) != f.default]
+                if changed:
+                    raise InputError(f"{', '.join(changed)}: only with method: gptq (GPTQ's options); method is rtn")
 
         def format(self, dtype: str = "float32") -> Format:
             return Format(FormatKind.FP8_E4M3, dtype=dtype, per_tensor=self.per_tensor, activations=self.activations)
+
+        def record(self) -> dict[str, Any]:
+            """The manifest's quantization fields these options decide."""
+            gptq = self.gptq_record() if self.method is Fp8Method.GPTQ else {}
+            return {"format": FormatKind.FP8_E4M3.value, "scales": "per_tensor" if self.per_tensor else "per_channel",
+                    "activations": self.activations.value, **gptq}
 
     def requires(self, graph: Graph) -> None:
         """A linear already quantized to anything but this pass's format is an error (one in it is kept, so a
@@ -48,6 +80,19 @@ class QuantizeFp8(Pass):
                                  f"{want.label}: keep one quantization pass")
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        o = self.options
+        if o.method is Fp8Method.GPTQ:
+            def format_of(name: str) -> Format:
+                return o.format(graph.tensors[name].format.dtype)
+
+            return run_calibrated(self.name, o.method.value, graph, store, ctx,
+                                  partial(quantize_block, options=o, format_of=format_of), o.record())
+        return self._round_to_nearest(graph, store)
+
+    def ensures(self, graph: Graph) -> None:
+        ensure_quantized(graph, self.name)
+
+    def _round_to_nearest(self, graph: Graph, store: TensorStore) -> PassResult:
         targets = dense_linear_weights(graph)
         if not targets:
             return PassResult(graph, store, changed=False, stats={"quantized": 0})
@@ -65,11 +110,7 @@ class QuantizeFp8(Pass):
             for role, (shape, dtype) in fmt.part_shapes(info.shape).items():
                 load = lambda src=src, fmt=fmt, name=name, role=role: last.parts(name, src, fmt)[role]
                 entries[part_name(name, role, fmt)] = Entry(tuple(shape), dtype, load)
-        section = {"method": "fp8", "format": FormatKind.FP8_E4M3.value,
-                   "scales": "per_tensor" if self.options.per_tensor else "per_channel",
-                   "activations": self.options.activations.value}
+        section = {"method": Fp8Method.RTN.value, **self.options.record()}
         return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                          stats={"quantized": len(targets)}, manifest={"quantization": section})
-
-    def ensures(self, graph: Graph) -> None:
-        ensure_quantized(graph, self.name)
+                          stats={"quantized": len(targets), "method": Fp8Method.RTN.value},
+                          manifest={"quantization": section})

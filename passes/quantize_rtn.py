@@ -61,7 +61,7 @@ class QuantizeRtn(Pass):
                 entries[part_name(name, role, fmt)] = Entry(tuple(shape), dtype, load)
         store = store.with_entries(entries, remove=targets)
         section = {"method": "rtn", **o.record()}
-        return PassResult(new, store, changed=True, stats={"quantized": len(targets)},
+        return PassResult(new, store, changed=True, stats={"quantized": len(targets), "method": "rtn"},
                           manifest={"quantization": section})
 
     def ensures(self, graph: Graph) -> None:

@@ -1,4 +1,5 @@
-"""fp8 and W8A8 artifacts of random:tiny end to end: build -> artifact -> `optc run` and `optc inspect`; the
+"""fp8 and W8A8 artifacts of random:tiny end to end: build -> artifact -> `optc run` and `optc inspect` (which
+shows how the weights were rounded: rtn or gptq); the
 paged runtime's logits equal the dense executor's (per-token activation scales make W8A8 batch-invariant);
 a cuda-target fp8 artifact needs compute capability 8.9 at load time; `optc export` runs fp8 weight-only in
 ONNX Runtime and refuses W8A8 with a one-line error naming the format."""
@@ -35,6 +36,7 @@ runtime: {{max_num_seqs: 16, max_seq_len: 512}}
 # name -> (passes after the fusions, the linears' format label)
 VARIANTS = {
     "fp8": ("  - quantize_fp8", "fp8_e4m3"),
+    "fp8-gptq": ("  - quantize_fp8: {method: gptq}", "fp8_e4m3"),
     "fp8-tensor": ("  - quantize_fp8: {per_tensor: true}", "fp8_e4m3/per-tensor"),
     "fp8-w8a8-sq": ("  - smoothquant: {alpha: 0.5}\n  - quantize_fp8: {activations: dynamic}", "fp8_e4m3/act-dynamic"),
     "int8-w8a8-sq": ("  - smoothquant\n  - quantize_rtn: {bits: 8, activations: dynamic}", "int8_wo/act-dynamic"),
@@ -67,7 +69,15 @@ def test_build_inspect_run(artifacts, name):
     assert json.loads(r.output)["completion_tokens"] == 5
 
 
-@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-w8a8-sq", "int8-w8a8-sq"])
+@pytest.mark.parametrize("name,method", [("fp8", "rtn"), ("fp8-gptq", "gptq")])
+def test_inspect_shows_the_rounding_method(artifacts, name, method):
+    out = runner.invoke(app, ["inspect", str(artifacts[name])]).output
+    line = next(x for x in out.splitlines() if x.strip().startswith("quantize_fp8"))
+    assert "quantized=8" in line and f"method={method}" in line, line
+    assert read_manifest(artifacts[name]).quantization["method"] == method
+
+
+@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-gptq", "fp8-w8a8-sq", "int8-w8a8-sq"])
 def test_paged_runtime_matches_the_dense_executor(artifacts, name):
     opened = read(artifacts[name])
     prompts = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))

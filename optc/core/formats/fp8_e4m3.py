@@ -6,6 +6,9 @@ Parts `qweight`: (N, K) float8_e4m3fn and `scales`: (N,) in the format's dtype, 
 over the row (or the tensor), rounded to the storage dtype first (as every optc quantizer), then
 q = fp8(clamp(w / s, ±448)): the cast rounds to nearest even on 3 mantissa bits, so the error is
 relative (at most 2⁻⁴ of |w|) down to the subnormals (2⁻⁹ · s), not a fixed step as in int8.
+The scheme's quantizer primitives (`group_params`, `round_values`, `pack`) are that arithmetic split the
+way the calibrated quantizers use it: GPTQ rounds one column at a time to the same grid with the same
+scales (one group per row, or one for the tensor, from the weight before error feedback).
 
 With `activations: dynamic` the reference linear quantizes x per token to fp8 and multiplies in fp32
 (optc/core/formats/activations.py); without, it dequantizes W in x's dtype (W8A16). Per-tensor weights of
@@ -64,6 +67,24 @@ class Fp8E4M3(Scheme):
             return w8a8_linear_ref(x, parts["qweight"], parts["scales"], bias)
         return super().linear(x, parts, fmt, bias)
 
+    def group_width(self, fmt: Format, k: int) -> int:
+        return k
+
+    def group_params(self, w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+        # w (..., K) rows -> scale (...): max|w| / 448 per row, or over all of w (broadcast) per tensor
+        w = w.float()
+        amax = w.abs().amax().expand(w.shape[:-1]) if fmt.per_tensor else w.abs().amax(-1)
+        scale = round_scale(amax / FP8_MAX, fmt)
+        return scale, torch.zeros_like(scale)
+
+    def round_values(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
+        return to_fp8(w.float() / scale).float()  # the e4m3 value as fp32 (exact); fp8 has no zero point
+
+    def pack(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             fmt: Format) -> dict[str, torch.Tensor]:
+        scales = scales.reshape(-1)[:1] if fmt.per_tensor else scales.reshape(q.shape[0])
+        return {"qweight": q.to(FP8_DTYPE), "scales": scales.to(fmt.torch_dtype)}
+
     def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
         from onnx import TensorProto
 
@@ -97,7 +118,6 @@ def quantize_fp8_weight(w: torch.Tensor, fmt: Format, name: str = "weight") -> d
     if not isinstance(fmt.scheme, Fp8E4M3):
         raise InputError(f"{name}: {fmt.kind.value} is not fp8_e4m3")
     fmt.check_shape(tuple(w.shape), name)
-    w = w.float()
-    amax = w.abs().amax() if fmt.per_tensor else w.abs().amax(-1)
-    scale = round_scale((amax / FP8_MAX).reshape(-1), fmt)  # (N,) or (1,), fp32 holding storage-dtype values
-    return {"qweight": to_fp8(w / scale[:, None]), "scales": scale.to(fmt.torch_dtype)}
+    scheme = fmt.scheme
+    scale, zero = scheme.group_params(w, fmt)  # (N,): fp32 holding storage-dtype values
+    return scheme.pack(scheme.round_values(w, scale[:, None], zero[:, None], fmt), scale, zero, fmt)

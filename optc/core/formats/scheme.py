@@ -10,8 +10,10 @@ every consumer needs, so that no call site branches on the kind:
 - compute: the reference `dequantize` and `linear`; a format whose `activations` is `dynamic`
   quantizes x per token inside `linear` (W8A8), otherwise `linear` dequantizes W in x's dtype;
 - quantizers: the storage fields for quantization options (`format_fields`), the group width along
-  K, the integer range, the round-to-nearest parameters of a group (`group_params`) and packing the
-  integers into parts (`pack`): what RTN, AWQ and GPTQ share, so they round the same way;
+  K, the integer range, the round-to-nearest parameters of a group (`group_params`), rounding values
+  to the stored grid for given parameters (`round_values`: integers for the int kinds, e4m3 values
+  for fp8) and packing them into parts (`pack`): what RTN, AWQ and GPTQ share, so they round the same
+  way;
 - export: the ONNX matmul of x with a weight in this kind (`onnx_matmul`), the export targets
   that cannot hold a format (`export_refusal`), and the Hugging Face checkpoint form of a weight:
   the compressed-tensors quantization arguments of the format (`compressed_tensors_args`) and the
@@ -152,9 +154,16 @@ class Scheme:
         the scale already rounded to the storage dtype, the zero an integer."""
         raise InputError(f"format {fmt.kind.value} is not a quantized format")
 
+    def round_values(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
+        """The stored values (fp32) nearest to w for a scale and zero that broadcast against w:
+        clamp(round(w / s) + z, qrange) for the integer kinds; dequantized, (q - z) · s."""
+        qmin, qmax = self.qrange(fmt)
+        return torch.div(w.float(), scale).round_().add_(zero).clamp_(qmin, qmax)  # one temporary, not four
+
     def pack(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              fmt: Format) -> dict[str, torch.Tensor]:
-        """Integers q (N, K), scales and zeros (N, K // G), all fp32 -> the stored parts."""
+        """Stored values q (N, K) from `round_values`, scales and zeros (N, K // G), all fp32 -> the
+        stored parts."""
         raise InputError(f"format {fmt.kind.value} is not a quantized format")
 
     # --- export -----------------------------------------------------------------------------------

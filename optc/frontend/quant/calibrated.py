@@ -6,7 +6,8 @@
 weights, folded scales), so each block is calibrated on the error of the blocks before it. At the
 end it checks that every dense linear was quantized, writes the quantized and folded tensors, and
 returns the pass result with the manifest's `quantization` section. Which linears a method takes
-together and how it rounds them is the method's (passes/quantize_awq.py, passes/quantize_gptq.py).
+together and how it rounds them is the method's (passes/quantize_awq.py; GPTQ's step,
+optc/frontend/quant/gptq.py, serves quantize_gptq and quantize_fp8's `method: gptq`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from optc.core.ops import Param
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, PassResult
 from optc.frontend.quant.blocks import BlockRunner, apply, progress, start_calibration, to_host
-from optc.frontend.quant.options import WeightQuantOptions, dense_linear_weights
+from optc.frontend.quant.options import dense_linear_weights
 
 
 @dataclass
@@ -45,11 +46,12 @@ class Calibration:
 QuantizeBlock = Callable[[Calibration, list[Node], dict[str, Param]], None]
 
 
-def run_calibrated(pass_name: str, method: str, options: WeightQuantOptions, graph: Graph, store: TensorStore,
-                   ctx: PassContext, quantize_block: QuantizeBlock, record: dict[str, Any],
+def run_calibrated(pass_name: str, method: str, graph: Graph, store: TensorStore, ctx: PassContext,
+                   quantize_block: QuantizeBlock, record: dict[str, Any],
                    stats: Callable[[], dict[str, Any]] = dict) -> PassResult:
-    """Quantize every dense linear of `graph` block by block with `quantize_block`; `record` (the method's
-    options) goes into the manifest section, `stats()` (read after the last block) into the pass stats."""
+    """Quantize every dense linear of `graph` block by block with `quantize_block`; `record` (the format's
+    and the method's options) goes into the manifest section, `stats()` (read after the last block) into
+    the pass stats, after the method's name."""
     targets = set(dense_linear_weights(graph))
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
@@ -64,6 +66,7 @@ def run_calibrated(pass_name: str, method: str, options: WeightQuantOptions, gra
         raise ValueError(f"{pass_name}: linears outside any decoder block: {missing[:3]}")
     folded = {t: w for t, w in run.folded.items() if t not in run.quantized}
     graph, store = apply(graph, store, run.quantized, folded)
-    section = {"method": method, **options.record(), **record, "calibration": dict(ctx.calibration_record)}
-    return PassResult(graph, store, changed=True, stats={"quantized": len(run.quantized), **stats()},
+    section = {"method": method, **record, "calibration": dict(ctx.calibration_record)}
+    return PassResult(graph, store, changed=True,
+                      stats={"quantized": len(run.quantized), "method": method, **stats()},
                       manifest={"quantization": section})

@@ -3,7 +3,13 @@
 `Gptq(weight)` accumulates the Hessian H = 2/n · Σ xᵀx of the layer's calibration inputs
 (`add_batch`), then `quantize(fmt)` quantizes the columns in order, feeding each column's
 rounding error back into the columns not yet quantized through the Cholesky factor of H⁻¹, with
-lazy block updates. Groups are int4 `group_size` wide, or one per output row for int8.
+lazy block updates. Groups are int4 `group_size` wide, or one per output row for int8 and fp8 (fp8
+`per_tensor`: every row's group gets the one scale of the whole weight).
+
+`quantize_block` is the method's step in the calibrated driver (optc/frontend/quant/calibrated.py): the
+passes that round with GPTQ (quantize_gptq for the integer formats, quantize_fp8 with `method: gptq`)
+differ only in the format they ask it for, and share its options (`GptqOptions`). The rounding is the
+format scheme's (`group_params`, `round_values`), so the same loop serves int grids and fp8's e4m3 grid.
 
 Where it differs from the reference implementation (AutoGPTQ `fasterquant`), and why:
 - A group's scale/zero are chosen from the *current* (error-updated) columns of that group, also
@@ -17,18 +23,37 @@ Where it differs from the reference implementation (AutoGPTQ `fasterquant`), and
   feedback assumed.
 - Scales are rounded to the storage dtype before rounding the weights (see `rtn.group_params`).
 
-It does not run the model: the caller collects the inputs (see passes/quantize_gptq.py).
+`Gptq` does not run the model: `quantize_block` collects its inputs on the calibration tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from optc.core.errors import InputError
 from optc.core.formats import Format
+from optc.core.ir import Node
+from optc.core.ops import Param
+from optc.frontend.quant.blocks import linear_groups
+from optc.frontend.quant.calibrated import Calibration
 from optc.frontend.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
+
+
+@dataclass(frozen=True)
+class GptqOptions:
+    """GPTQ's own options, part of the Options of every pass that rounds with it."""
+
+    damp: float = field(default=0.01, metadata={"gt": 0.0, "max": 1.0, "help": "dampening, share of mean diag H"})
+    block_size: int = field(default=128, metadata={"choices": (128, 256, 512), "help": "lazy update width"})
+    act_order: bool = field(default=False, metadata={"help": "columns by decreasing diag H (static groups)"})
+
+    def gptq_record(self) -> dict[str, Any]:
+        """The manifest's quantization fields these options decide."""
+        return {"damp": self.damp, "act_order": self.act_order}
 
 
 @dataclass(frozen=True)
@@ -117,6 +142,27 @@ class Gptq:
         inv = torch.argsort(perm)
         q_int, q_deq = q_int[:, inv], q_deq[:, inv]
         return GptqResult(pack_parts(q_int, scales, zeros, fmt), q_deq, float(loss) / 2)
+
+
+def quantize_block(run: Calibration, nodes: list[Node], params: dict[str, Param], options: GptqOptions,
+                   format_of: Callable[[str], Format]) -> None:
+    """The calibrated driver's step for GPTQ: quantize the block's target linears to `format_of(name)`, one
+    group of linears sharing an input at a time, each group's Hessian from its input computed through the
+    groups already quantized before it (true sequential)."""
+    for group in linear_groups(nodes):
+        names = [n.params["weight"] for n in group if n.params["weight"] in run.targets]
+        if not names:
+            continue
+        x = run.runner.run(nodes, params, until=group[0].inputs[0])[group[0].inputs[0]]
+        hessian = None
+        for name in names:
+            gptq = Gptq(params[name].parts["weight"], name)
+            if hessian is None:
+                gptq.add_batch(x)
+                hessian = (gptq.hessian, gptq.num_samples)
+            gptq.hessian, gptq.num_samples = hessian  # same input, same H (run() copies it)
+            fmt = format_of(name)
+            run.keep(name, fmt, gptq.quantize(fmt, options.damp, options.block_size, options.act_order), params)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:

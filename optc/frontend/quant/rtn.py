@@ -2,7 +2,7 @@
 
 Also the shared primitives the other quantizers use, so every method chooses scales and rounds
 the same way: `group_params` (scale and zero point of groups of weights, the scale already
-rounded to the storage dtype) and `quantize_values` (integers for given parameters). The
+rounded to the storage dtype) and `quantize_values` (stored values for given parameters). The
 per-kind choices (documented in docs/FORMATS.md) are the format's scheme's (`optc.core.formats`):
 its group width along K, integer range, parameters and packing.
 
@@ -41,9 +41,9 @@ def group_params(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tens
 
 
 def quantize_values(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Integers (as fp32) clamp(round(w / s) + z); scale and zero broadcast against w."""
-    qmin, qmax = fmt.scheme.qrange(fmt)
-    return torch.div(w.float(), scale).round_().add_(zero).clamp_(qmin, qmax)  # one temporary, not four
+    """Stored values (as fp32) nearest to w: clamp(round(w / s) + z) for the integer kinds, the e4m3 value
+    of w / s for fp8; scale and zero broadcast against w."""
+    return fmt.scheme.round_values(w, scale, zero, fmt)
 
 
 def pack_parts(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
