@@ -66,7 +66,7 @@ class QuantizeLmHead(Pass):
         }
         store = store.with_entries(entries, remove=[] if shared else [part_name(name, "weight", info.format)])
         return PassResult(new, store, changed=True,
-                          stats={"quantized": 1, "tensor": target, "format": fmt.label, "untied": shared})
+                          stats={"quantized": 1, "method": "rtn", "tensor": target, "format": fmt.label, "untied": shared})
 
     def ensures(self, graph: Graph) -> None:
         name = _head(graph).params["weight"]
