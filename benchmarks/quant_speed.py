@@ -84,7 +84,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=REPO / "build" / "quant-speed", help="where artifacts are built")
     p.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
-                   help=f"use this artifact for NAME (one of {', '.join(CONFIGS)}) instead of building it")
+                   help=f"use this artifact for NAME ({', '.join(CONFIGS)} or a new name) instead of a build")
     p.add_argument("--configs", default=",".join([*CONFIGS, HF]), help="which configs to run, comma-separated")
     p.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
     p.add_argument("--input-len", type=int, default=32)
@@ -97,8 +97,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     names = args.configs.split(",")
     given = dict(a.split("=", 1) for a in args.artifact)
+    unknown = [n for n in names if n not in CONFIGS and n not in given and n != HF]
+    if unknown:
+        p.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join([*CONFIGS, HF])}, or a NAME given by "
+                "--artifact NAME=PATH")
     paths = {}
-    for name in [n for n in names if n in CONFIGS]:
+    for name in [n for n in names if n in CONFIGS or n in given]:
         if name in given:
             paths[name] = Path(given[name])
             continue
