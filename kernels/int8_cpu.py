@@ -1,13 +1,16 @@
 """int8_wo linear on the CPU through torch's int8 weight-only matmul (`aten._weight_int8pack_mm`).
 
-The kernel reads the format's own parts as they are stored: `qweight` (N, K) int8 row-major and
-`scales` (N,) in the activation dtype, and computes y = x @ (q * s)^T with the scale applied once per
-output (the reference dequantizes the whole weight on every call). So it needs no `prepare` and no
-layout of its own.
+The kernel reads the format's own parts: `qweight` (N, K) int8 row-major and `scales` (N,) in the
+activation dtype, and computes y = x @ (q * s)^T with the scale applied once per output (the reference
+dequantizes the whole weight on every call). It needs no layout of its own, but it needs its operands'
+memory aligned: `prepare_int8pack` copies a `qweight` whose data does not start on a 64-byte boundary
+(a tensor memory-mapped from a safetensors file usually does not), and the launcher copies such an x.
 
 Its limits, found by running it (torch 2.13, `tests/test_kernels_int8_cpu.py` checks them): K must be
 a multiple of 16 (bfloat16 with K = 104 gives wrong rows, with K = 100 it crashes the process), so
-the registry offers it only for such K; x is 2-D, so leading dimensions are flattened here.
+the registry offers it only for such K; with M >= 8 rows, an x or a qweight that is not 64-byte
+aligned crashes the process (a safetensors offset did, on SmolLM2's int8 lm_head); x is 2-D, so
+leading dimensions are flattened here.
 Where it pays is measured per M by `select_kernels` (docs/PERF.md, "Quantized artifacts that run
 faster"): at decode sizes it reads 1 byte per weight instead of dequantizing 2-4.
 """
@@ -17,9 +20,24 @@ from __future__ import annotations
 import torch
 
 from optc.core.formats import Format
+from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
 
 K_MULTIPLE = 16  # the kernel's K tiling: other K give wrong results or crash
+ALIGNMENT = 64  # bytes: where the kernel's operands must start
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous, starting on an ALIGNMENT-byte boundary (a copy when it does not; torch's CPU
+    allocator aligns new storage to 64 bytes)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
+
+
+def prepare_int8pack(params: dict[str, Param]) -> dict[str, Param]:
+    """A node's params -> the same with the weight's `qweight` aligned for the kernel."""
+    w = params["weight"]
+    return {**params, "weight": Param({**w.parts, "qweight": aligned(w.parts["qweight"])}, w.format)}
 
 
 def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
@@ -29,7 +47,8 @@ def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format
     n, k = q.shape
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
     assert k % K_MULTIPLE == 0, f"K = {k} is not a multiple of {K_MULTIPLE}"
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, k).contiguous(), q, s.to(x.dtype))
+    assert q.data_ptr() % ALIGNMENT == 0, "qweight is not aligned: bind the kernel through prepare_int8pack"
+    y = torch.ops.aten._weight_int8pack_mm(aligned(x.reshape(-1, k)), q, s.to(x.dtype))
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], n)

@@ -244,9 +244,11 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     # cpu: select_kernels measures them against the reference per M bucket (float32 int4pack loses at M >= 64)
     KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
                prepare="int4_cpu:prepare_int4pack", layout="int4pack_cpu(inner_k_tiles=2)"),
-    KernelSpec("cpu.int8pack", "linear", _int8pack_cpu_ok, "int8_cpu:int8pack_linear", target="cpu"),
+    KernelSpec("cpu.int8pack", "linear", _int8pack_cpu_ok, "int8_cpu:int8pack_linear", target="cpu",
+               prepare="int8_cpu:prepare_int8pack"),
     # a quantized lm_head (quantize_lm_head): the same matmuls, then logits_ref's fp32 recompute of the best rows
     KernelSpec("cpu.int4pack_logits", "lm_head", _int4pack_cpu_ok, "int4_cpu:int4pack_logits", target="cpu",
                prepare="int4_cpu:prepare_int4pack_logits", layout="int4pack_cpu(inner_k_tiles=2) + stored parts"),
-    KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu"),
+    KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu",
+               prepare="int8_cpu:prepare_int8pack"),
 )}

@@ -64,3 +64,41 @@ def test_tiny_model_logits_with_int8pack_bound():
     fast = run_dense(Executor(graph, params, impls({"cpu.int8pack"})), ids)
     ref = run_dense(Executor(reference, params), ids)
     assert (fast - ref).abs().max() <= 0.05 * ref.abs().max(), float((fast - ref).abs().max() / ref.abs().max())
+
+
+UNALIGNED = """
+import torch
+from optc.core.formats import Format, FormatKind, linear_ref
+from optc.core.ir import Node
+from optc.core.ops import Param
+from optc.kernels.registry import impls
+
+# a weight and an x that start 8 bytes past a 64-byte boundary, as safetensors offsets leave them: the
+# bare kernel crashes on them with M >= 8 (torch 2.13); bound through the registry it must not
+g = torch.Generator().manual_seed(0)
+n, k = 4096, 576
+buf = torch.empty(n * k + 64, dtype=torch.int8)
+q = buf[8:8 + n * k].view(n, k)
+q.copy_(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+fmt = Format(FormatKind.INT8_WO, dtype="bfloat16", bits=8)
+params = {"weight": Param({"qweight": q, "scales": torch.rand(n, generator=g).bfloat16() * 0.01}, fmt)}
+node = Node("l", "linear", ["x"], ["y"], {"in_features": k, "out_features": n, "kernel": "cpu.int8pack"},
+            {"weight": "w"})
+impl = impls(["cpu.int8pack"])["cpu.int8pack"]
+for m in (1, 8, 32):
+    xs = torch.randn(m * k + 4, generator=g).bfloat16()[4:].view(m, k)
+    assert q.data_ptr() % 64 and xs.data_ptr() % 64
+    y = impl(node, [xs], params, None)[0]
+    ref = linear_ref(xs, params["weight"].parts, fmt)
+    assert (y.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+print("ok")
+"""
+
+
+def test_int8pack_through_the_registry_takes_unaligned_weights_and_inputs():
+    # in a subprocess: a regression is a segmentation fault, which would end the test session
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", UNALIGNED], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
