@@ -71,11 +71,11 @@ class TensorParallelGroup:
     error: TensorParallelError | None = None  # set by the first failure: every later step raises it
     is_closed: bool = False
 
-    def load_model(self, artifact: Any, device: str) -> Any:
+    def load_model(self, artifact: Any, device: str, use_references: bool = False) -> Any:
         """This rank's shard of the artifact, its collectives over the device group."""
         from optc.runtime.loader import load_model
 
-        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group)
+        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group, use_references)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest KV pool any rank can hold: every rank allocates that many blocks."""
@@ -193,7 +193,7 @@ def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Pat
     from optc.runtime.model_runner import ModelRunner
 
     try:
-        model = group.load_model(read(path, verify=verify, device=device), device)
+        model = group.load_model(read(path, verify=verify, device=device), device, config.use_references)
         max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         num_blocks = group.agree_num_blocks(config.num_blocks or num_kv_blocks([model], config, max_model_len))
         runner = ModelRunner(model, config, num_blocks, max_model_len)

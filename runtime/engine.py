@@ -96,7 +96,9 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
         group = start(config, artifact, device, verify) if config.tensor_parallel_size > 1 else None
         try:
-            model = group.load_model(artifact, device) if group else load_model(artifact, device)
+            refs = config.use_references
+            model = (group.load_model(artifact, device, refs) if group
+                     else load_model(artifact, device, use_references=refs))
             speculative = speculative or (SpeculativeConfig.parse(config.speculative) if config.speculative else None)
             draft_model = (load_draft(speculative, artifact, model, tokenizer, verify)
                            if speculative is not None and speculative.draft is not None else None)
