@@ -42,7 +42,8 @@ class EngineConfig(RuntimeSettings):
             try:
                 object.__setattr__(self, "distributed_backend", DistributedBackend(self.distributed_backend))
             except ValueError:
-                raise InputError(f"distributed backend must be one of {[b.value for b in DistributedBackend]}, "
+                allowed = [b.value for b in DistributedBackend]
+                raise InputError(f"distributed backend (--distributed-backend) must be one of {allowed}, "
                                  f"got {self.distributed_backend!r}") from None
         if self.collective_timeout_s <= 0:
             raise InputError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")

@@ -169,7 +169,7 @@ def _tensor_parallel_size(model, size: int | None) -> int:
     is_artifact = path is not None and (path / "manifest.json").is_file()
     if size is not None:
         if size > 1 and not is_artifact:
-            raise InputError(f"--tensor-parallel-size {size} needs an artifact folder to split, got {model!r}")
+            raise InputError(f"--tensor-parallel-size {size} needs an artifact folder to split, got {str(model)!r}")
         return size
     if not is_artifact:
         return 1
