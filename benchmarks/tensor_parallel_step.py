@@ -159,7 +159,7 @@ def main() -> None:
         build_artifact(artifact, REPO / "recipes" / "smollm2-bf16.yaml", "dtype=float32")
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    rows = []
+    rows, load_start = [], os.getloadavg()
     for size in sizes:
         timer = CollectiveTimer()
         timer.install()
@@ -176,9 +176,11 @@ def main() -> None:
             engine.close()
             timer.uninstall()
     report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-              "load_average": os.getloadavg(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+              "load_average": {"start": load_start, "end": os.getloadavg()}, "cpu_count": os.cpu_count(),
+              "torch_threads": torch.get_num_threads(),
               "artifact": str(artifact), "prompt_len": args.prompt_len, "steps": args.steps, "rows": rows}
-    print(f"{report['date']}  load average {report['load_average']}  {os.cpu_count()} CPUs")
+    print(f"{report['date']}  load average (1, 5, 15 min) at start {load_start}, at end {os.getloadavg()}, "
+          f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads on rank 0")
     print("N  batch  step ms  collectives ms (calls, KiB/rank)  transport-only ms  NVLink ms (same bytes)")
     for r in rows:
         print(f"{r['size']}  {r['batch']:>5}  {r['step_ms']:7.1f}  {r['comm_ms']:7.1f} ({r['collectives']}, "
