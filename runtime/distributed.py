@@ -56,6 +56,7 @@ STOP = -1  # a header's request count that tells workers to exit
 QUERY = -2  # a header's request count that asks every rank for its RankStats
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a worker before killing it
 WATCHDOG_INTERVAL_S = 1.0
+EXIT_GRACE_S = 2.0  # a collective fails as soon as a killed peer's socket closes, before its exit is seen
 StepArgs = tuple[list[tuple[int, int]], list[list[int]], list[int], list[list[int]], list[int]]
 
 
@@ -174,7 +175,11 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _failure(self, cause: str) -> TensorParallelError:
-        dead = [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        dead, deadline = exited(), time.monotonic() + EXIT_GRACE_S
+        while not dead and self.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = exited()
         if dead:
             which = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
             return TensorParallelError(f"tensor-parallel {which} died; the engine stopped ({cause})")
