@@ -213,13 +213,17 @@ def eval_(
     as_json: bool = typer.Option(
         False, "--json", help="Print ppl, reference_ppl, kld, top1_agreement, tokens as JSON."
     ),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
+    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
 ) -> None:
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.commands.eval import evaluate
 
     with _user_errors():
         result = evaluate(
-            artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None
+            artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None,
+            **_parallel_options(tensor_parallel_size, distributed_backend),
         )
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))
@@ -258,6 +262,9 @@ def bench(
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="With --url: requests in "
                                                "flight at most (default: no limit)."),
     speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
+    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
 ) -> None:
     """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
     or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
@@ -270,7 +277,8 @@ def bench(
             if (url is None) == (artifact is None):
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
-                          "--compare-hf": compare_hf}
+                          "--compare-hf": compare_hf, "--tensor-parallel-size": tensor_parallel_size is not None,
+                          "--distributed-backend": distributed_backend is not None}
             if any(in_process.values()):
                 raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
                                 "it is the server's setting")
@@ -280,7 +288,8 @@ def bench(
         return
     with _user_errors():
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
-                               compare_hf, None, seed, show_progress=not as_json, speculative=speculative)
+                               compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
+                               **_parallel_options(tensor_parallel_size, distributed_backend))
         result = run_bench(options)
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 
@@ -374,6 +383,9 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
                                            "get to finish after SIGTERM/SIGINT before they are cancelled."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
+    tensor_parallel_size: int | None = typer.Option(
+        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
+    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -384,7 +396,8 @@ def serve(
         except ImportError as e:
             raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
-                               tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify)
+                               tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
+                               **_parallel_options(tensor_parallel_size, distributed_backend))
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -119,9 +120,11 @@ def smollm2_hf_checkpoint() -> Path:
 
 
 @contextlib.contextmanager
-def serve_process(artifact: Path, *args: str, timeout: float = 120.0) -> Iterator[tuple[str, subprocess.Popen]]:
+def serve_process(artifact: Path, *args: str, timeout: float = 120.0,
+                  log: IO[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`optc serve ARTIFACT ARGS` on 127.0.0.1 and a free port: yields (base URL, process) once
-    /health answers 200, and always ends the process (SIGTERM, then SIGKILL after 10 s)."""
+    /health answers 200, and always ends the process (SIGTERM, then SIGKILL after 10 s). Its output
+    goes to `log` (a file the caller reads afterwards) or to a temporary file."""
     import httpx
 
     with socket.socket() as s:
@@ -129,7 +132,8 @@ def serve_process(artifact: Path, *args: str, timeout: float = 120.0) -> Iterato
         port = s.getsockname()[1]
     optc = Path(sys.executable).parent / "optc"
     command = [str(optc), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
+    owns_log = log is None
+    log = log or tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -155,7 +159,8 @@ def serve_process(artifact: Path, *args: str, timeout: float = 120.0) -> Iterato
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        log.close()
+        if owns_log:
+            log.close()
 
 
 # CPU kernel paths the bf16 parity tests run under: torch's ATen kernels and oneDNN each pick their

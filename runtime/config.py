@@ -1,7 +1,7 @@
 """EngineConfig: how an engine serves an artifact: the artifact's runtime settings (optc/core/settings.py),
 its KV block size, and what only a running engine decides (pool size, prefix caching, CUDA graphs,
-seeds, the tensor-parallel backend and collective timeout). Not here: the settings' defaults and
-validation (optc/core/settings.py) or the KV spec (optc/core/kv_cache.py).
+seeds, the tensor-parallel backend and collective timeout, references instead of kernels). Not here:
+the settings' defaults and validation (optc/core/settings.py) or the KV spec (optc/core/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class EngineConfig(RuntimeSettings):
     seed: int | None = None  # seeds the generators of requests without a seed
     distributed_backend: DistributedBackend | str | None = None  # tensor parallelism: None = nccl on CUDA, gloo
     collective_timeout_s: float = 60.0  # a collective waiting longer fails: a rank died or hung
+    use_references: bool = False  # every node runs its op's torch reference (optc eval -tp), not its kernel
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,7 +42,8 @@ class EngineConfig(RuntimeSettings):
             try:
                 object.__setattr__(self, "distributed_backend", DistributedBackend(self.distributed_backend))
             except ValueError:
-                raise InputError(f"distributed backend must be one of {[b.value for b in DistributedBackend]}, "
+                allowed = [b.value for b in DistributedBackend]
+                raise InputError(f"distributed backend (--distributed-backend) must be one of {allowed}, "
                                  f"got {self.distributed_backend!r}") from None
         if self.collective_timeout_s <= 0:
             raise InputError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")

@@ -19,6 +19,11 @@ int64 tensor, broadcast as a 4-number header and a body. Every rank builds the s
 same blocks, runs the same forward and ends with the gathered logits; rank 0 samples. Block tables
 are the same on every rank; each rank's KV pool holds its own heads.
 
+Query. Rank 0 can ask every rank for its counters (`rank_stats`: forwards run, KV pool size) with a
+header of its own on the control group, answered by an all_gather: how a test checks that the ranks
+ran the same steps over pools of the same size. Ranks > 0 hold no KV manager: rank 0's assigns every
+block and the others write where each step's block ids say, so only rank 0 counts blocks in use.
+
 Faults. Before every step rank 0 checks its workers are alive; a collective that fails (a peer closed
 its connection) or times out raises on rank 0. Either becomes a TensorParallelError naming the ranks
 whose processes exited, with their exit codes, and every later step raises it again. A worker exits
@@ -34,7 +39,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,13 +53,24 @@ from optc.core.ops.sharding import plan_shards
 from optc.runtime.config import EngineConfig
 
 STOP = -1  # a header's request count that tells workers to exit
+QUERY = -2  # a header's request count that asks every rank for its RankStats
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a worker before killing it
 WATCHDOG_INTERVAL_S = 1.0
+EXIT_GRACE_S = 2.0  # a collective fails as soon as a killed peer's socket closes, before its exit is seen
 StepArgs = tuple[list[tuple[int, int]], list[list[int]], list[int], list[list[int]], list[int]]
 
 
 class TensorParallelError(UserError, RuntimeError):
     """A tensor-parallel rank died or stopped answering; the engine cannot step any more."""
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's counters, as it reports them (`TensorParallelGroup.rank_stats`)."""
+
+    rank: int
+    num_forwards: int  # forwards this rank's model runner ran
+    num_kv_blocks: int  # blocks in this rank's KV pool, the null block included
 
 
 @dataclass
@@ -71,11 +87,11 @@ class TensorParallelGroup:
     error: TensorParallelError | None = None  # set by the first failure: every later step raises it
     is_closed: bool = False
 
-    def load_model(self, artifact: Any, device: str) -> Any:
+    def load_model(self, artifact: Any, device: str, use_references: bool = False) -> Any:
         """This rank's shard of the artifact, its collectives over the device group."""
         from optc.runtime.loader import load_model
 
-        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group)
+        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group, use_references)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest KV pool any rank can hold: every rank allocates that many blocks."""
@@ -91,15 +107,35 @@ class TensorParallelGroup:
         for t in encode_step(block_copies, token_ids, starts, block_ids, num_rows):
             dist.broadcast(t, 0, group=self.control, async_op=True).wait(timeout)
 
-    def receive_step(self) -> StepArgs | None:
-        """Ranks > 0: the next step's arguments, or None when rank 0 says stop."""
-        header = torch.empty(4, dtype=torch.int64)
-        dist.broadcast(header, 0, group=self.control)
-        if header[0].item() == STOP:
-            return None
-        body = torch.empty(body_size(header), dtype=torch.int64)
-        dist.broadcast(body, 0, group=self.control)
-        return decode_step(header, body)
+    def receive_step(self, counters: Callable[[], tuple[int, int]]) -> StepArgs | None:
+        """Ranks > 0: the next step's arguments, or None when rank 0 says stop; a query met on the way
+        is answered with `counters()` (num_forwards, num_kv_blocks)."""
+        while True:
+            header = torch.empty(4, dtype=torch.int64)
+            dist.broadcast(header, 0, group=self.control)
+            if header[0].item() == STOP:
+                return None
+            if header[0].item() == QUERY:
+                self._gather_stats(*counters())
+                continue
+            body = torch.empty(body_size(header), dtype=torch.int64)
+            dist.broadcast(body, 0, group=self.control)
+            return decode_step(header, body)
+
+    def rank_stats(self, num_forwards: int, num_kv_blocks: int) -> list[RankStats]:
+        """Rank 0: every rank's counters, in rank order (rank 0's are the arguments)."""
+        self.check()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        with self.guard():
+            dist.broadcast(torch.tensor([QUERY, 0, 0, 0]), 0, group=self.control, async_op=True).wait(timeout)
+            return self._gather_stats(num_forwards, num_kv_blocks)
+
+    def _gather_stats(self, num_forwards: int, num_kv_blocks: int) -> list[RankStats]:
+        mine = torch.tensor([num_forwards, num_kv_blocks], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.control, async_op=True).wait(
+            datetime.timedelta(seconds=self.timeout_s))
+        return [RankStats(rank, *t.tolist()) for rank, t in enumerate(every)]
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -139,7 +175,11 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _failure(self, cause: str) -> TensorParallelError:
-        dead = [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        dead, deadline = exited(), time.monotonic() + EXIT_GRACE_S
+        while not dead and self.workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = exited()
         if dead:
             which = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
             return TensorParallelError(f"tensor-parallel {which} died; the engine stopped ({cause})")
@@ -193,11 +233,12 @@ def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Pat
     from optc.runtime.model_runner import ModelRunner
 
     try:
-        model = group.load_model(read(path, verify=verify, device=device), device)
+        model = group.load_model(read(path, verify=verify, device=device), device, config.use_references)
         max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         num_blocks = group.agree_num_blocks(config.num_blocks or num_kv_blocks([model], config, max_model_len))
         runner = ModelRunner(model, config, num_blocks, max_model_len)
-        while (step := group.receive_step()) is not None:
+        counters = lambda: (runner.num_forwards, num_blocks)
+        while (step := group.receive_step(counters)) is not None:
             block_copies, token_ids, starts, block_ids, num_rows = step
             runner.forward(token_ids, starts, block_ids, num_rows, block_copies)
     finally:

@@ -25,6 +25,7 @@ import torch
 from optc.core.errors import InputError
 from optc.core.settings import SpeculativeConfig
 from optc.runtime.config import EngineConfig
+from optc.runtime.distributed import RankStats
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.model_runner import ModelRunner
@@ -96,7 +97,9 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
         group = start(config, artifact, device, verify) if config.tensor_parallel_size > 1 else None
         try:
-            model = group.load_model(artifact, device) if group else load_model(artifact, device)
+            refs = config.use_references
+            model = (group.load_model(artifact, device, refs) if group
+                     else load_model(artifact, device, use_references=refs))
             speculative = speculative or (SpeculativeConfig.parse(config.speculative) if config.speculative else None)
             draft_model = (load_draft(speculative, artifact, model, tokenizer, verify)
                            if speculative is not None and speculative.draft is not None else None)
@@ -163,6 +166,14 @@ class Engine:
         """Stop the other tensor-parallel ranks (with one rank: nothing); the engine steps no more."""
         if self.runner.group is not None:
             self.runner.group.close()
+
+    def rank_stats(self) -> list[RankStats]:
+        """Every tensor-parallel rank's counters (forwards run, KV pool size), asked over the control
+        group; one entry with one rank."""
+        runner = self.runner
+        if runner.group is None:
+            return [RankStats(0, runner.num_forwards, runner.num_blocks)]
+        return runner.group.rank_stats(runner.num_forwards, runner.num_blocks)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

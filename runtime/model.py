@@ -30,13 +30,14 @@ class Model:
         kv_spec: KVCacheSpec | None = None,  # None: the model's dtype, the default block size
         impls: dict[str, Impl] | None = None,
         group: object = None,  # the tensor-parallel process group of a rank's graph (optc/core/ops/sharding.py)
+        use_references: bool = False,  # every node runs its op's reference, whatever kernel it is bound to
     ):
         c = graph.config
         self.graph = graph
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.executor = Executor(graph, bind_params(graph, store, self.device), impls)
+        self.executor = Executor(graph, bind_params(graph, store, self.device), impls, use_references)
         self.group = group
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size

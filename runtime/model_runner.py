@@ -60,6 +60,8 @@ class ModelRunner:
             block_size=config.block_size)
         self.batch_builder = BatchBuilder(self.device)
         self.speculator = speculator
+        self.num_blocks = num_blocks
+        self.num_forwards = 0  # what tensor-parallel ranks compare: each runs every forward of rank 0
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...] | None:
@@ -80,6 +82,7 @@ class ModelRunner:
             return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
 
     def _forward(self, token_ids, starts, block_ids, num_rows, block_copies) -> torch.Tensor:
+        self.num_forwards += 1
         self.copy_blocks(block_copies)
         builder = self.graph_runner or self.batch_builder
         batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import multiprocessing
 
 import pytest
 from typer.testing import CliRunner
@@ -121,3 +122,20 @@ def test_cli_user_errors_exit_2_before_building(recipes, tmp_path, args, message
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_variant_sets_the_tensor_parallel_size(recipes, tmp_path):
+    """{set: {runtime.tensor_parallel_size: 2}}: quality and speed measured over 2 ranks (gloo); the
+    split model scores the windows of one rank."""
+    variants = tmp_path / "v.yaml"
+    variants.write_text("tp2: [{set: {runtime.tensor_parallel_size: 2}}]\n")
+    speed = dataclasses.replace(TINY_SPEED, batch_sizes=(2,), repeats=1)
+    options = dataclasses.replace(_options(recipes, tmp_path), mode=Mode.FILE, variants_file=variants, speed=speed)
+    rows = {v["name"]: v for v in run_compare(options).report["variants"]}
+    assert [rows[n]["tensor_parallel_size"] for n in ("base", "tp2")] == [1, 2]
+    one, two = (rows[n]["quality"]["windows"] for n in ("base", "tp2"))
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["nll"] - b["nll"]) < 1e-4 * a["nll"] and a["num_agree"] == b["num_agree"]
+    assert rows["tp2"]["speed"]["2"]["output_tokens_per_s"]["values"][0] > 0
+    assert not multiprocessing.active_children()

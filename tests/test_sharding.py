@@ -184,3 +184,6 @@ def test_a_recipe_records_its_tensor_parallel_size(tmp_path, recipes):
     assert manifest.runtime.tensor_parallel_size == 2
     assert EngineConfig.from_manifest(manifest).tensor_parallel_size == 2
     assert EngineConfig.from_manifest(manifest, tensor_parallel_size=1).tensor_parallel_size == 1
+    with pytest.raises(ShardError, match=r"^runtime.tensor_parallel_size 3: cannot split attention .* 3 ways"):
+        build_artifact(tmp_path / "b", recipes / "tiny.yaml", "runtime.tensor_parallel_size=3")
+    assert not (tmp_path / "b").exists()

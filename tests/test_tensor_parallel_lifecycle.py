@@ -87,3 +87,36 @@ def test_a_dead_or_hung_rank_is_one_clear_error(tiny_artifact, fault):
         engine.generate([PROMPTS[0]], PARAMS)
     engine.close()
     assert not worker.is_alive() and not multiprocessing.active_children()
+
+
+def test_optc_bench_and_eval_tensor_parallel(tiny_artifact):
+    """bench -tp 2 serves every token over 2 ranks; eval -tp 2 scores the split model like one rank."""
+    invoke = lambda *args: CliRunner().invoke(app, [*args, "--json"])
+    bench = invoke("bench", str(tiny_artifact), "-tp", "2", "--distributed-backend", "gloo", "--num-requests", "3",
+                   "--input-len", "8", "--output-len", "4")
+    assert bench.exit_code == 0, bench.output
+    result = json.loads(bench.output[bench.output.index("{"):])
+    assert (result["tensor_parallel_size"], result["num_output_tokens"]) == (2, 12)
+    assert not multiprocessing.active_children()
+    one, two = (invoke("eval", str(tiny_artifact), "--max-tokens", "1024", *extra) for extra in ([], ["-tp", "2"]))
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    one, two = json.loads(one.output), json.loads(two.output)
+    assert two["windows"] == one["windows"] == 2
+    assert abs(two["ppl"] - one["ppl"]) < 1e-4 * one["ppl"]
+    assert not multiprocessing.active_children()
+
+
+def test_tensor_parallel_options_reject_bad_input(tiny_artifact):
+    invoke = lambda *args: CliRunner().invoke(app, list(args))
+    backend = invoke("bench", str(tiny_artifact), "-tp", "2", "--distributed-backend", "mpi")
+    assert backend.exit_code == 2
+    assert backend.output.strip().splitlines()[-1] == (
+        "error: distributed backend (--distributed-backend) must be one of ['nccl', 'gloo'], got 'mpi'")
+    url = invoke("bench", "--url", "http://127.0.0.1:1", "-tp", "2")
+    assert url.exit_code == 2
+    assert "--tensor-parallel-size is for in-process runs" in url.output
+    source = invoke("eval", "random:tiny", "-tp", "2")
+    assert source.exit_code == 2
+    assert "--tensor-parallel-size 2 needs an artifact folder to split, got 'random:tiny'" in source.output
+    zero = invoke("serve", str(tiny_artifact), "-tp", "0")
+    assert zero.exit_code == 2 and "Invalid value for '--tensor-parallel-size'" in zero.output

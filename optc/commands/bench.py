@@ -50,6 +50,8 @@ class BenchOptions:
     show_progress: bool = True
     verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
     speculative: str | None = None  # ngram[:K] | draft:PATH[:K]; None = the artifact's runtime.speculative
+    tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
+    distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -70,6 +72,7 @@ class BenchResult:
     output_len: int
     max_num_seqs: int
     eager: bool
+    tensor_parallel_size: int  # ranks the model ran split over
     cuda_graphs: list[int] | None  # decode batch sizes replayed as CUDA graphs; None: eager
     elapsed_s: float
     num_prompt_tokens: int
@@ -109,11 +112,19 @@ def run_bench(options: BenchOptions) -> BenchResult:
 
 def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torch.dtype]:
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
-    if options.max_num_seqs is not None:
-        overrides["max_num_seqs"] = options.max_num_seqs
+    for name in ("max_num_seqs", "tensor_parallel_size", "distributed_backend"):
+        if getattr(options, name) is not None:
+            overrides[name] = getattr(options, name)
     speculative = SpeculativeConfig.parse(options.speculative) if options.speculative else None
     engine = Engine.load(options.artifact, device=options.device, verify=options.verify, speculative=speculative,
                          **overrides)
+    try:
+        return _measure(options, engine)
+    finally:
+        engine.close()  # tensor parallelism: stops the other ranks
+
+
+def _measure(options: BenchOptions, engine: Engine) -> tuple[BenchResult, list[list[int]], torch.dtype]:
     prompts, output_lens = _prompts(options, engine)
     longest = max(len(p) + n for p, n in zip(prompts, output_lens, strict=True))
     if longest > engine.max_model_len:
@@ -164,6 +175,7 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
         output_len=options.output_len,
         max_num_seqs=engine.config.max_num_seqs,
         eager=options.eager,
+        tensor_parallel_size=engine.config.tensor_parallel_size,
         cuda_graphs=list(engine.cuda_graph_batch_sizes) if engine.cuda_graph_batch_sizes else None,
         elapsed_s=elapsed,
         num_prompt_tokens=num_prompt,
@@ -213,7 +225,9 @@ def format_bench(result: BenchResult) -> str:
     kv, ttft, tpot = result.kv_cache, result.ttft_ms, result.tpot_ms
     lines = [
         f"{result.num_requests} requests, {result.mean_input_len:.0f} in / {result.output_len} out "
-        f"tokens, max_num_seqs {result.max_num_seqs}, {result.device}, {result.elapsed_s:.2f} s",
+        f"tokens, max_num_seqs {result.max_num_seqs}, {result.device}"
+        + (f" x {result.tensor_parallel_size} ranks" if result.tensor_parallel_size > 1 else "")
+        + f", {result.elapsed_s:.2f} s",
         f"throughput  output {result.output_tokens_per_s:.1f} tok/s   "
         f"total {result.total_tokens_per_s:.1f} tok/s",
         f"TTFT ms     p50 {ttft['p50']:.1f}   p90 {ttft['p90']:.1f}   p99 {ttft['p99']:.1f}",

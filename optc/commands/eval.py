@@ -15,9 +15,10 @@ A model is an artifact directory, a model source string (anything `optc build` a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +41,13 @@ class Loaded:
 
 
 def evaluate(model, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192, window: int = 512,
-             progress: Callable[[str], None] = lambda m: None) -> dict:
+             progress: Callable[[str], None] = lambda m: None, tensor_parallel_size: int | None = None,
+             distributed_backend: str | None = None) -> dict:
     """-> {ppl, reference_ppl, kld, top1_agreement, tokens, windows, window, data}; the reference
-    keys are None without a reference. The tokenizer is the model's."""
-    (scores,) = score_windows([model], reference, data, max_tokens, window, progress)
+    keys are None without a reference. The tokenizer is the model's. `tensor_parallel_size` (None:
+    the artifact's runtime.tensor_parallel_size) > 1 scores the model split over that many ranks."""
+    (scores,) = score_windows([model], reference, data, max_tokens, window, progress, tensor_parallel_size,
+                              distributed_backend)
     return summarize_windows(scores, has_reference=reference is not None) | {
         "windows": len(scores), "window": window, "data": data}
 
@@ -60,10 +64,16 @@ class WindowScore:
 
 
 def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192,
-                  window: int = 512, progress: Callable[[str], None] = lambda m: None) -> list[list[WindowScore]]:
+                  window: int = 512, progress: Callable[[str], None] = lambda m: None,
+                  tensor_parallel_size: int | None = None,
+                  distributed_backend: str | None = None) -> list[list[WindowScore]]:
     """Per-window sums of every model in `models` (the windows of the module doc, tokenized with the
-    first model's tokenizer), each window's reference run shared by all models. -> one list of
-    WindowScore per model, in window order (what a bootstrap over windows resamples)."""
+    first model's tokenizer), each window's reference run shared by the models scored together. ->
+    one list of WindowScore per model, in window order (what a bootstrap over windows resamples).
+
+    A model split over N > 1 ranks (`tensor_parallel_size`, else its manifest's) is scored through
+    a tensor-parallel engine's forward, still with the ops' references, in a pass of its own: a
+    process belongs to one tensor-parallel group at a time, so the reference runs again for it."""
     loaded = [load_model(m) for m in models]
     ids = torch.tensor(encode(loaded[0].tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
     num_windows = ids.numel() // window
@@ -71,25 +81,37 @@ def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_to
         raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
                          f"of {window}")
     windows = ids[: num_windows * window].view(num_windows, window)
-    runs = [_runner(m) for m in loaded]
+    sizes = [_tensor_parallel_size(m, tensor_parallel_size) for m in models]
+    passes = [p for p in [[i for i, n in enumerate(sizes) if n == 1]] + [[i] for i, n in enumerate(sizes) if n > 1]
+              if p]
     run_ref = _runner(load_model(reference)) if reference is not None else None
     scores: list[list[WindowScore]] = [[] for _ in loaded]
-    for i in range(num_windows):
-        progress(f"eval window {i + 1}/{num_windows}")
-        w = windows[i:i + 1]
-        target = w[0, 1:]
-        ref_logp = run_ref(w)[0, :-1].float().log_softmax(-1) if run_ref is not None else None
-        for run, out in zip(runs, scores, strict=True):
-            logp = run(w)[0, :-1].float().log_softmax(-1)  # (window-1, V)
-            nll = float(-logp.gather(-1, target[:, None]).sum())
-            ref_nll = kld = 0.0
-            agree = 0
-            if ref_logp is not None:
-                ref_nll = float(-ref_logp.gather(-1, target[:, None]).sum())
-                kld = float((ref_logp.exp() * (ref_logp - logp)).sum())
-                agree = int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
-            out.append(WindowScore(nll, ref_nll, kld, agree, target.numel()))
+    done = 0
+    for indices in passes:
+        with contextlib.ExitStack() as stack:
+            runs = {i: stack.enter_context(_parallel_runner(models[i], sizes[i], distributed_backend, window))
+                    if sizes[i] > 1 else _runner(loaded[i]) for i in indices}
+            for i in range(num_windows):
+                done += 1
+                progress(f"eval window {done}/{num_windows * len(passes)}")
+                _score_window(windows[i:i + 1], run_ref, {j: (runs[j], scores[j]) for j in indices})
     return scores
+
+
+def _score_window(w: torch.Tensor, run_ref, runs: dict) -> None:
+    """Append one window's WindowScore to each model's list; the reference runs once."""
+    target = w[0, 1:]
+    ref_logp = run_ref(w)[0, :-1].float().log_softmax(-1) if run_ref is not None else None
+    for run, out in runs.values():
+        logp = run(w)[0, :-1].float().log_softmax(-1)  # (window-1, V)
+        nll = float(-logp.gather(-1, target[:, None]).sum())
+        ref_nll = kld = 0.0
+        agree = 0
+        if ref_logp is not None:
+            ref_nll = float(-ref_logp.gather(-1, target[:, None]).sum())
+            kld = float((ref_logp.exp() * (ref_logp - logp)).sum())
+            agree = int((ref_logp.argmax(-1) == logp.argmax(-1)).sum())
+        out.append(WindowScore(nll, ref_nll, kld, agree, target.numel()))
 
 
 def summarize_windows(scores: list[WindowScore], has_reference: bool = True) -> dict:
@@ -139,6 +161,39 @@ def load_model(model) -> Loaded:
 def _runner(m: Loaded):
     executor = Executor(m.graph, bind_params(m.graph, m.store), use_references=True)  # any graph: Triton-bound too
     return lambda ids: run_dense(executor, ids)
+
+
+def _tensor_parallel_size(model, size: int | None) -> int:
+    """The given size, else an artifact's runtime.tensor_parallel_size; 1 for sources and graphs."""
+    path = Path(str(model)) if isinstance(model, (str, Path)) else None
+    is_artifact = path is not None and (path / "manifest.json").is_file()
+    if size is not None:
+        if size > 1 and not is_artifact:
+            raise InputError(f"--tensor-parallel-size {size} needs an artifact folder to split, got {str(model)!r}")
+        return size
+    if not is_artifact:
+        return 1
+    from optc.core.artifact import read
+
+    return read(path, verify=False).manifest.runtime.tensor_parallel_size
+
+
+@contextlib.contextmanager
+def _parallel_runner(path, size: int, backend: str | None, window: int) -> Iterator[Callable]:
+    """(1, S) ids -> (1, S, V) logits of the artifact split over `size` ranks: one prefill of the whole
+    window into a KV pool that holds just it, every row's logits, the ops' references on every rank."""
+    from optc.core.artifact import read
+    from optc.runtime import Engine
+
+    block_size = read(path, verify=False).manifest.kv_layout.block_size
+    num_blocks = -(-window // block_size)
+    engine = Engine.load(path, tensor_parallel_size=size, distributed_backend=backend, use_references=True,
+                         num_blocks=num_blocks + 1, enable_prefix_caching=False)  # block 0: the null block
+    block_ids = list(range(1, num_blocks + 1))
+    try:
+        yield lambda ids: engine.runner.forward([ids[0].tolist()], [0], [block_ids], [ids.shape[1]])[None]
+    finally:
+        engine.close()
 
 
 def _tokenizer(path: Path):

@@ -18,6 +18,7 @@ from optc.core.errors import UserError
 from optc.core.ir import Graph
 from optc.core.kv_cache import KVCacheSpec
 from optc.core.ops import verify
+from optc.core.ops.sharding import ShardError, plan_shards
 from optc.frontend.passmanager import PassContext, PassManager
 from optc.frontend.recipe import Recipe, RecipeError, load_recipe
 from optc.frontend.sources import load_source
@@ -78,6 +79,7 @@ def build(options: BuildOptions) -> Path:
         manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
         graph, store, records, sections = manager.run(source.graph, source.store, ctx)
     verify(graph, store)
+    _check_tensor_parallel_size(graph, recipe.runtime.tensor_parallel_size)
     if recipe.eval:
         from optc.commands.eval import evaluate_build
 
@@ -146,6 +148,16 @@ def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
         return cache[0]
 
     return tokens
+
+
+def _check_tensor_parallel_size(graph: Graph, size: int) -> None:
+    """Refuse a recipe whose default tensor-parallel size the built model cannot be split into: no
+    engine could load the artifact with its own default."""
+    try:
+        for rank in range(size):
+            plan_shards(graph, rank, size)
+    except ShardError as e:
+        raise ShardError(f"runtime.tensor_parallel_size {size}: {e}") from None
 
 
 def _toolchain() -> dict:

@@ -4,7 +4,9 @@
 engine on its engine thread, prints the URL when both are ready, and runs until SIGTERM or SIGINT:
 then it stops accepting connections, answers 503 to new requests on open connections, lets the
 requests in flight finish for up to `shutdown_timeout` seconds, and returns (exit 0). A model that
-fails to load stops the server and `serve` raises the loader's error. Needs the `serve` extra
+fails to load stops the server and `serve` raises the loader's error; so does an engine that can step
+no more (a tensor-parallel rank died or hung: its TensorParallelError names the rank), after failing
+the requests in flight and stopping the other ranks. Needs the `serve` extra
 (fastapi, uvicorn, prometheus-client).
 """
 
@@ -41,6 +43,8 @@ class ServeOptions:
     log_requests: bool = False
     shutdown_timeout: float = 30.0
     verify: bool = True  # check the artifact's file hashes on load
+    tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
+    distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -61,30 +65,35 @@ class ServeOptions:
 
 def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> None:
     """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
-    overrides = {} if options.max_num_seqs is None else {"max_num_seqs": options.max_num_seqs}
+    names = ("max_num_seqs", "tensor_parallel_size", "distributed_backend")
+    overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
     load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
                           options.log_requests)
     _configure_logging()
     server: _Server | None = None
-    load_errors: list[BaseException] = []
+    fatal_errors: list[BaseException] = []  # a load that failed, or an engine that can step no more
 
     def on_loaded(engine) -> None:
         if engine.load_error is not None:
-            load_errors.append(engine.load_error)
+            fatal_errors.append(engine.load_error)
             server.should_exit = True
             return
         asyncio.get_running_loop().create_task(_announce(server, options, on_ready))
 
-    app = create_app(config, load, on_loaded)
+    def on_fatal(error: BaseException) -> None:
+        fatal_errors.append(error)
+        server.should_exit = True
+
+    app = create_app(config, load, on_loaded, on_fatal)
     uvicorn_config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=options.log_requests,
         timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on",
     )
     server = _Server(uvicorn_config, app.state.server)
     server.run()
-    if load_errors:
-        raise load_errors[0]
+    if fatal_errors:
+        raise fatal_errors[0]
     if not server.started:
         raise UserError(f"could not listen on {options.host}:{options.port} (is the port in use?)")
 

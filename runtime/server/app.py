@@ -55,10 +55,12 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, config: ServerConfig, load: Callable[[], Engine], on_loaded: Callable[[AsyncEngine], None]):
+    def __init__(self, config: ServerConfig, load: Callable[[], Engine], on_loaded: Callable[[AsyncEngine], None],
+                 on_fatal: Callable[[BaseException], None]):
         self.config = config
         self.load = load
         self.on_loaded = on_loaded
+        self.on_fatal = on_fatal
         self.metrics = Metrics(config.model_name)
         self.engine: AsyncEngine | None = None
         self.is_draining = False
@@ -94,14 +96,16 @@ class ServerState:
 
 
 def create_app(config: ServerConfig, load: Callable[[], Engine],
-               on_loaded: Callable[[AsyncEngine], None] = lambda engine: None) -> FastAPI:
+               on_loaded: Callable[[AsyncEngine], None] = lambda engine: None,
+               on_fatal: Callable[[BaseException], None] = lambda error: None) -> FastAPI:
     """The app; `load` builds the Engine on the engine thread, `on_loaded` runs on the event loop once
-    loading ended (check `engine.load_error`)."""
-    state = ServerState(config, load, on_loaded)
+    loading ended (check `engine.load_error`), `on_fatal(error)` once the engine can step no more (a
+    tensor-parallel rank died)."""
+    state = ServerState(config, load, on_loaded, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics)
+        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics, on_fatal)
         state.engine.start()
         waiter = asyncio.create_task(_when_loaded(state))
         yield

@@ -11,6 +11,11 @@ A streaming request gets an `Output` after every step that gave it a token (new 
 token ids and logprobs); any other request gets one `Output` when it finishes. The first item of a
 queue is the request's `Accepted` (or the error that rejected it), so a handler can answer 400 before
 it starts a response.
+
+A step that raises fails the requests in flight, and the engine serves on. A tensor-parallel rank
+that died or hung (TensorParallelError) is different: the engine can never step again, so the thread
+fails every request, calls `on_fatal(error)` on the loop (the server exits with the error) and
+stops. The thread closes the engine when it ends, which stops the other ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from optc.runtime.distributed import TensorParallelError
 from optc.runtime.engine import Engine, EngineStats
 from optc.runtime.request import Request
 from optc.runtime.sampler import Logprobs, SamplingParams
@@ -76,9 +82,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, load: Callable[[], Engine], loop: asyncio.AbstractEventLoop, metrics: Metrics) -> None:
+    def __init__(self, load: Callable[[], Engine], loop: asyncio.AbstractEventLoop, metrics: Metrics,
+                 on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
         self._load = load
         self._loop = loop
+        self._on_fatal = on_fatal
         self.metrics = metrics
         metrics.bind(lambda: self.stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -153,7 +161,12 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self.ready.set)
             return
         self._loop.call_soon_threadsafe(self.ready.set)
-        engine = self.engine
+        try:
+            self._serve(self.engine)
+        finally:
+            self.engine.close()
+
+    def _serve(self, engine: Engine) -> None:
         while not self._is_stopping:
             if not engine.has_unfinished():
                 self._wake.wait()
@@ -164,6 +177,11 @@ class AsyncEngine:
                 continue
             try:
                 stepped = engine.step()
+            except TensorParallelError as e:  # no later step can succeed: the server exits with it
+                log.error("%s", e)
+                self._fail_all(engine, EngineFailed(str(e)))
+                self._loop.call_soon_threadsafe(self._on_fatal, e)
+                return
             except Exception as e:
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(engine, EngineFailed(str(e)))

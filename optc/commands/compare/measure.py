@@ -6,7 +6,9 @@ windows. Speed goes through `optc.commands.bench.run_bench` once per batch size 
 size, `max(num_requests, batch size)` requests), repeated `repeats` times; each repeat runs in a
 fresh process (spawned), so a repeat's peak memory is its own (RSS high-water mark of that process
 on the CPU; `torch.cuda.max_memory_allocated` on CUDA) and not that of the builds and evaluations
-before it. Size comes from the artifact's manifest (`files`: bytes). Not here: verdicts.
+before it. A variant whose artifact says `runtime.tensor_parallel_size: N` is scored and benchmarked
+split over N ranks, as an engine loads it. Size comes from the artifact's manifest (`files`: bytes).
+Not here: verdicts.
 """
 
 from __future__ import annotations
