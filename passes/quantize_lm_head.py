@@ -65,8 +65,8 @@ class QuantizeLmHead(Pass):
             for role, (shape, dtype) in fmt.part_shapes(info.shape).items()
         }
         store = store.with_entries(entries, remove=[] if shared else [part_name(name, "weight", info.format)])
-        return PassResult(new, store, changed=True,
-                          stats={"quantized": 1, "method": "rtn", "tensor": target, "format": fmt.label, "untied": shared})
+        stats = {"quantized": 1, "method": "rtn", "tensor": target, "format": fmt.label, "untied": shared}
+        return PassResult(new, store, changed=True, stats=stats)
 
     def ensures(self, graph: Graph) -> None:
         name = _head(graph).params["weight"]

@@ -25,7 +25,6 @@ import torch
 from optc.core.errors import InputError
 from optc.core.settings import SpeculativeConfig
 from optc.runtime.config import EngineConfig
-from optc.runtime.distributed import RankStats
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.model_runner import ModelRunner
@@ -166,14 +165,6 @@ class Engine:
         """Stop the other tensor-parallel ranks (with one rank: nothing); the engine steps no more."""
         if self.runner.group is not None:
             self.runner.group.close()
-
-    def rank_stats(self) -> list[RankStats]:
-        """Every tensor-parallel rank's counters (forwards run, KV pool size), asked over the control
-        group; one entry with one rank."""
-        runner = self.runner
-        if runner.group is None:
-            return [RankStats(0, runner.num_forwards, runner.num_blocks)]
-        return runner.group.rank_stats(runner.num_forwards, runner.num_blocks)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

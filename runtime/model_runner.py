@@ -28,6 +28,7 @@ import torch
 from optc.runtime import logprobs
 from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
+from optc.runtime.distributed import RankStats
 from optc.runtime.sampler import Logprobs, compute_logprobs, sample
 from optc.runtime.scheduler import SchedulerOutput
 
@@ -87,6 +88,13 @@ class ModelRunner:
         builder = self.graph_runner or self.batch_builder
         batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)
         return (self.graph_runner or self.model).forward(batch, self.kv_caches)
+
+    def rank_stats(self) -> list[RankStats]:
+        """Every tensor-parallel rank's counters (forwards run, KV pool size), asked over the control
+        group; one entry with one rank."""
+        if self.group is None:
+            return [RankStats(0, self.num_forwards, self.num_blocks)]
+        return self.group.rank_stats(self.num_forwards, self.num_blocks)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         for source, destination in copies:

@@ -19,7 +19,7 @@ def test_mixed_requests_with_aborts_match_one_rank_and_free_every_block(tiny_art
     engine = Engine.load(tiny_artifact, tensor_parallel_size=2, **OVERRIDES)
     try:
         got = _drive(engine)
-        stats = engine.rank_stats()
+        stats = engine.runner.rank_stats()
         assert_no_leaks(engine)
         num_preemptions = engine.stats().num_preemptions
     finally:

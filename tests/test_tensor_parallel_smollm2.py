@@ -46,5 +46,5 @@ def test_smollm2_greedy_tokens_at_three_ranks_match_one(engines, prompts):
     for i in (0, 3):
         assert three.generate([prompts[i]], PARAMS)[0].token_ids == want[i]
     assert_no_leaks(three)
-    stats = three.rank_stats()
+    stats = three.runner.rank_stats()
     assert len({(s.num_forwards, s.num_kv_blocks) for s in stats}) == 1 and len(stats) == 3
