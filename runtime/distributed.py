@@ -212,7 +212,7 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
     for w in workers:
         w.start()
     try:
-        group = _join(0, size, backend, init_method, config.collective_timeout_s)
+        group = _join_watching(workers, size, backend, init_method, config.collective_timeout_s)
     except BaseException as e:
         dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, 1) if not w.is_alive()]
         for w in workers:
@@ -223,6 +223,29 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
         raise
     group.workers = workers
     return group
+
+
+def _join_watching(workers: list, size: int, backend: str, init_method: str, timeout_s: float) -> TensorParallelGroup:
+    """Rank 0's `_join`, run beside a watch on the spawned workers: the control group's rendezvous has no
+    deadline (see `_join`), so a worker that dies before joining (e.g. a spawn that cannot re-import the
+    parent's main module) would leave rank 0 waiting forever; a dead worker raises here instead."""
+    joined: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            joined["group"] = _join(0, size, backend, init_method, timeout_s)
+        except BaseException as e:  # re-raised in the caller's thread
+            joined["error"] = e
+
+    thread = threading.Thread(target=join, daemon=True, name="optc-tp-join")
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        if thread.is_alive() and any(not w.is_alive() for w in workers):
+            raise TensorParallelError("a tensor-parallel worker exited before joining the group")
+    if "error" in joined:
+        raise joined["error"]
+    return joined["group"]
 
 
 def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Path, device: str,

@@ -120,3 +120,14 @@ def test_tensor_parallel_options_reject_bad_input(tiny_artifact):
     assert "--tensor-parallel-size 2 needs an artifact folder to split, got 'random:tiny'" in source.output
     zero = invoke("serve", str(tiny_artifact), "-tp", "0")
     assert zero.exit_code == 2 and "Invalid value for '--tensor-parallel-size'" in zero.output
+
+
+def test_a_worker_that_dies_before_joining_is_an_error_not_a_hang(tiny_artifact):
+    # a script piped into `python -`: spawned workers cannot re-import its main module and exit at once;
+    # rank 0 must say so instead of waiting at the rendezvous (which has no deadline)
+    script = ("from optc.runtime import Engine\n"
+              f"Engine.load({str(tiny_artifact)!r}, tensor_parallel_size=2, distributed_backend='gloo')\n")
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "died while starting" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - start < 60
