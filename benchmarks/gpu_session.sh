@@ -12,7 +12,8 @@
 # stage faster than first estimated; the estimates below are those measurements (rounded up), with
 # the 8B build (~1.5 min) counted wherever a stage may be the first on its machine to need it.
 # Next: the regression stages, then what that session left unmeasured, then the rest.
-#   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda), first
+#   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda, NCCL
+#                  tensor parallelism at N = 1 with captured collectives), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
 #   hf-b1          transformers (its own torch.compile, static cache) against optc bf16 at batch 1
 #   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
@@ -127,7 +128,8 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     smoke)
       estimate 1.5 "measured 56 s on a cold Triton cache: setup 0.3, 7 tests 0.6"
       setup
-      pytest_stage 330 150 tests/test_cuda_graphs.py tests/test_gpu.py tests/test_build_device.py ;;
+      pytest_stage 330 150 tests/test_cuda_graphs.py tests/test_gpu.py tests/test_build_device.py \
+        tests/test_tensor_parallel_lifecycle.py ;;
     kernel-tests)
       estimate 2 "measured 94 s: setup 0.3, 79 tests with their compiles 1.3"
       setup

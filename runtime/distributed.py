@@ -187,6 +187,12 @@ class TensorParallelGroup:
                                    f"(a rank died or hung): {cause}")
 
 
+def launched_by_torchrun() -> bool:
+    """torchrun sets RANK and WORLD_SIZE in every process it starts: `Engine.load` then joins its group
+    even at N = 1, so one GPU runs the code path (NCCL, collectives in the graph) that N GPUs run."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> TensorParallelGroup:
     """Join (torchrun: every rank runs this) or start (one machine: spawn ranks 1 .. N-1) a group of
     `config.tensor_parallel_size` ranks for an opened artifact; on a torchrun rank other than 0,
@@ -195,7 +201,7 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
     for rank in range(size):
         plan_shards(artifact.graph, rank, size)  # ShardError naming the tensor and the sizes that work
     backend = config.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+    if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != size:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size is "
                             f"{size}: they must match")

@@ -82,19 +82,21 @@ class Engine:
         speculative: SpeculativeConfig | None = None, **overrides: Any,
     ) -> Engine:
         """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's (e.g.
-        `tensor_parallel_size=N`: rank 0 of N, which starts the others; `close()` stops them);
+        `tensor_parallel_size=N`: rank 0 of N, which starts the others; `close()` stops them; under
+        torchrun every N, 1 included, joins torchrun's group);
         `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
         from transformers import AutoTokenizer
 
         from optc.core.artifact import read
-        from optc.runtime.distributed import start
+        from optc.runtime.distributed import launched_by_torchrun, start
         from optc.runtime.loader import load_model
         from optc.runtime.speculative import load_draft
 
         artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
-        group = start(config, artifact, device, verify) if config.tensor_parallel_size > 1 else None
+        distributed = config.tensor_parallel_size > 1 or launched_by_torchrun()
+        group = start(config, artifact, device, verify) if distributed else None
         try:
             refs = config.use_references
             model = (group.load_model(artifact, device, refs) if group

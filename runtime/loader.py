@@ -16,10 +16,11 @@ from optc.runtime.model import Model
 def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_size: int = 1,
                group: object = None, use_references: bool = False) -> Model:
     """The artifact's graph bound to the kernels its nodes name (every op's torch reference with
-    `use_references`: what evaluation scores), with its weights on `device`; with `world_size` > 1,
-    tensor-parallel rank `rank`'s graph and weight slices (optc/core/ops/sharding.py; ShardError when
+    `use_references`: what evaluation scores), with its weights on `device`; with a `group`, tensor-parallel
+    rank `rank` of `world_size`'s graph and weight slices (optc/core/ops/sharding.py; ShardError when
     the model does not split that many ways), its collectives over `group`."""
-    graph, store = shard(artifact.graph, artifact.store, rank, world_size)
+    graph, store = (artifact.graph, artifact.store) if group is None else shard(
+        artifact.graph, artifact.store, rank, world_size)
     impls = {} if use_references else _impls(graph)
     return Model(graph, store, device, kv_spec=artifact.manifest.kv_layout, impls=impls, group=group,
                  use_references=use_references)

@@ -58,6 +58,16 @@ def test_dry_run_prints_every_stage_within_the_limits(tmp_path):
     assert with_hf == ["hf-b1", "hf-b64"]
 
 
+def test_every_file_with_gpu_tests_is_run_by_a_stage(tmp_path):
+    """A `gpu` test outside every stage's pytest command would never run in a GPU session."""
+    proc = _session("--dry-run", out=tmp_path)
+    text, _ = proc.communicate(timeout=60)
+    staged = set(re.findall(r"tests/(test_\w+\.py)", text))
+    gpu = re.compile(r"^(@pytest\.mark\.gpu\b|pytestmark = .*pytest\.mark\.gpu\b)", re.M)
+    marked = {p.name for p in Path(__file__).parent.glob("test_*.py") if gpu.search(p.read_text())}
+    assert marked and marked <= staged, sorted(marked - staged)
+
+
 def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
     proc = _session("nope", out=tmp_path / "out")
     text, _ = proc.communicate(timeout=60)

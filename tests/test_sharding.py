@@ -125,7 +125,10 @@ def test_shard_store_loads_only_the_ranks_slices(tiny):
     assert store.entry("model.layers.0.mlp.down_proj.weight").shape == (64, 64)
     emb = tiny.store.get("model.embed_tokens.weight")
     assert torch.equal(store.get("model.embed_tokens.weight"), emb[128:])
-    assert shard(tiny.graph, tiny.store, 0, 1) == (tiny.graph, tiny.store)
+    # a group of one (torchrun --nproc-per-node 1): the collectives, every tensor whole
+    graph, store = shard(tiny.graph, tiny.store, 0, 1)
+    assert store is tiny.store and graph.tensors == tiny.graph.tensors
+    assert [n.op for n in graph.nodes].count("all_reduce") == 5 and graph.nodes[-1].op == "all_gather"
 
 
 def test_row_parallel_bias_is_added_on_rank_zero_only(tiny):

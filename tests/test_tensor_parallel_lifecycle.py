@@ -131,3 +131,62 @@ def test_a_worker_that_dies_before_joining_is_an_error_not_a_hang(tiny_artifact)
     run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "died while starting" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - start < 60
+
+
+def _as_one_torchrun_rank(monkeypatch) -> None:
+    """The environment torchrun gives the only process of `torchrun --nproc-per-node 1`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+
+
+def _one_rank_through_the_group(artifact, monkeypatch, device: str) -> None:
+    """Under torchrun, N = 1 joins a group of one and runs its rank graph (collectives included): the
+    tokens and logits of the plain engine."""
+    import torch
+    import torch.distributed as dist
+
+    prompts = [[(5 * i + j) % 200 + 1 for j in range(3 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = Engine.load(artifact, device=device, num_blocks=64)
+    want = [c.token_ids for c in plain.generate(prompts, params)]
+    args = ([prompts[3]], [0], [[1, 2, 3]], [len(prompts[3])])
+    want_logits = plain.runner.forward(*args).clone()
+    _as_one_torchrun_rank(monkeypatch)
+    engine = Engine.load(artifact, device=device, num_blocks=64)
+    try:
+        group = engine.runner.group
+        assert group is not None and group.size == 1
+        assert group.backend == ("nccl" if device == "cuda" else "gloo")
+        ops = [n.op for n in engine.model.graph.nodes]
+        assert "all_reduce" in ops and ops[-1] == "all_gather"
+        assert [c.token_ids for c in engine.generate(prompts, params)] == want
+        if device == "cuda":
+            assert engine.runner.graph_runner is not None  # the decode steps replayed captured collectives
+        assert torch.equal(engine.runner.forward(*args), want_logits)
+    finally:
+        engine.close()
+    assert not dist.is_initialized()
+
+
+def test_one_torchrun_rank_runs_the_distributed_path(tiny_artifact, monkeypatch):
+    _one_rank_through_the_group(tiny_artifact, monkeypatch, "cpu")
+
+
+@pytest.mark.gpu
+def test_one_torchrun_rank_runs_nccl_and_captures_its_collectives(tmp_path, monkeypatch):
+    """The path N GPUs run, on one: NCCL collectives in the rank graph, captured into CUDA graphs."""
+    import torch
+
+    from optc.testing import build_artifact
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    recipe = tmp_path / "cuda.yaml"
+    recipe.write_text("model: random:tiny\ndtype: float32\ntarget: cuda\npasses: [fuse_qkv, fuse_gate_up, kv_layout, "
+                      "select_kernels, {cuda_graphs: {batch_sizes: [1, 2, 4]}}]\n"
+                      "runtime: {max_num_seqs: 4, max_seq_len: 128}\n")
+    _one_rank_through_the_group(build_artifact(tmp_path / "a", recipe), monkeypatch, "cuda")

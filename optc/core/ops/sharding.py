@@ -84,10 +84,11 @@ class ShardPlan:
 
 
 def shard(graph: Graph, store: TensorStore, rank: int, size: int) -> tuple[Graph, TensorStore]:
-    """Rank `rank` of `size`'s graph and a store whose entries load only that rank's slices."""
-    if size == 1:
-        return graph, store
+    """Rank `rank` of `size`'s graph and a store whose entries load only that rank's slices (a group of
+    one: the graph with its collectives, the store as it is)."""
     plan = plan_shards(graph, rank, size)
+    if size == 1:
+        return plan.graph, store
     entries = {}
     for name, (axis, ranges) in plan.slices.items():
         info = graph.tensors[name]
