@@ -15,6 +15,9 @@
 #   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda, NCCL
 #                  tensor parallelism at N = 1 with captured collectives), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
+#   quantized      every quantized kernel path never yet run on a GPU: a tiny artifact per path against its
+#                  torch references (int4/int8 linears and lm_heads, fp8, fp8/int8 W8A8, int8/fp8 KV), and
+#                  the fp8 and W8A8 kernels on Llama-3-8B shapes
 #   hf-b1          transformers (its own torch.compile, static cache) against optc bf16 at batch 1
 #   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
 #   kernels-w8a16  benchmarks/kernels.py: int8 linears
@@ -47,7 +50,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="smoke kernel-tests hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
+STAGES="smoke kernel-tests quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
         int4-b1 bf16-b1 int4-b64 bf16-b64 autotune-all hf-b64 fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
@@ -135,6 +138,10 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       setup
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
         tests/test_kernels_linear.py -k "not every_autotune" ;;
+    quantized)
+      estimate 3.5 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 kernel tests"
+      setup
+      pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py ;;
     autotune-all)
       estimate 4 "setup 0.5 + ~110 compiles (every w4a16/w8a16 config at two shapes) 3 + runs 0.5"
       setup

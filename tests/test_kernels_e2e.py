@@ -1,24 +1,57 @@
 """End to end: a `target: cuda` artifact of random:tiny served with its Triton kernels bound (under
-TRITON_INTERPRET=1 on a machine without CUDA) gives the same greedy tokens as the same recipe built
-for `target: cpu` (every node on its torch reference). Chunked prefill (a 32-token budget) makes
-the engine run both the prefill and the decode attention kernels."""
+TRITON_INTERPRET=1 on a machine without CUDA) against the same recipe built for `target: cpu` (every
+node on its torch reference), for every quantized kernel path a cuda recipe can bind: int4 and int8
+linears, int8 and int4 lm_heads, fp8 weight-only, fp8 and int8 W8A8 (torch._scaled_mm, torch._int_mm),
+int8 and fp8 KV caches. Chunked prefill (a 32-token budget) makes the engine run both the prefill and
+the decode attention kernels.
+
+The interpreter is deterministic: the greedy tokens must be the reference's (except with W8A8, below).
+Every case also compares teacher-forced logits on the reference's continuation (within 1e-3 of the
+largest logit, 2e-2 for W8A8; the same argmax wherever the reference's top two are further apart than
+twice that); the `gpu` twin runs that comparison with the kernels compiled, where fp32 dots may round
+differently (tf32, split-K order). An fp8 KV cache runs only there: the interpreter's fp32 -> e4m3
+conversion drops the carry when rounding crosses a power of two (test_kernels_rope.py), so its stored
+keys differ from the reference's where compiled code's do not."""
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from optc.frontend import build
 from optc.runtime import Engine, SamplingParams
+from optc.testing import assert_close
 
 PROMPTS = [[(i * 13 + j * 7) % 250 + 1 for j in range(1 + 9 * i)] for i in range(5)]  # 1..37 tokens
 GREEDY = SamplingParams(max_tokens=6)
-FUSIONS = "fuse_qkv, fuse_gate_up, {quant}{{kv_layout: {{block_size: {block_size}}}}}, fuse_add_rmsnorm, fuse_rope_kv"
+FUSIONS = ("fuse_qkv, fuse_gate_up, {quant}{{kv_layout: {{block_size: {block_size}, dtype: {kv}}}}}, "
+           "fuse_add_rmsnorm, fuse_rope_kv")
+RTOL = 1e-3
+# W8A8 rounds each token's activations to 8 bits: a last-bit difference upstream (a Triton norm against
+# the torch one) can move one rounded activation by a step, which moves the logits by up to ~1%
+W8A8_RTOL = 2e-2
+# id: (quantization passes, KV dtype, block size, kernels the cuda artifact must bind)
+CASES = {
+    "dense-bs16": ("", "float32", 16, set()),
+    "int4-bs32": ("{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ", "float32", 32, {"triton.w4a16"}),
+    "int8-bs16": ("{quantize_rtn: {bits: 8}}, ", "float32", 16, {"triton.w8a16"}),
+    "int4-int8-lm-head": ("{quantize_rtn: {bits: 4, group_size: 32}}, {quantize_lm_head: {bits: 8}}, ", "float32",
+                          16, {"triton.w4a16", "triton.w8a16_logits"}),
+    "int8-int4-lm-head": ("{quantize_rtn: {bits: 8}}, {quantize_lm_head: {bits: 4, group_size: 32}}, ", "float32",
+                          16, {"triton.w8a16", "triton.w4a16_logits"}),
+    "fp8": ("quantize_fp8, ", "float32", 16, {"triton.fp8_w8a16"}),
+    "fp8-w8a8": ("{quantize_fp8: {activations: dynamic}}, ", "float32", 16, {"torch.scaled_mm"}),
+    "int8-w8a8": ("{quantize_rtn: {bits: 8, activations: dynamic}}, ", "float32", 16, {"torch.int_mm"}),
+    "int8-kv": ("", "int8", 16, set()),
+    "fp8-kv": ("", "fp8_e4m3", 32, set()),
+}
 
 
-def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
-    # the CPU build is the reference: no packed CPU kernel (select_kernels may pick one per M on target cpu)
-    select = "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack]}}" if target == "cpu" else "select_kernels"
-    passes = FUSIONS.format(quant=quant, block_size=block_size) + ", " + select
+def _build(tmp: Path, target: str, quant: str, kv: str, block_size: int) -> Path:
+    # the CPU build is the reference: every node on its torch reference (no packed CPU kernel)
+    select = "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack, cpu.int4pack_logits, cpu.int8pack_logits]}}"
+    passes = FUSIONS.format(quant=quant, block_size=block_size, kv=kv) + ", " + (
+        select if target == "cpu" else "select_kernels")
     recipe = tmp / f"{target}.yaml"
     recipe.write_text(
         f"model: random:tiny\ndtype: float32\ntarget: {target}\npasses: [{passes}]\n"
@@ -27,25 +60,42 @@ def _build(tmp: Path, target: str, quant: str, block_size: int) -> Path:
     return build.build(build.BuildOptions(recipe=recipe, out=tmp / target, quiet=True))
 
 
-@pytest.mark.parametrize(
-    "quant,block_size,linear_kernel",
-    [
-        ("", 16, None),
-        ("{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ", 32, "triton.w4a16"),
-        ("{quantize_rtn: {bits: 8}}, ", 16, "triton.w8a16"),
-    ],
-    ids=["dense-bs16", "int4-bs32", "int8-bs16"],
-)
-def test_triton_bound_artifact_matches_reference_greedy_tokens(tmp_path, quant, block_size, linear_kernel):
-    cuda = Engine.load(_build(tmp_path, "cuda", quant, block_size), max_num_batched_tokens=32)
-    cpu = Engine.load(_build(tmp_path, "cpu", quant, block_size), max_num_batched_tokens=32)
-    kernels = {n.attrs["kernel"] for n in cuda.model.graph.nodes}
-    assert {"triton.paged_attention", "triton.rope_kv_store", "triton.add_rms_norm"} <= kernels
-    assert linear_kernel is None or linear_kernel in kernels
-    assert {n.attrs["kernel"] for n in cpu.model.graph.nodes} == {"torch"}
-    out = [c.token_ids for c in cuda.generate(PROMPTS, GREEDY)]
-    assert out == [c.token_ids for c in cpu.generate(PROMPTS, GREEDY)]
-    assert all(len(t) == 6 for t in out)
+def _check(tmp: Path, case: str, device: str) -> None:
+    quant, kv, block_size, kernels = CASES[case]
+    rtol = W8A8_RTOL if "w8a8" in case else RTOL
+    cuda = Engine.load(_build(tmp, "cuda", quant, kv, block_size), device=device, max_num_batched_tokens=32,
+                       num_blocks=64)
+    reference = Engine.load(_build(tmp, "cpu", quant, kv, block_size), device=device, max_num_batched_tokens=32,
+                            num_blocks=64)
+    bound = {n.attrs["kernel"] for n in cuda.model.graph.nodes}
+    assert {"triton.paged_attention", "triton.rope_kv_store", "triton.add_rms_norm"} | kernels <= bound
+    assert {n.attrs["kernel"] for n in reference.model.graph.nodes} == {"torch"}
+    want = [c.token_ids for c in reference.generate(PROMPTS, GREEDY)]
+    if device == "cpu" and "w8a8" not in case:
+        assert [c.token_ids for c in cuda.generate(PROMPTS, GREEDY)] == want
+    for prompt, tokens in zip(PROMPTS, want, strict=True):
+        ids = prompt + tokens
+        args = ([ids], [0], [list(range(1, 1 + -(-len(ids) // block_size)))], [len(ids)])
+        expected = reference.runner.forward(*args).clone()
+        got = cuda.runner.forward(*args)
+        assert_close(got, expected, rtol=rtol, what=f"{case} logits, {len(ids)} tokens")
+        top2 = expected.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * rtol * expected.abs().max()
+        assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear]), case
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "fp8-kv"])
+def test_triton_bound_artifact_matches_reference(tmp_path, case):
+    _check(tmp_path, case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_bound_artifact_matches_reference_on_cuda(tmp_path, case):
+    if case.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or newer")
+    _check(tmp_path, case, "cuda")
 
 
 @pytest.mark.slow

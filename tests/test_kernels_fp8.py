@@ -1,7 +1,8 @@
 """fp8 and W8A8 kernels against optc.core.formats.linear_ref: the Triton fp8 W8A16 kernel under the
 interpreter (M on the GEMV and GEMM paths, N and K not multiples of the tiles), the torch `_scaled_mm` /
 `_int_mm` W8A8 bindings on the CPU (where torch runs both), their argument preparation, which kernel the
-registry binds to which format, and the fp8 kernel compiled for sm_90 (and refused for sm_80)."""
+registry binds to which format, and the fp8 kernel compiled for sm_90 (and refused for sm_80); on a GPU
+(the `gpu` test), all of them compiled on Llama-3-8B-sized shapes."""
 
 import os
 import subprocess
@@ -97,6 +98,33 @@ def test_w8a8_bindings_match_ref_on_the_cpu(kind, dtype, m):
         assert torch.equal(y, expected)  # int32 sums are exact, and so are the reference's fp32 ones here
     else:
         assert_close(y, expected, rtol=TOL[dtype], what=f"{name} {dtype} m={m}")
+
+
+def _sm89() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm89(), reason="needs a CUDA device of sm_89 or newer (fp8)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 33, 300])
+def test_fp8_and_w8a8_kernels_on_cuda(dtype, m, monkeypatch):
+    """Compiled, on Llama-3-8B's down_proj K and a ragged N (fp8 W8A16, per channel and per tensor) or
+    N a multiple of 16 (the W8A8 bindings: torch._scaled_mm for fp8, torch._int_mm for int8)."""
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")  # formats and shapes here, not the tuner
+    x = _x(m, 4096, dtype).cuda()
+    for per_tensor in (False, True):
+        parts, fmt = _fp8(1000, 4096, dtype, per_tensor)
+        parts = {r: t.cuda() for r, t in parts.items()}
+        prepared = prepare_fp8_w8a16({"weight": Param(parts, fmt)})["weight"].parts
+        assert_close(fp8_w8a16_linear(x, prepared, fmt), linear_ref(x, parts, fmt), rtol=TOL[dtype],
+                     what=f"fp8 w8a16 per_tensor={per_tensor} m={m}")
+    node = Node("l", "linear", ["x"], ["y"], {"in_features": 4096, "out_features": 1008}, {"weight": "w"})
+    for kind, name in ((FormatKind.FP8_E4M3, "torch.scaled_mm"), (FormatKind.INT8_WO, "torch.int_mm")):
+        parts, fmt = _w8a8(kind, 1008, 4096, dtype)
+        parts = {r: t.cuda() for r, t in parts.items()}
+        (y,) = KERNELS[name].bind()(node, [x], {"weight": Param(parts, fmt)}, None)
+        assert_close(y, linear_ref(x, parts, fmt), rtol=TOL[dtype], what=f"{name} {dtype} m={m}")
 
 
 def test_int_mm_padding_to_the_cuda_minimum_keeps_the_rows():

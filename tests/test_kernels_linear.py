@@ -184,6 +184,23 @@ def test_linear_kernels_on_cuda_formats_and_ragged_shapes(dtype, group, zero_poi
     assert_close(w8a16_linear(x, parts, fmt, bias), linear_ref(x, parts, fmt, bias), tol, 1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("m", [1, 7, 64])
+def test_lm_head_logits_kernels_on_cuda(kind, m, monkeypatch):
+    # SmolLM2's lm_head (49152 x 576) in bfloat16: the kernel's logits, each row's best recomputed in fp32
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")
+    parts, fmt = _int4(49152, 576, 64, True, torch.bfloat16) if kind == "int4" else _int8(49152, 576, torch.bfloat16)
+    parts = {r: t.cuda() for r, t in parts.items()}
+    x = _x(m, 576, torch.bfloat16).cuda()
+    out = (w4a16_logits if kind == "int4" else w8a16_logits)(x, parts, fmt)
+    ref = logits_ref(x, parts, fmt)
+    top = ref.topk(4, dim=-1)
+    assert out.dtype == torch.float32 and torch.equal(out.gather(-1, top.indices), top.values)
+    assert_close(out, ref, 5e-2, 1e-2)
+
+
 def _every_config(kernel, monkeypatch, n, k, m_gemv, m_gemm, dtype, tol, device, split_k=None):
     """Run each M == 1, GEMV and GEMM config of `kernel` alone (an autotuner with one config runs it
     unpruned, so K and the group must suit every BLOCK_K); the configs whose output is wrong."""

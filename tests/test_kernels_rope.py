@@ -78,9 +78,10 @@ def test_kv_store_kernel_matches_ref():
     assert torch.equal(cache, cache_ref)  # a copy: bit-exact
 
 
-def _quantized_cache(kv_dtype, num_blocks, block_size, num_kv_heads, head_dim):
-    data = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=STORAGE_DTYPES[kv_dtype])
-    return KVCache(data, torch.zeros(data.shape[:4]), QMAX[kv_dtype])
+def _quantized_cache(kv_dtype, num_blocks, block_size, num_kv_heads, head_dim, device="cpu"):
+    data = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=STORAGE_DTYPES[kv_dtype],
+                       device=device)
+    return KVCache(data, torch.zeros(data.shape[:4], device=device), QMAX[kv_dtype])
 
 
 def assert_same_stored(cache: KVCache, ref: KVCache):
@@ -162,3 +163,29 @@ def test_rope_kv_store_kernel_on_cuda(dtype, heads, kv_heads, head_dim):
                  rope_kv_store_ref(q, k, v, pos, cos_sin, KVCache(cache_ref), slots), atol, rtol)
     assert_close(cache, cache_ref, atol, rtol)
     assert_close(rope(q, pos, cos_sin), rope_ref(q, pos, cos_sin), atol, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantizing_kv_stores_on_cuda(kv_dtype, dtype):
+    """Compiled, the e4m3 conversion rounds to nearest even: the stored values and scales are the
+    reference's exactly (assert_same_stored allows the interpreter's carry slips only when interpreting)."""
+    if kv_dtype == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or newer")
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(40, 32, 128, generator=g).to(dtype).cuda()
+    k, v = ((torch.randn(40, 8, 128, generator=g) * 3).to(dtype).cuda() for _ in range(2))
+    pos = torch.randint(0, 4000, (40,), generator=g).cuda()
+    slots = (torch.randperm(8 * 16, generator=g)[:40] + 16).cuda()
+    slots[[3, 17]] = -1
+    cos_sin = _cos_sin(4096, 128).cuda()
+    cache, ref = (_quantized_cache(kv_dtype, 10, 16, 8, 128, "cuda") for _ in range(2))
+    assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, ref, slots), *TOL[dtype])
+    assert_same_stored(cache, ref)
+    cache, ref = (_quantized_cache(kv_dtype, 10, 16, 8, 128, "cuda") for _ in range(2))
+    kv_store(k, v, cache, slots)
+    kv_store_ref(k, v, ref, slots)
+    assert_same_stored(cache, ref)

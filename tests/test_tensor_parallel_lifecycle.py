@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from optc.cli import app
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.distributed import TensorParallelError
+from optc.testing import assert_close
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -145,7 +146,7 @@ def _as_one_torchrun_rank(monkeypatch) -> None:
 
 def _one_rank_through_the_group(artifact, monkeypatch, device: str) -> None:
     """Under torchrun, N = 1 joins a group of one and runs its rank graph (collectives included): the
-    tokens and logits of the plain engine."""
+    tokens and logits (bitwise on the CPU) of the plain engine."""
     import torch
     import torch.distributed as dist
 
@@ -166,7 +167,11 @@ def _one_rank_through_the_group(artifact, monkeypatch, device: str) -> None:
         assert [c.token_ids for c in engine.generate(prompts, params)] == want
         if device == "cuda":
             assert engine.runner.graph_runner is not None  # the decode steps replayed captured collectives
-        assert torch.equal(engine.runner.forward(*args), want_logits)
+        got = engine.runner.forward(*args)
+        if device == "cpu":
+            assert torch.equal(got, want_logits)
+        else:  # cuBLAS may pick another algorithm for a second engine's first call
+            assert_close(got, want_logits, rtol=1e-5, what="logits through a group of one")
     finally:
         engine.close()
     assert not dist.is_initialized()
