@@ -17,9 +17,10 @@
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
 #   quantized      every quantized kernel path never yet run on a GPU: a tiny artifact per path against its
 #                  torch references (int4/int8 linears and lm_heads, fp8, fp8/int8 W8A8, int8/fp8 KV), and
-#                  the fp8 and W8A8 kernels on Llama-3-8B shapes
+#                  the fp8, W8A8 and tinygemm (torch.int4pack) kernels on Llama-3-8B shapes
 #   hf-b1          transformers (its own torch.compile, static cache) against optc bf16 at batch 1
-#   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket)
+#   kernels-w4a16  benchmarks/kernels.py: int4 linears (autotuned per shape and M bucket), and torch's tinygemm
+#                  (the torch.int4pack candidate) on the same shapes
 #   kernels-w8a16  benchmarks/kernels.py: int8 linears
 #   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
 #   awq-8b         `optc build recipes/llama-awq.yaml` on random:llama-3-8b with --device cuda (timed)
@@ -139,9 +140,9 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
         tests/test_kernels_linear.py -k "not every_autotune" ;;
     quantized)
-      estimate 3.5 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 kernel tests"
+      estimate 4 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 and 16 tinygemm kernel tests"
       setup
-      pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py ;;
+      pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py tests/test_kernels_int4pack.py ;;
     autotune-all)
       estimate 4 "setup 0.5 + ~110 compiles (every w4a16/w8a16 config at two shapes) 3 + runs 0.5"
       setup
@@ -153,7 +154,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     kernels-w4a16 | kernels-w8a16)
       estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
-      kernels_stage 390 "${STAGE#kernels-}" ;;
+      kernels_stage 390 "${STAGE#kernels-}$([[ $STAGE == kernels-w4a16 ]] && echo ,tinygemm)" ;;
     bf16-b1 | bf16-b64 | int4-b1 | int4-b64)
       local config=${STAGE%-b*} batch=${STAGE#*-b}
       if [[ $config == bf16 ]]; then

@@ -1,4 +1,5 @@
-"""Kernel benchmarks at Llama-3-8B (or SmolLM2) decode shapes: each Triton kernel next to its torch equivalent.
+"""Kernel benchmarks at Llama-3-8B (or SmolLM2) decode shapes: each Triton kernel next to its torch equivalent,
+and torch's tinygemm int4 matmul (`tinygemm.*`, the `torch.int4pack` candidate) beside w4a16 in bfloat16.
 
     python benchmarks/kernels.py [--jsonl rows.jsonl] [--json out.json] [--repeats 50] [--only w4a16,w8a16]
     python benchmarks/kernels.py --compile-only [--arch 90] [--all-configs]    # no GPU needed
@@ -116,6 +117,7 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     tables, positions and lengths are always real."""
     from optc.core.formats import Format, FormatKind, linear_ref
     from optc.core.kv_cache import KVCache
+    from optc.core.ops import Param
     from optc.core.ops.elementwise import silu_mul_ref
     from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
     from optc.core.ops.rope import rope_kv_store_ref
@@ -155,6 +157,12 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
             io = (t * kk + t * n) * e
             yield f"w4a16.{lin}", f"M={t} N={n} K={kk}", n * kk // 2 + n * kk // m.group * (e + 1) + io, \
                 bind(w4a16.w4a16_linear, xl, p4, fmt4), bind(linear_ref, xl, p4, fmt4)
+            if dev == "cuda" and dt == torch.bfloat16:  # torch's tinygemm (no Triton: nothing to compile-only)
+                from optc.kernels.int4_cuda import int4pack_cuda_linear, prepare_int4pack_cuda
+
+                packed = prepare_int4pack_cuda({"weight": Param(p4, fmt4)})["weight"].parts
+                yield f"tinygemm.{lin}", f"M={t} N={n} K={kk}", n * kk // 2 + n * kk // m.group * 2 * e + io, \
+                    bind(int4pack_cuda_linear, xl, packed, fmt4), bind(linear_ref, xl, p4, fmt4)
             fmt8 = Format(FormatKind.INT8_WO, dtype=name, bits=8)
             p8 = {"qweight": torch.randint(-127, 128, (n, kk), device=dev, dtype=torch.int8),
                   "scales": data(n) * 0.01}

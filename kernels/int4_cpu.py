@@ -32,22 +32,33 @@ def prepare_int4pack(params: dict[str, Param]) -> dict[str, Param]:
     w = params["weight"]
     fmt, parts = w.format, w.parts
     q = unpack_int4(parts["qweight"]).to(torch.int32)  # (N, K)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INNER_K_TILES)
+    return {**params, "weight": Param({"int4pack": packed, "scales_and_zeros": scales_and_zeros(parts, fmt)}, fmt)}
+
+
+def scales_and_zeros(parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """The packed int4 matmuls' (K / G, N, 2) table of (s, b) per group, w = (q - 8) * s + b, in the
+    activation dtype: b = (8 - z) * s (0 when symmetric). torch's CPU and CUDA kernels read the same table."""
     s = parts["scales"].float()  # (N, K / G)
     z = parts["zeros"].float() if fmt.zero_point else torch.full_like(s, 8.0)
-    table = torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous().to(fmt.torch_dtype)  # (K / G, N, 2)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INNER_K_TILES)
-    return {**params, "weight": Param({"int4pack": packed, "scales_and_zeros": table}, fmt)}
+    return torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous().to(fmt.torch_dtype)
 
 
 def int4pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear_ref for an int4_g weight prepared by `prepare_int4pack`: x (..., K) -> (..., N) in x's dtype."""
     table = parts["scales_and_zeros"]
+    assert x.dtype == table.dtype, f"x is {x.dtype}, the prepared scales {table.dtype}"
+    return packed_linear(torch.ops.aten._weight_int4pack_mm_for_cpu, x, parts, fmt, bias)
+
+
+def packed_linear(mm, x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> (..., N) through a packed int4 matmul `mm(x2d, packed, group_size, table)` (CPU or CUDA)."""
+    table = parts["scales_and_zeros"]
     n, k = table.shape[1], table.shape[0] * fmt.group_size
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
-    assert x.dtype == table.dtype, f"x is {x.dtype}, the prepared scales {table.dtype}"
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, k).contiguous(), parts["int4pack"],
-                                                   fmt.group_size, table)
+    y = mm(x.reshape(-1, k).contiguous(), parts["int4pack"], fmt.group_size, table)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], n)

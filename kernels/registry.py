@@ -196,6 +196,13 @@ def _int4pack_cpu_ok(q: KernelQuery) -> bool:
             and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
 
 
+def _int4pack_cuda_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+            and w.group_size in (32, 64, 128, 256) and len(q.weight_shape) == 2 and q.weight_shape[0] % 8 == 0
+            and q.weight_shape[1] % 32 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
 def _int8pack_cpu_ok(q: KernelQuery) -> bool:
     w = q.weight
     return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and w.activations is Activations.NONE
@@ -230,6 +237,10 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rope", "rope", _rope_ok, "rope:rope"),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
+    # torch's tinygemm int4 matmul, ahead of w4a16 but off unless enabled: a candidate GPU sessions measure
+    KernelSpec("torch.int4pack", "linear", _int4pack_cuda_ok, "int4_cuda:int4pack_cuda_linear",
+               prepare="int4_cuda:prepare_int4pack_cuda", by_default=False,
+               layout="int4pack_cuda(inner_k_tiles=8|4|2)"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
     KernelSpec("triton.w4a16_logits", "lm_head", _w4a16_ok, "w4a16:w4a16_logits"),
