@@ -27,6 +27,7 @@
 #   profile-int4, profile-bf16   benchmarks/profile_decode.py: GPU time per kernel of a batch-1 decode step
 #   int4-b1, bf16-b1              serving 8B int4 (RTN g128) / bf16 (CUDA graphs, then eager) at batch 1
 #   int4-b64, bf16-b64            the same at batch 64
+#   int4tg-b1, int4tg-b64         8B int4 with torch's tinygemm (torch.int4pack) bound instead of triton.w4a16
 #   autotune-all   the GPU test that runs every autotune config
 #   hf-b64         transformers against optc bf16 at batch 64
 #   fake           the plan's self-test (no GPU): writes a row every 0.2 s; tests kill it midway
@@ -52,7 +53,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STAGES="smoke kernel-tests quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
-        int4-b1 bf16-b1 int4-b64 bf16-b64 autotune-all hf-b64 fake"
+        int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
 PY=${PYTHON:-python3}
@@ -155,7 +156,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
       kernels_stage 390 "${STAGE#kernels-}$([[ $STAGE == kernels-w4a16 ]] && echo ,tinygemm)" ;;
-    bf16-b1 | bf16-b64 | int4-b1 | int4-b64)
+    bf16-b1 | bf16-b64 | int4-b1 | int4-b64 | int4tg-b1 | int4tg-b64)
       local config=${STAGE%-b*} batch=${STAGE#*-b}
       if [[ $config == bf16 ]]; then
         estimate 3 "measured 139 s at batch 1 (8B build 92 s, graphs and eager runs 34 s), 67 s at batch 64 (built)"

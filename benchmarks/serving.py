@@ -7,7 +7,8 @@ served with `max_num_seqs=32` (continuous batching) and with `max_num_seqs=1`; t
 acceptance: continuous batching gives >= 4x the output tokens/s of one request at a time.
 
 CUDA (`--device cuda`): `random:llama-3-8b` built for target cuda in bf16 and in int4 (RTN, group
-128), with select_kernels and cuda_graphs; batch 1 (4 requests, max_num_seqs 1) and batch 64 (64
+128; `int4tg`: the same with torch's tinygemm bound instead of the Triton w4a16 kernel), with
+select_kernels and cuda_graphs; batch 1 (4 requests, max_num_seqs 1) and batch 64 (64
 requests); bf16 also with `--eager` (no CUDA graphs), and transformers (`torch.compile`,
 static cache) on a LlamaForCausalLM rebuilt from the bf16 artifact's weights at both batch sizes.
 The int4 rows are compared with that bf16 transformers run (the same weights before quantization)
@@ -47,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 # matmuls, most of the time, take oneDNN's bf16 kernels and move half the bytes; 8 requests x 128/16
 # tokens, 1 thread: 65.1 against 32.9 output tok/s). On a CPU without bf16 units pass float32.
 DEFAULT_CPU_DTYPE = "bfloat16"
-CUDA_PASSES = "fuse_qkv, fuse_gate_up, {quant}kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels, cuda_graphs"
+CUDA_PASSES = "fuse_qkv, fuse_gate_up, {quant}kv_layout, fuse_add_rmsnorm, fuse_rope_kv, {select}, cuda_graphs"
 
 
 def main() -> None:
@@ -63,7 +64,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cpu-dtype", choices=("float32", "bfloat16"), default=DEFAULT_CPU_DTYPE)
     p.add_argument("--no-compare-hf", action="store_true", help="skip transformers")
-    p.add_argument("--configs", default="bf16,int4", help="cuda: which builds, comma-separated (default bf16,int4)")
+    p.add_argument("--configs", default="bf16,int4",
+                   help="cuda: which builds, comma-separated, of bf16, int4, int4tg (default bf16,int4)")
     p.add_argument("--batch-sizes", default="1,64", help="cuda: max_num_seqs values, comma-separated (default 1,64)")
     p.add_argument("--no-eager", action="store_true", help="cuda: skip the --eager (no CUDA graphs) bf16 rows")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -99,7 +101,10 @@ def _cpu(args, rows: Rows) -> list[dict]:
     return [batched, serial]
 
 
-CUDA_QUANT = {"bf16": "", "int4": "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "}
+INT4 = "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "
+CUDA_QUANT = {"bf16": "", "int4": INT4, "int4tg": INT4}
+# int4tg: the int4 build with torch's tinygemm (the opt-in torch.int4pack kernel) instead of triton.w4a16
+CUDA_SELECT = {"int4tg": "{select_kernels: {enable: [torch.int4pack]}}"}
 
 
 def cuda_artifact(work: Path, name: str) -> tuple[Path, bool]:
@@ -107,8 +112,9 @@ def cuda_artifact(work: Path, name: str) -> tuple[Path, bool]:
     and whether this call built it."""
     recipe = work / f"llama-3-8b-{name}.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
+    passes = CUDA_PASSES.format(quant=CUDA_QUANT[name], select=CUDA_SELECT.get(name, "select_kernels"))
     recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
-                      f"passes: [{CUDA_PASSES.format(quant=CUDA_QUANT[name])}]\n"
+                      f"passes: [{passes}]\n"
                       "runtime: {max_num_seqs: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
     return _artifact(work / f"llama-3-8b-{name}", recipe)
 
