@@ -13,8 +13,7 @@ pass to move activation outliers into the weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from enum import StrEnum
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -25,15 +24,8 @@ from optc.core.ir import Graph, TensorInfo
 from optc.core.store import Entry, TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
-from optc.frontend.quant.gptq import GptqOptions, quantize_block
+from optc.frontend.quant.gptq import GptqOptions, Rounding, quantize_block
 from optc.frontend.quant.options import LastParts, dense_linear_weights, ensure_quantized
-
-
-class Fp8Method(StrEnum):
-    """How weights are rounded to the e4m3 grid."""
-
-    RTN = "rtn"  # nearest e4m3 value, weight by weight: no calibration data
-    GPTQ = "gptq"  # column by column with error feedback through the calibration inputs' inverse Hessian
 
 
 class QuantizeFp8(Pass):
@@ -41,7 +33,7 @@ class QuantizeFp8(Pass):
 
     @dataclass(frozen=True)
     class Options(GptqOptions):
-        method: Fp8Method = field(default=Fp8Method.RTN, metadata={
+        method: Rounding = field(default=Rounding.RTN, metadata={
             "help": "rtn: nearest e4m3 value; gptq: GPTQ error feedback on the calibration data (damp, "
                     "block_size, act_order are its options)"})
         activations: Activations = field(default=Activations.NONE, metadata={
@@ -49,22 +41,18 @@ class QuantizeFp8(Pass):
         per_tensor: bool = field(default=False, metadata={"help": "one scale per weight instead of per output channel"})
 
         def __post_init__(self) -> None:
-            for name, enum in (("method", Fp8Method), ("activations", Activations)):
-                value = getattr(self, name)
-                if value not in {m.value for m in enum}:
-                    raise InputError(f"{name}: {value!r} is not allowed; allowed: {', '.join(m.value for m in enum)}")
-                object.__setattr__(self, name, enum(value))
-            if self.method is Fp8Method.RTN:
-                changed = [f.name for f in fields(GptqOptions) if getattr(self, f.name) != f.default]
-                if changed:
-                    raise InputError(f"{', '.join(changed)}: only with method: gptq (GPTQ's options); method is rtn")
+            if self.activations not in {m.value for m in Activations}:
+                raise InputError(f"activations: {self.activations!r} is not allowed; allowed: "
+                                 f"{', '.join(m.value for m in Activations)}")
+            object.__setattr__(self, "activations", Activations(self.activations))
+            object.__setattr__(self, "method", self.rounding(self.method))
 
         def format(self, dtype: str = "float32") -> Format:
             return Format(FormatKind.FP8_E4M3, dtype=dtype, per_tensor=self.per_tensor, activations=self.activations)
 
         def record(self) -> dict[str, Any]:
             """The manifest's quantization fields these options decide."""
-            gptq = self.gptq_record() if self.method is Fp8Method.GPTQ else {}
+            gptq = self.gptq_record() if self.method is Rounding.GPTQ else {}
             return {"format": FormatKind.FP8_E4M3.value, "scales": "per_tensor" if self.per_tensor else "per_channel",
                     "activations": self.activations.value, **gptq}
 
@@ -81,7 +69,7 @@ class QuantizeFp8(Pass):
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
-        if o.method is Fp8Method.GPTQ:
+        if o.method is Rounding.GPTQ:
             def format_of(name: str) -> Format:
                 return o.format(graph.tensors[name].format.dtype)
 
@@ -110,7 +98,7 @@ class QuantizeFp8(Pass):
             for role, (shape, dtype) in fmt.part_shapes(info.shape).items():
                 load = lambda src=src, fmt=fmt, name=name, role=role: last.parts(name, src, fmt)[role]
                 entries[part_name(name, role, fmt)] = Entry(tuple(shape), dtype, load)
-        section = {"method": Fp8Method.RTN.value, **self.options.record()}
+        section = {"method": Rounding.RTN.value, **self.options.record()}
         return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                          stats={"quantized": len(targets), "method": Fp8Method.RTN.value},
+                          stats={"quantized": len(targets), "method": Rounding.RTN.value},
                           manifest={"quantization": section})

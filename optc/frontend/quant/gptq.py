@@ -29,7 +29,8 @@ Where it differs from the reference implementation (AutoGPTQ `fasterquant`), and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -43,6 +44,13 @@ from optc.frontend.quant.calibrated import Calibration
 from optc.frontend.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
 
 
+class Rounding(StrEnum):
+    """How a pass that offers both rounds weights to its format (its `method` option)."""
+
+    RTN = "rtn"  # the nearest grid value, weight by weight: no calibration data
+    GPTQ = "gptq"  # column by column, with error feedback through the calibration inputs' inverse Hessian
+
+
 @dataclass(frozen=True)
 class GptqOptions:
     """GPTQ's own options, part of the Options of every pass that rounds with it."""
@@ -54,6 +62,16 @@ class GptqOptions:
     def gptq_record(self) -> dict[str, Any]:
         """The manifest's quantization fields these options decide."""
         return {"damp": self.damp, "act_order": self.act_order}
+
+    def rounding(self, method: str) -> Rounding:
+        """A pass's `method` option as a Rounding; GPTQ's options set beside `rtn` are an error."""
+        if method not in {m.value for m in Rounding}:
+            raise InputError(f"method: {method!r} is not allowed; allowed: {', '.join(m.value for m in Rounding)}")
+        rounding = Rounding(method)
+        changed = [f.name for f in fields(GptqOptions) if getattr(self, f.name) != f.default]
+        if rounding is Rounding.RTN and changed:
+            raise InputError(f"{', '.join(changed)}: only with method: gptq (GPTQ's options); method is rtn")
+        return rounding
 
 
 @dataclass(frozen=True)
