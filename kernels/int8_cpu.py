@@ -12,7 +12,8 @@ the registry offers it only for such K; with M >= 8 rows, an x or a qweight that
 aligned crashes the process (a safetensors offset did, on SmolLM2's int8 lm_head); x is 2-D, so
 leading dimensions are flattened here.
 Where it pays is measured per M by `select_kernels` (docs/PERF.md, "Quantized artifacts that run
-faster"): at decode sizes it reads 1 byte per weight instead of dequantizing 2-4.
+faster"): at decode sizes it reads 1 byte per weight instead of dequantizing 2-4. An int8 lm_head at
+several rows has a second kernel here, `int_mm_logits` (x rounded to int8, `torch._int_mm`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from optc.core.formats import Format
+from optc.core.formats.activations import quantize_rows_int8
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
 
@@ -57,3 +59,16 @@ def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format
 def int8pack_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for an int8_wo lm_head: x (M, K) -> (M, V) float32."""
     return exact_top_logits(int8pack_linear(x, parts, fmt).float(), x, parts, fmt)
+
+
+def int_mm_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """logits_ref for an int8_wo lm_head with 16-bit x, at several rows: x rounded to int8 per row and
+    multiplied with the int8 weight in int32 (`torch._int_mm`), scaled back; then each row's best logits
+    recomputed in fp32 from x itself (`exact_top_logits`), as every lm_head kernel does. Rounding x moves
+    only the logits outside each row's best, but those count in a sampled distribution: off by default
+    (`select_kernels: {enable: [cpu.int_mm_logits]}`), then measured per M against int8pack."""
+    q, s = parts["qweight"], parts["scales"]
+    assert x.dtype != torch.float32, "float32 x keeps every logit as computed: this kernel is for 16-bit x"
+    xq, sx = quantize_rows_int8(x)  # (M, K) int8, (M, 1) fp32
+    logits = torch._int_mm(xq, q.t()).float() * sx * s.float()
+    return exact_top_logits(logits, x, parts, fmt)

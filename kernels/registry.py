@@ -209,6 +209,12 @@ def _int8pack_cpu_ok(q: KernelQuery) -> bool:
             and len(q.weight_shape) == 2 and q.weight_shape[1] % 16 == 0)
 
 
+def _int_mm_logits_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (q.dtype in ("bfloat16", "float16") and w is not None and w.kind is FormatKind.INT8_WO
+            and w.activations is Activations.NONE and len(q.weight_shape) == 2)
+
+
 def _w8a16_ok(q: KernelQuery) -> bool:
     w = q.weight
     return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and w.activations is Activations.NONE
@@ -262,4 +268,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
                prepare="int4_cpu:prepare_int4pack_logits", layout="int4pack_cpu(inner_k_tiles=2) + stored parts"),
     KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu",
                prepare="int8_cpu:prepare_int8pack"),
+    # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
+    # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
+    KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
+               by_default=False),
 )}

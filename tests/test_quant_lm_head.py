@@ -15,7 +15,7 @@ from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, make_pass
 from optc.frontend.quant.rtn import make_format, quantize_weight
 from optc.kernels.int4_cpu import int4pack_logits, prepare_int4pack_logits
-from optc.kernels.int8_cpu import int8pack_logits
+from optc.kernels.int8_cpu import int8pack_logits, int_mm_logits
 from optc.kernels.registry import impls
 from optc.testing import build_artifact
 
@@ -72,15 +72,18 @@ def _head_weight(fmt: Format, n=96, k=64, seed=0) -> dict:
     return quantize_weight(w, fmt)
 
 
-@pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_packed_lm_head_kernels_match_logits_ref(m, bits):
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("kernel", ["int4pack", "int8pack", "int_mm"])
+def test_packed_lm_head_kernels_match_logits_ref(m, kernel):
+    bits = 4 if kernel == "int4pack" else 8
     fmt = make_format(bits, 32 if bits == 4 else None, bits == 4, "bfloat16")
     parts = _head_weight(fmt)
     x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).bfloat16()
     ref = logits_ref(x, parts, fmt)
-    if bits == 8:
+    if kernel == "int8pack":
         out = int8pack_logits(x, parts, fmt)
+    elif kernel == "int_mm":  # x rounded to int8 per row: the rest moves by about the int8 weight's error
+        out = int_mm_logits(x, parts, fmt)
     else:
         out = int4pack_logits(x, prepare_int4pack_logits({"weight": Param(parts, fmt)})["weight"].parts, fmt)
     assert out.dtype == torch.float32 and out.shape == ref.shape
@@ -88,7 +91,7 @@ def test_packed_lm_head_kernels_match_logits_ref(m, bits):
     top = ref.topk(4, dim=-1)
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     assert torch.equal(out.gather(-1, top.indices), top.values)
-    # the rest is the bf16 matmul's rounding
+    # the rest is the bf16 matmul's rounding (and int_mm's of x)
     assert (out - ref).abs().max() <= 0.02 * ref.abs().max()
 
 
@@ -171,3 +174,15 @@ def test_gptq_lm_head_needs_calibration_and_its_options_need_gptq():
         make_pass("quantize_lm_head", {"bits": 8, "method": "gtpq"})
     with pytest.raises(InputError, match=r"damp: only with method: gptq"):
         make_pass("quantize_lm_head", {"bits": 8, "damp": 0.1})
+
+
+def test_int_mm_lm_head_kernel_is_offered_only_when_enabled():
+    from optc.kernels.registry import KernelQuery, candidates
+
+    fmt = make_format(8, None, False, "bfloat16")
+    query = KernelQuery("lm_head", "bfloat16", fmt, (96, 64))
+    assert [k.name for k in candidates(query, "cpu")] == ["cpu.int8pack_logits"]
+    enabled = [k.name for k in candidates(query, "cpu", ("cpu.int_mm_logits",))]
+    assert enabled == ["cpu.int8pack_logits", "cpu.int_mm_logits"]
+    f32 = KernelQuery("lm_head", "float32", make_format(8), (96, 64))
+    assert [k.name for k in candidates(f32, "cpu", ("cpu.int_mm_logits",))] == ["cpu.int8pack_logits"]
