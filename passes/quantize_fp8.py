@@ -33,6 +33,8 @@ class QuantizeFp8(Pass):
 
     @dataclass(frozen=True)
     class Options(GptqOptions):
+        """The fp8 format (scales per channel or per tensor, activations) and how weights are rounded to it."""
+
         method: Rounding = field(default=Rounding.RTN, metadata={
             "help": "rtn: nearest e4m3 value; gptq: GPTQ error feedback on the calibration data (damp, "
                     "block_size, act_order are its options)"})

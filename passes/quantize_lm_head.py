@@ -41,6 +41,8 @@ class QuantizeLmHead(Pass):
 
     @dataclass(frozen=True)
     class Options(WeightQuantOptions, GptqOptions):
+        """The lm_head's format (bits, group size, zero point) and how it is rounded (method; GPTQ's options)."""
+
         method: Rounding = field(default=Rounding.RTN, metadata={
             "help": "rtn: nearest value; gptq: GPTQ error feedback on the lm_head's inputs over the calibration "
                     "data (damp, block_size, act_order are its options)"})

@@ -98,7 +98,7 @@ def json_schema(cls: type) -> dict:
             d = f.default
             props[f.name]["default"] = d.value if isinstance(d, Enum) else list(d) if isinstance(d, tuple) else d
     schema = {"type": "object", "properties": props, "additionalProperties": False}
-    if cls.__doc__:
+    if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # not dataclass's generated signature
         schema["description"] = " ".join(cls.__doc__.split())
     if required:
         schema["required"] = required
