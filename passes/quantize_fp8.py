@@ -18,14 +18,14 @@ from functools import partial
 from typing import Any
 
 from optc.core.errors import InputError
-from optc.core.formats import Activations, Format, FormatKind, part_name
+from optc.core.formats import Activations, Format, FormatKind
 from optc.core.formats.fp8_e4m3 import quantize_fp8_weight
-from optc.core.ir import Graph, TensorInfo
-from optc.core.store import Entry, TensorStore
+from optc.core.ir import Graph
+from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
 from optc.frontend.quant.gptq import GptqOptions, Rounding, quantize_block
-from optc.frontend.quant.options import LastParts, dense_linear_weights, ensure_quantized
+from optc.frontend.quant.options import ensure_quantized, round_linears
 
 
 class QuantizeFp8(Pass):
@@ -83,24 +83,4 @@ class QuantizeFp8(Pass):
         ensure_quantized(graph, self.name)
 
     def _round_to_nearest(self, graph: Graph, store: TensorStore) -> PassResult:
-        targets = dense_linear_weights(graph)
-        if not targets:
-            return PassResult(graph, store, changed=False, stats={"quantized": 0})
-        new = graph.copy()
-        entries: dict[str, Entry] = {}
-        last = LastParts(quantize_fp8_weight)
-        for name in targets:
-            info = graph.tensors[name]
-            fmt = self.options.format(info.format.dtype)
-            fmt.check_shape(info.shape, name)
-            new.tensors[name] = TensorInfo(info.shape, fmt)
-            src = store.entry(part_name(name, "weight", info.format))
-            # parts are computed when the artifact writer asks for them, one tensor's parts in a row: the
-            # last tensor's parts are kept, so each weight is quantized once
-            for role, (shape, dtype) in fmt.part_shapes(info.shape).items():
-                load = lambda src=src, fmt=fmt, name=name, role=role: last.parts(name, src, fmt)[role]
-                entries[part_name(name, role, fmt)] = Entry(tuple(shape), dtype, load)
-        section = {"method": Rounding.RTN.value, **self.options.record()}
-        return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                          stats={"quantized": len(targets), "method": Rounding.RTN.value},
-                          manifest={"quantization": section})
+        return round_linears(graph, store, self.options.format, quantize_fp8_weight, self.options.record())

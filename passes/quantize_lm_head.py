@@ -30,7 +30,7 @@ from optc.core.store import Entry, TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.blocks import progress, start_calibration, to_host
 from optc.frontend.quant.gptq import Gptq, GptqOptions, Rounding
-from optc.frontend.quant.options import LastParts, WeightQuantOptions
+from optc.frontend.quant.options import LastParts, WeightQuantOptions, lazy_entries
 from optc.frontend.quant.rtn import quantize_weight
 
 UNTIED_NAME = "lm_head.weight"  # the untied lm_head's tensor, as transformers names it
@@ -86,12 +86,7 @@ class QuantizeLmHead(Pass):
             entries = {part_name(target, role, fmt): Entry(tuple(t.shape), t.dtype, lambda t=t: t)
                        for role, t in parts.items()}
         else:
-            last = LastParts(quantize_weight)
-            entries = {
-                part_name(target, role, fmt): Entry(tuple(shape), dtype,
-                                                    lambda role=role: last.parts(target, src, fmt)[role])
-                for role, (shape, dtype) in fmt.part_shapes(info.shape).items()
-            }
+            entries = lazy_entries(target, info.shape, src, fmt, LastParts(quantize_weight))
         store = store.with_entries(entries, remove=[] if shared else [part_name(name, "weight", info.format)])
         return PassResult(new, store, changed=True, stats=stats)
 

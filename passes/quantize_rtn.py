@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from optc.core.errors import InputError
-from optc.core.formats import Activations, Format, part_name
-from optc.core.ir import Graph, TensorInfo
-from optc.core.store import Entry, TensorStore
+from optc.core.formats import Activations, Format
+from optc.core.ir import Graph
+from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.options import LastParts, WeightQuantOptions, dense_linear_weights, ensure_quantized
+from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized, round_linears
 from optc.frontend.quant.rtn import quantize_weight
 
 
@@ -41,28 +41,7 @@ class QuantizeRtn(Pass):
         self.options.refuse_requantizing(graph, self.name)
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
-        o = self.options
-        targets = dense_linear_weights(graph)
-        if not targets:
-            return PassResult(graph, store, changed=False, stats={"quantized": 0})
-        new = graph.copy()
-        entries: dict[str, Entry] = {}
-        last = LastParts(quantize_weight)
-        for name in targets:
-            info = graph.tensors[name]
-            fmt = o.format(info.format.dtype)
-            fmt.check_shape(info.shape, name)
-            new.tensors[name] = TensorInfo(info.shape, fmt)
-            src = store.entry(part_name(name, "weight", info.format))
-            # parts are computed lazily when the artifact writer asks for them (it asks for one
-            # tensor's parts in a row: the last tensor's parts are kept, so each weight is rounded once)
-            for role, (shape, dtype) in fmt.part_shapes(info.shape).items():
-                load = lambda src=src, fmt=fmt, name=name, role=role: last.parts(name, src, fmt)[role]
-                entries[part_name(name, role, fmt)] = Entry(tuple(shape), dtype, load)
-        store = store.with_entries(entries, remove=targets)
-        section = {"method": "rtn", **o.record()}
-        return PassResult(new, store, changed=True, stats={"quantized": len(targets), "method": "rtn"},
-                          manifest={"quantization": section})
+        return round_linears(graph, store, self.options.format, quantize_weight, self.options.record())
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optc.core.errors import InputError
-from optc.core.formats import Format
-from optc.core.ir import Graph
-from optc.core.store import Entry
+from optc.core.formats import Format, part_name
+from optc.core.ir import Graph, TensorInfo
+from optc.core.store import Entry, TensorStore
+from optc.frontend.passmanager import PassResult
 from optc.frontend.quant.rtn import make_format
 
 BITS = {"choices": (4, 8), "help": "4: int4_g grouped; 8: int8_wo per output channel"}
@@ -94,3 +95,33 @@ class LastParts:
             self.name, self.value = None, {}  # drop the previous weight's parts before computing
             self.value, self.name = self.quantize(src.load(), fmt, name), name
         return self.value
+
+
+def lazy_entries(name: str, shape: tuple[int, ...], src: Entry, fmt: Format, last: LastParts) -> dict[str, Entry]:
+    """Store entries for tensor `name`'s parts in `fmt`, computed from its dense `src` when the artifact
+    writer asks for them. The writer asks for one tensor's parts in a row and `last` keeps the last
+    tensor's, so each weight is rounded once."""
+    return {part_name(name, role, fmt): Entry(tuple(part_shape), dtype,
+                                              lambda role=role: last.parts(name, src, fmt)[role])
+            for role, (part_shape, dtype) in fmt.part_shapes(shape).items()}
+
+
+def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], Format],
+                  quantize: Callable[[Any, Format, str], dict], record: dict[str, Any]) -> PassResult:
+    """Every dense linear weight rounded to the nearest value of `format_of(its dtype)` by `quantize`,
+    lazily (`lazy_entries`); the manifest's quantization section is method rtn plus `record`."""
+    targets = dense_linear_weights(graph)
+    if not targets:
+        return PassResult(graph, store, changed=False, stats={"quantized": 0})
+    new = graph.copy()
+    entries: dict[str, Entry] = {}
+    last = LastParts(quantize)
+    for name in targets:
+        info = graph.tensors[name]
+        fmt = format_of(info.format.dtype)
+        fmt.check_shape(info.shape, name)
+        new.tensors[name] = TensorInfo(info.shape, fmt)
+        entries.update(lazy_entries(name, info.shape, store.entry(part_name(name, "weight", info.format)), fmt, last))
+    return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
+                      stats={"quantized": len(targets), "method": "rtn"},
+                      manifest={"quantization": {"method": "rtn", **record}})
