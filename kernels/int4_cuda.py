@@ -19,8 +19,6 @@ from optc.core.formats import Format, unpack_int4
 from optc.core.ops import Param
 from optc.kernels.int4_cpu import packed_linear, scales_and_zeros
 
-GROUP_SIZES = (32, 64, 128, 256)
-
 
 def inner_k_tiles(k: int) -> int:
     """The most 16-wide K tiles (8, 4 or 2) the packing can put side by side: K must be a multiple of 16x that."""

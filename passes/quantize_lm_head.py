@@ -26,9 +26,9 @@ import torch
 from optc.core.errors import InputError
 from optc.core.formats import Format, part_name
 from optc.core.ir import Graph, Node, TensorInfo
-from optc.core.store import Entry, TensorStore
+from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.blocks import progress, start_calibration, to_host
+from optc.frontend.quant.blocks import progress, start_calibration, tensor_entry
 from optc.frontend.quant.gptq import Gptq, GptqOptions, Rounding
 from optc.frontend.quant.options import LastParts, WeightQuantOptions, lazy_entries
 from optc.frontend.quant.rtn import quantize_weight
@@ -83,8 +83,7 @@ class QuantizeLmHead(Pass):
         if self.options.method is Rounding.GPTQ:
             parts, loss = self._gptq(graph, store, ctx, head, src.load(), fmt)
             stats["gptq_loss"] = round(loss, 6)
-            entries = {part_name(target, role, fmt): Entry(tuple(t.shape), t.dtype, lambda t=t: t)
-                       for role, t in parts.items()}
+            entries = {part_name(target, role, fmt): tensor_entry(t) for role, t in parts.items()}
         else:
             entries = lazy_entries(target, info.shape, src, fmt, LastParts(quantize_weight))
         store = store.with_entries(entries, remove=[] if shared else [part_name(name, "weight", info.format)])
@@ -103,7 +102,7 @@ class QuantizeLmHead(Pass):
         gptq.add_batch(x)
         o = self.options
         result = gptq.run(fmt, o.damp, o.block_size, o.act_order)
-        return to_host(result.parts), result.loss
+        return result.parts, result.loss
 
     def ensures(self, graph: Graph) -> None:
         name = _head(graph).params["weight"]

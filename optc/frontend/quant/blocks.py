@@ -177,14 +177,15 @@ def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, d
         old = graph.tensors[name]
         remove += [part_name(name, r, old.format) for r in old.format.part_shapes(old.shape)]
         graph.tensors[name] = TensorInfo(old.shape, fmt)
-        entries.update({part_name(name, r, fmt): _entry(t) for r, t in parts.items()})
+        entries.update({part_name(name, r, fmt): tensor_entry(t) for r, t in parts.items()})
     for name, t in dense.items():
         info = graph.tensors[name]
-        entries[part_name(name, "weight", info.format)] = _entry(t.to(info.format.torch_dtype))
+        entries[part_name(name, "weight", info.format)] = tensor_entry(t.to(info.format.torch_dtype))
     return graph, store.with_entries(entries, remove=[k for k in remove if k not in entries])
 
 
-def _entry(t: torch.Tensor) -> Entry:
+def tensor_entry(t: torch.Tensor) -> Entry:
+    """A store entry holding `t` (moved to the host)."""
     t = t.cpu()  # the same tensor when it is on the CPU already
     return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
 

@@ -33,6 +33,7 @@ from optc.core.errors import UserError
 from optc.core.formats import INT4_GROUP_SIZES, Format, pack_int4, part_name, quantized_format
 from optc.core.ir import TensorInfo
 from optc.core.store import Entry, TensorStore
+from optc.frontend.quant.blocks import tensor_entry
 from optc.frontend.quant.ct_checkpoints import import_compressed_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AutoAWQ word holds column AWQ_ORDER[i]
@@ -97,7 +98,7 @@ def import_quantized(
         perm = small.get("perm")
         entries[part_name(name, "qweight", fmt)] = Entry((n, k // 8), torch.int32,
                                                          lambda src=src, c=convert, p=perm: c(src.load(), p))
-        entries.update({part_name(name, r, fmt): _memory_entry(t) for r, t in small.items()})
+        entries.update({part_name(name, r, fmt): tensor_entry(t) for r, t in small.items()})
     store = dense.with_entries(entries)
     quantization = None
     if method is not None:
@@ -187,10 +188,6 @@ def _parse_config(config: Mapping) -> tuple[str, int, bool]:
 
 def _quantized_bases(names) -> list[str]:
     return [k[: -len(".qweight")] for k in names if k.endswith(".qweight")]
-
-
-def _memory_entry(t: torch.Tensor) -> Entry:
-    return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
 
 
 def _awq_order(nibbles: torch.Tensor) -> torch.Tensor:
