@@ -151,7 +151,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     kernels-small)
       estimate 1.5 "measured 25 s with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
-      kernels_stage 330 rms_norm,add_rms_norm,silu_mul,rope_kv_store,paged_decode,paged_prefill ;;
+      kernels_stage 330 rms_norm,add_rms_norm,gated_act,rope_kv_store,paged_decode,paged_prefill ;;
     kernels-w4a16 | kernels-w8a16)
       estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup

@@ -118,7 +118,7 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     from optc.core.formats import Format, FormatKind, linear_ref
     from optc.core.kv_cache import KVCache
     from optc.core.ops import Param
-    from optc.core.ops.elementwise import silu_mul_ref
+    from optc.core.ops.elementwise import gated_act_ref
     from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
     from optc.core.ops.rope import rope_kv_store_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
@@ -135,8 +135,8 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
             bind(add_rms_norm_ref, x, r, w, 1e-5)
         gu = data(t, 2 * m.inter)
-        yield "silu_mul", f"T={t}", 3 * t * m.inter * e, bind(activation.silu_mul, gu), \
-            bind(silu_mul_ref, gu)
+        yield "gated_act", f"T={t}", 3 * t * m.inter * e, bind(activation.gated_act, gu), \
+            bind(gated_act_ref, gu)
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE

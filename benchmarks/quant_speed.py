@@ -8,7 +8,7 @@ load on the shared machine falls on all of them alike; the table gives the media
 ratio to the bf16 artifact's median. One run at batch B = B requests of `--input-len` prompt tokens
 (consecutive slices of pydoc text, the same for every config), `--output-len` greedy tokens each, EOS
 ignored, all added at once with max_num_seqs = B; tok/s = output tokens / wall time of the run (the
-prefill included, as `optc bench`). transformers: a dense LlamaForCausalLM holding the bf16
+prefill included, as `optc bench`). transformers: a dense model of its family holding the bf16
 artifact's weights, `generate` with a static cache (no compile on the CPU), left-padded batches.
 Prints the load average (1 min) before and after each round. It measures; it asserts nothing.
 
@@ -116,7 +116,7 @@ def main() -> None:
     tokenizer = next(iter(engines.values())).tokenizer
     runs = {}
     if HF in names:
-        from optc.frontend.models.llama import hf_model_from_artifact
+        from optc.frontend.models import hf_model_from_artifact
 
         bf16 = paths.get("bf16") or Path(given["bf16"])
         model = hf_model_from_artifact(bf16, torch.device("cpu"), torch.bfloat16)

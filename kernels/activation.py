@@ -1,6 +1,7 @@
-"""SwiGLU activation on the fused gate-up output: Triton kernel for optc.core.ops.elementwise.silu_mul_ref.
+"""The gated MLP activation on the fused gate-up output: Triton kernel for
+optc.core.ops.elementwise.gated_act_ref, SwiGLU (`act="silu"`) only.
 
-`silu_mul(x)` takes x: (T, 2 * I) = [gate | up]; `silu_mul(gate, up)` takes the two halves as
+`gated_act(x)` takes x: (T, 2 * I) = [gate | up]; `gated_act(gate, up)` takes the two halves as
 separate (T, I) views, e.g. two strided column slices of one (T, 2I) tensor (only the last dim must
 be contiguous). Numerical policy (matches the reference in x's dtype, as transformers does):
 silu(gate) is computed in fp32 and rounded to the dtype, then multiplied by up in fp32 and rounded.
@@ -18,7 +19,7 @@ BLOCK_I = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _gated_silu_kernel(
     # pointers
     gate_ptr, up_ptr, out_ptr,
     # sizes
@@ -37,8 +38,9 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+def gated_act(x: torch.Tensor, up: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
     """silu(gate) * up; gate, up = x.chunk(2, -1) when `up` is None, else gate = x."""
+    assert act == "silu", f"activation {act!r}: this kernel computes silu only"
     if up is None:
         assert x.shape[-1] % 2 == 0, f"last dim {x.shape[-1]} of [gate | up] must be even"
         gate, up = x.chunk(2, dim=-1)
@@ -51,7 +53,7 @@ def silu_mul(x: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, inter = gate.shape
     out = torch.empty((num_tokens, inter), dtype=gate.dtype, device=gate.device)
     grid = lambda meta: (num_tokens, triton.cdiv(inter, meta["BLOCK"]))
-    _silu_mul_kernel[grid](
+    _gated_silu_kernel[grid](
         gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0),
         BLOCK=min(BLOCK_I, triton.next_power_of_2(inter)), num_warps=4,
     )

@@ -27,14 +27,18 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """optc.core.ops.attention.attention_ref: stores k, v (None: stored already), then attends.
+    """optc.core.ops.attention.attention_ref for plain causal attention (the registry's predicate keeps
+    soft-capped and sliding-window layers on the reference): stores k, v (None: stored already), then attends.
 
     `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
     kernel's split count is baked into the graph.
     """
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    assert softcap is None and window is None, "soft-capped or sliding attention: the kernels compute neither"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
     args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale, kv_cache.scales)

@@ -50,6 +50,11 @@ class KernelQuery:
     head_dim: int = 0
     kv_dtype: str | None = None  # attention, rope_kv_store: recorded by kv_layout
     kv_block_size: int | None = None
+    norm_offset: float = 0.0  # norms: the weight is offset + w, multiplied in fp32 (Gemma)
+    act: str = "silu"  # gated_act
+    softcap: float | None = None  # attention: scores soft-capped (Gemma 2)
+    window: int | None = None  # attention: a sliding window
+    rotary_dim: int | None = None  # rope, rope_kv_store: partial rotary (rotary_dim < head_dim)
 
 
 @dataclass(frozen=True)
@@ -168,13 +173,18 @@ def _norm_ok(q: KernelQuery) -> bool:
     return _dtype_ok(q) and 0 < q.hidden_size <= MAX_HIDDEN
 
 
+def _gated_act_ok(q: KernelQuery) -> bool:
+    return _dtype_ok(q) and q.act == "silu"
+
+
 def _rope_ok(q: KernelQuery) -> bool:
-    return _dtype_ok(q) and q.head_dim > 0 and q.head_dim % 2 == 0 and q.head_dim <= 512
+    return _dtype_ok(q) and q.head_dim > 0 and q.head_dim % 2 == 0 and q.head_dim <= 512 and q.rotary_dim is None
 
 
 def _attention_ok(q: KernelQuery) -> bool:
     d = q.head_dim
     return (_dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES and 16 <= d <= 256 and d & (d - 1) == 0
+            and q.softcap is None and q.window is None
             and q.num_kv_heads > 0 and q.num_heads % q.num_kv_heads == 0
             and q.num_heads // q.num_kv_heads <= MAX_GROUP)
 
@@ -239,7 +249,7 @@ def _w8a8_ok(kind: FormatKind, multiple: int) -> Callable[[KernelQuery], bool]:
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rms_norm", "rms_norm", _norm_ok, "norm:rms_norm"),
     KernelSpec("triton.add_rms_norm", "add_rms_norm", _norm_ok, "norm:add_rms_norm"),
-    KernelSpec("triton.silu_mul", "silu_mul", _dtype_ok, "activation:silu_mul"),
+    KernelSpec("triton.gated_act", "gated_act", _gated_act_ok, "activation:gated_act"),
     KernelSpec("triton.rope", "rope", _rope_ok, "rope:rope"),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),

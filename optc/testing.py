@@ -48,17 +48,28 @@ def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model:
     )
 
 
-def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
-    from transformers import LlamaForCausalLM
+def random_hf_model(preset: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' model of the preset's family holding `random:<preset>`'s weights: the peer of the
+    parity tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from optc.frontend.models.llama import hf_llama_config
+    from optc.frontend.models import hf_config
     from optc.frontend.sources import load_source
 
-    src = load_source("random:tiny")
-    hf = LlamaForCausalLM(hf_llama_config(src.graph.config))
-    hf.load_state_dict({n: src.store.get(n) for n in src.store.names()}, strict=True)
+    src = load_source(f"random:{preset}")
+    fields = hf_config(src.graph.config)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict({n: src.store.get(n) for n in src.store.names()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and src.graph.config.tie_word_embeddings)]
+    assert not missing and not unexpected, f"random:{preset} vs {type(hf).__name__}: {missing} {unexpected}"
+    hf.tie_weights()
     return hf.to(device, dtype).eval()
+
+
+def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """transformers' LlamaForCausalLM holding random:tiny's weights: the peer of the tiny parity tests."""
+    return random_hf_model("tiny", dtype, device)
 
 
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:

@@ -15,7 +15,7 @@ class FuseAddRmsnorm(Pass):
         pairs: dict[str, Node] = {}  # add name -> the rms_norm fused into it
         for node in graph.nodes:
             # rms_norm(add(x, r), w) -> add_rms_norm(x, r, w), which also returns the sum x + r
-            if node.op != "rms_norm":
+            if node.op != "rms_norm" or node.attrs.get("head_dim"):  # a per-head norm reads no residual sum
                 continue
             add = producer.get(node.inputs[0])
             if add is None or add.op != "add" or add.name in pairs:
@@ -37,9 +37,9 @@ class FuseAddRmsnorm(Pass):
             # It belongs to the norm's decoder block (layer i + 1 for layer i's mlp residual, none for the
             # final norm), not the add's: its normed output feeds only that block's linears, and AWQ folds
             # their scales into this norm's weight, which it does only for a norm inside their block.
-            layer = {"layer": norm.attrs["layer"]} if "layer" in norm.attrs else {}
+            kept = {a: norm.attrs[a] for a in ("eps", "offset", "layer") if a in norm.attrs}
             nodes.append(Node(norm.name, "add_rms_norm", list(node.inputs), [norm.outputs[0], node.outputs[0]],
-                              {"eps": norm.attrs["eps"], **layer}, dict(norm.params)))
+                              kept, dict(norm.params)))
         graph.nodes = nodes
         return PassResult(graph, store, changed=True, stats={"fused": len(pairs)})
 

@@ -15,8 +15,8 @@ class FuseGateUp(Pass):
         producer = graph.producers()
         groups = []
         for node in graph.nodes:
-            # silu_mul(linear_gate(x), linear_up(x)) -> silu_mul(linear_gate_up(x) {split})
-            if node.op != "silu_mul":
+            # gated_act(linear_gate(x), linear_up(x)) -> gated_act(linear_gate_up(x) {split})
+            if node.op != "gated_act":
                 continue
             group = [producer.get(node.inputs[0]), producer.get(node.inputs[1])]
             if can_fuse(graph, group):

@@ -39,6 +39,7 @@ class FuseRopeKv(Pass):
                 name = f"{rope.name.rsplit('.', 1)[0]}.rope_kv_store" if "." in rope.name else f"{rope.name}_kv_store"
                 keep = ("layer", "num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype")
                 attrs = {a: node.attrs[a] for a in keep if a in node.attrs}
+                attrs |= {a: rope.attrs[a] for a in ("rope_table", "rotary_dim") if a in rope.attrs}
                 nodes.append(Node(name, "rope_kv_store", [q, k, node.inputs[2], pos], [rope.outputs[0]], attrs))
                 node = Node(node.name, node.op, [rope.outputs[0]], list(node.outputs),
                             {**node.attrs, "kv_stored": True}, dict(node.params))

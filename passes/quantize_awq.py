@@ -11,7 +11,7 @@ from optc.core.ir import Graph, Node
 from optc.core.ops import Param
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.awq import fold_into_linear, fold_into_norm, input_mean, search_clip, search_scale
+from optc.frontend.quant.awq import input_mean, search_clip, search_scale
 from optc.frontend.quant.blocks import (
     BlockRunner,
     branch,
@@ -82,7 +82,7 @@ class QuantizeAwq(Pass):
         x_name = group[0].inputs[0]
         target = fold_target(graph, nodes, x_name)
         block_tensors = {t for n in nodes for t in n.params.values()}
-        if target is None or target[0] not in block_tensors or target[0] not in params:
+        if target is None or target.tensor not in block_tensors or target.tensor not in params:
             return None  # nothing in this block to fold 1/s into: the group is clipped and rounded only
         inside, out = branch(nodes, x_name)
         if out is None:
@@ -102,9 +102,8 @@ class QuantizeAwq(Pass):
         s = found.scales
         for t in names:
             params[t] = dense_param(params[t].parts["weight"] * s)
-        prev_name, rows = target
-        prev = params[prev_name].parts["weight"]  # fp32: the fold is computed in fp32, then rounded once
-        prev = fold_into_norm(prev, s) if rows is None else fold_into_linear(prev, s, rows)
+        prev_name = target.tensor
+        prev = target.fold(params[prev_name].parts["weight"], s)  # in fp32, then rounded once
         # round to the stored dtype now, so later calibration sees the artifact's values
         prev = prev.to(graph.tensors[prev_name].format.torch_dtype).float()
         params[prev_name] = dense_param(prev)

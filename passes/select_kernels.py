@@ -120,7 +120,9 @@ def _query(graph: Graph, node: Node) -> KernelQuery:
     return KernelQuery(
         op=node.op, dtype=c.dtype,
         weight=weight.format if weight else None, weight_shape=tuple(weight.shape) if weight else (),
-        hidden_size=c.hidden_size,
+        hidden_size=a.get("head_dim", c.hidden_size) if node.op in ("rms_norm", "add_rms_norm") else c.hidden_size,
         num_heads=a.get("num_heads", 0), num_kv_heads=a.get("num_kv_heads", 0), head_dim=a.get("head_dim", 0),
         kv_dtype=a.get("kv_dtype"), kv_block_size=a.get("kv_block_size"),
+        norm_offset=a.get("offset", 0.0), act=a.get("act", "silu"), softcap=a.get("softcap") or None,
+        window=a.get("window"), rotary_dim=a.get("rotary_dim"),
     )

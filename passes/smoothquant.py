@@ -7,7 +7,7 @@ rescaled weights to their dtype); the factors are optc/frontend/quant/smoothquan
 A group is every `linear` of a decoder block reading one value; it is smoothed when that value is
 read by the group alone and the op producing it lies in the block and can absorb 1/s (as AWQ,
 `optc.frontend.quant.blocks.fold_target`): the input norm (q/k/v), the post-attention norm (gate/up), the up
-rows feeding `silu_mul` (down), the v rows feeding attention without GQA (o; SmolLM2 and Llama 3 use
+rows feeding `gated_act` (down), the v rows feeding attention without GQA (o; SmolLM2 and Llama 3 use
 GQA, so their o_proj is not smoothed). Smoothed linears carry the attr `smoothquant_alpha`, so a
 second run changes nothing. Statistics are the max |x| per channel over all calibration tokens, in
 fp32, computed block by block on the already smoothed blocks before. Quantizing is the next pass's job.
@@ -23,8 +23,8 @@ from optc.core.errors import InputError
 from optc.core.ir import Graph, Node
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.awq import fold_into_linear, fold_into_norm
 from optc.frontend.quant.blocks import (
+    FoldTarget,
     apply,
     dense_param,
     fold_target,
@@ -36,8 +36,6 @@ from optc.frontend.quant.blocks import (
 from optc.frontend.quant.smoothquant import channel_max, smooth_factors
 
 ATTR = "smoothquant_alpha"  # on a smoothed linear: the α its input's factors were computed with
-
-Target = tuple[str, slice | None]  # the tensor 1/s is folded into, and its rows (None: a norm weight)
 
 
 class SmoothQuant(Pass):
@@ -66,7 +64,7 @@ class SmoothQuant(Pass):
             params = runner.load(block.nodes)
             groups = todo.get(block.index, [])
             env = runner.run(block.nodes, params) if groups else {}
-            for group, (prev_name, rows) in groups:
+            for group, target in groups:
                 x = group[0].inputs[0]
                 names = [n.params["weight"] for n in group]
                 act_max = channel_max(env[x])
@@ -77,9 +75,8 @@ class SmoothQuant(Pass):
                 for t in names:  # each stored tensor rounded at once, so later blocks see the artifact's values
                     rescaled[t] = self._rounded(graph, t, params[t].parts["weight"] * s)
                     params[t] = dense_param(rescaled[t])
-                prev = params[prev_name].parts["weight"]
-                prev = fold_into_norm(prev, s) if rows is None else fold_into_linear(prev, s, rows)
-                rescaled[prev_name] = self._rounded(graph, prev_name, prev)
+                prev_name = target.tensor
+                rescaled[prev_name] = self._rounded(graph, prev_name, target.fold(params[prev_name].parts["weight"], s))
                 params[prev_name] = dense_param(rescaled[prev_name])
             runner.advance(block.nodes, params, block.outputs)
         new, store = apply(graph, store, {}, rescaled)
@@ -96,10 +93,10 @@ class SmoothQuant(Pass):
         return w.to(graph.tensors[name].format.torch_dtype).float().cpu()
 
 
-def _candidates(graph: Graph) -> dict[int, list[tuple[list[Node], Target]]]:
+def _candidates(graph: Graph) -> dict[int, list[tuple[list[Node], FoldTarget]]]:
     """Block index -> the groups still to smooth there, each with where its 1/s is folded."""
     consumers = graph.consumers()
-    todo: dict[int, list[tuple[list[Node], Target]]] = {}
+    todo: dict[int, list[tuple[list[Node], FoldTarget]]] = {}
     for block in split_blocks(graph)[1]:
         block_tensors = {t for n in block.nodes for t in n.params.values()}
         for group in linear_groups(block.nodes):
@@ -109,7 +106,7 @@ def _candidates(graph: Graph) -> dict[int, list[tuple[list[Node], Target]]]:
             if {c.name for c in consumers.get(x, [])} != {n.name for n in group}:
                 continue  # another op reads x too: x / s would change what it computes
             target = fold_target(graph, block.nodes, x)
-            if target is None or target[0] not in block_tensors:
+            if target is None or target.tensor not in block_tensors:
                 continue
             todo.setdefault(block.index, []).append((group, target))
     return todo

@@ -16,7 +16,7 @@ from optc.core.execute import Executor, Impl, Step, bind_params
 from optc.core.formats import DTYPES
 from optc.core.ir import Graph
 from optc.core.kv_cache import KVCache, KVCacheSpec
-from optc.core.rope import cos_sin_table
+from optc.core.rope import cos_sin_tables
 from optc.core.store import TensorStore
 from optc.runtime.batch import ForwardBatch
 
@@ -45,7 +45,7 @@ class Model:
         self.eos_token_ids = list(c.eos_token_ids)
         self.dtype = DTYPES[c.dtype]
         self.kv_spec = kv_spec or KVCacheSpec(dtype=c.dtype)
-        self.cos_sin = cos_sin_table(c, c.max_position_embeddings).to(self.device)
+        self.cos_sin = {name: t.to(self.device) for name, t in cos_sin_tables(c, c.max_position_embeddings).items()}
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config)

@@ -79,7 +79,7 @@ def transformers_bf16(bf16_artifacts):
     """transformers' greedy tokens and per-step logits, bfloat16, on the artifact's own weights."""
     from transformers import AutoTokenizer
 
-    from optc.frontend.models.llama import hf_model_from_artifact
+    from optc.frontend.models import hf_model_from_artifact
 
     path = bf16_artifacts["fused"]
     tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")

@@ -272,7 +272,7 @@ def test_cuda_graph_replay_equals_eager_on_gpu(artifacts):
 
 def test_compare_hf_rebuilds_a_random_source_from_the_artifact(artifacts, tmp_path):
     from optc.commands.bench import BenchOptions, run_bench
-    from optc.frontend.models.llama import hf_model_from_artifact
+    from optc.frontend.models import hf_model_from_artifact
 
     hf = hf_model_from_artifact(artifacts["cpu"], torch.device("cpu"), torch.float32)
     engine = Engine.load(artifacts["cpu"])

@@ -20,7 +20,7 @@ from optc.commands.export import ExportFormat, ExportOptions, export
 from optc.core.artifact import read
 from optc.core.errors import UserError
 from optc.core.formats import dequantize, pack_int4, part_name, quantized_format, unpack_int4
-from optc.frontend.models.llama import hf_config
+from optc.frontend.models import hf_config
 from optc.frontend.quant.rtn import quantize_weight
 from optc.frontend.sources import SourceError, load_source
 from optc.runtime import Engine, SamplingParams

@@ -106,7 +106,7 @@ def test_smollm2_triton_bound_matches_reference_greedy_tokens(tmp_path, recipes,
     out = build_artifact(tmp_path / "cuda", recipes / "smollm2-bf16.yaml", "dtype=float32", "target=cuda")
     cuda = Engine.load(out, max_num_batched_tokens=32)
     kernels = {n.attrs["kernel"] for n in cuda.model.graph.nodes}
-    assert {"triton.paged_attention", "triton.rope_kv_store", "triton.add_rms_norm", "triton.silu_mul"} <= kernels
+    assert {"triton.paged_attention", "triton.rope_kv_store", "triton.add_rms_norm", "triton.gated_act"} <= kernels
     prompts = ["The capital of France is", "def add(a, b):"]
     params = SamplingParams(max_tokens=8)
     reference = Engine.load(smollm2_f32_artifact, max_num_batched_tokens=32)

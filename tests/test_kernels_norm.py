@@ -1,11 +1,11 @@
-"""Triton rms_norm / add_rms_norm / silu_mul against their references (interpreter on the CPU)."""
+"""Triton rms_norm / add_rms_norm / gated_act against their references (interpreter on the CPU)."""
 
 import pytest
 import torch
 
-from optc.core.ops.elementwise import silu_mul_ref
+from optc.core.ops.elementwise import gated_act_ref
 from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
-from optc.kernels.activation import silu_mul
+from optc.kernels.activation import gated_act
 from optc.kernels.norm import add_rms_norm, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -46,6 +46,23 @@ def test_rms_norm_kernel_fp32_weight_promotes_like_ref():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 100), (12, 32)])
+def test_offset_rms_norm_kernel_matches_ref(dtype, shape):
+    # Gemma's (1 + w) norm, products in fp32: also a per-head q/k norm's rows of head_dim (12, 32)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=g).to(dtype) * 3
+    w = (torch.randn(shape[-1], generator=g) * 0.3).to(dtype)
+    out, ref = rms_norm(x, w, 1e-6, offset=1.0), rms_norm_ref(x, w, 1e-6, offset=1.0)
+    assert out.dtype == ref.dtype == dtype
+    assert_close(out, ref, _tol(dtype), _tol(dtype))
+    summed_out, summed = add_rms_norm(x, x.flip(0), w, 1e-6, offset=1.0)
+    ref_out, ref_sum = add_rms_norm_ref(x, x.flip(0), w, 1e-6, offset=1.0)
+    assert_close(summed, ref_sum, 0.0, _ulp(dtype))
+    assert_close(summed_out, ref_out, _tol(dtype), _tol(dtype))
+    assert not torch.allclose(out.float(), rms_norm_ref(x, w, 1e-6).float(), atol=_tol(dtype))  # the offset counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (9, 200)])
 def test_add_rms_norm_kernel_matches_ref(dtype, shape):
     g = torch.Generator().manual_seed(3)
@@ -61,31 +78,31 @@ def test_add_rms_norm_kernel_matches_ref(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2 * 48), (6, 2 * 1500)])
-def test_silu_mul_kernel_matches_ref(dtype, shape):
+def test_gated_act_kernel_matches_ref(dtype, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(dtype) * 4
-    out, ref = silu_mul(x), silu_mul_ref(x)
+    out, ref = gated_act(x), gated_act_ref(x)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert_close(out, ref, _tol(dtype), _tol(dtype))
 
 
-def test_silu_mul_kernel_takes_strided_gate_up_views():
+def test_gated_act_kernel_takes_strided_gate_up_views():
     x = torch.randn(5, 2 * 77, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     gate, up = x.split(77, dim=-1)  # column views of one tensor: row stride 154
     assert not gate.is_contiguous()
-    assert torch.equal(silu_mul(gate, up), silu_mul(x))  # same bits from views and from the whole
-    assert_close(silu_mul(gate, up), silu_mul_ref(x), 2e-2, 2e-2)
+    assert torch.equal(gated_act(gate, up), gated_act(x))  # same bits from views and from the whole
+    assert_close(gated_act(gate, up), gated_act_ref(x), 2e-2, 2e-2)
 
 
-def test_silu_mul_kernel_rejects_mismatched_halves():
+def test_gated_act_kernel_rejects_mismatched_halves():
     with pytest.raises(AssertionError, match="gate"):
-        silu_mul(torch.zeros(2, 8), torch.zeros(2, 9))
+        gated_act(torch.zeros(2, 8), torch.zeros(2, 9))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [576, 4096, 5000])  # SmolLM2, Llama-3-8B, not a power of two
-def test_norm_and_silu_mul_kernels_on_cuda(dtype, width):
+def test_norm_and_gated_act_kernels_on_cuda(dtype, width):
     g = torch.Generator().manual_seed(width)
     x, r = ((torch.randn(33, width, generator=g) * 3).to(dtype).cuda() for _ in range(2))
     w = torch.randn(width, generator=g).to(dtype).cuda()
@@ -95,4 +112,4 @@ def test_norm_and_silu_mul_kernels_on_cuda(dtype, width):
     assert torch.equal(s, s_ref)  # the residual sum is rounded once, in x's dtype, on both sides
     assert_close(y, y_ref, tol, tol)
     gate_up = torch.randn(33, 2 * width, generator=g).to(dtype).cuda()
-    assert_close(silu_mul(gate_up), silu_mul_ref(gate_up), tol, tol)
+    assert_close(gated_act(gate_up), gated_act_ref(gate_up), tol, tol)

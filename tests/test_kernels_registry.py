@@ -20,7 +20,7 @@ def test_registry_kernel_names_and_ops():
     # cuda: a Triton kernel, or a binding of a torch library matmul (W8A8); cpu: named after its target
     prefixes = {"cuda": ("triton", "torch"), "cpu": ("cpu",)}
     assert all(name.split(".")[0] in prefixes[k.target] for name, k in KERNELS.items())
-    assert {k.op for k in KERNELS.values()} == {"rms_norm", "add_rms_norm", "silu_mul", "rope", "rope_kv_store",
+    assert {k.op for k in KERNELS.values()} == {"rms_norm", "add_rms_norm", "gated_act", "rope", "rope_kv_store",
                                                 "attention", "linear", "lm_head"}
 
 
@@ -77,7 +77,7 @@ def test_registry_import_does_not_import_triton():
 def test_select_binds_only_kernels_of_the_asked_target():
     assert {k.target for k in KERNELS.values()} <= set(TARGETS)
     queries = [KernelQuery("linear", dtype, _int4(128), (4096, 4096)) for dtype in ("bfloat16", "float32")]
-    queries += [KernelQuery("rms_norm", "bfloat16", hidden_size=4096), KernelQuery("silu_mul", "float32")]
+    queries += [KernelQuery("rms_norm", "bfloat16", hidden_size=4096), KernelQuery("gated_act", "float32")]
     for q in queries:
         assert select(q, "cuda").target == "cuda"
         assert select(q, "cpu") is None or select(q, "cpu").target == "cpu"

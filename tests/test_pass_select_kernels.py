@@ -78,7 +78,7 @@ def test_select_kernels_triton_logits_match_reference_on_random_tiny():
     bound = make_pass("select_kernels").run(graph, store, PassContext(target="cuda")).graph
     names = {n.attrs["kernel"] for n in bound.nodes} - {"torch"}
     assert names == {"triton.rms_norm", "triton.add_rms_norm", "triton.rope_kv_store", "triton.paged_attention",
-                     "triton.silu_mul"}
+                     "triton.gated_act"}
     ids = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(3))
     ref = run_dense(Executor(graph, bind_params(graph, store)), ids)
     out = run_dense(Executor(bound, bind_params(bound, store), impls(names)), ids)

@@ -103,6 +103,18 @@ def test_folding_keeps_the_float_function():
     torch.testing.assert_close((x @ folded[8:].T) @ (w * s).T, (x @ fused[8:].T) @ w.T)
 
 
+def test_folding_into_an_offset_norm_keeps_the_float_function():
+    # Gemma's norm weighs by (1 + w): folding 1/s must give (1 + w') = (1 + w) / s, not w / s
+    from optc.core.ops.norm import rms_norm_ref
+
+    g = torch.Generator().manual_seed(3)
+    s, w = torch.rand(16, generator=g) + 0.5, 0.1 * torch.randn(16, generator=g)
+    x = torch.randn(5, 16, generator=g)
+    folded = fold_into_norm(w, s, offset=1.0)
+    torch.testing.assert_close(rms_norm_ref(x, folded, 1e-6, offset=1.0), rms_norm_ref(x, w, 1e-6, offset=1.0) / s)
+    assert not torch.allclose(folded, fold_into_norm(w, s))
+
+
 def test_clip_search_needs_int4():
     with pytest.raises(ValueError, match="clip search is for grouped int4"):
         search_clip(torch.zeros(4, 64), torch.zeros(4, 64), make_format(8))

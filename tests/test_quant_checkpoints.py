@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optc.core.formats import dequantize, part_name, unpack_int4
-from optc.frontend.models import config_from_hf
-from optc.frontend.models.llama import param_shapes
+from optc.frontend.models import config_from_hf, param_shapes
 from optc.frontend.sources import SourceError, load_source
 
 AWQ = "tiny-llama-awq-gemm"

@@ -9,7 +9,7 @@ usage. With `compare_hf` the same token ids also run through transformers `gener
 ratio is reported. The engine is read through its public API and `EngineStats` only. The
 transformers model is the artifact's source (manifest `source`): the HF
 folder or hub id, the GGUF file (dequantized by transformers), or for `random:` sources a
-LlamaForCausalLM rebuilt from the artifact's own weights (fused linears split back; dense artifacts
+transformers model of its family rebuilt from the artifact's own weights (fused linears split back; dense artifacts
 only). `hf_model_dir` names another checkpoint instead. This measures; it asserts nothing.
 """
 
@@ -352,10 +352,10 @@ def _hf_model(options: BenchOptions, device: torch.device, dtype: torch.dtype) -
         source = read_manifest(Path(options.artifact)).source
         kind = source.get("kind")
         # transformers keeps a GGUF's weights packed (its own quantized path); a dense artifact of one is
-        # compared with a dense LlamaForCausalLM holding the same weights, as random: sources are
+        # compared with a dense transformers model of its family holding the same weights, as random: sources are
         if kind == "random" or (kind == "gguf" and _is_dense(Path(options.artifact))):
             what = source.get("id") or Path(source["path"]).name
-            from optc.frontend.models.llama import hf_model_from_artifact
+            from optc.frontend.models import hf_model_from_artifact
 
             return hf_model_from_artifact(Path(options.artifact), device, dtype), f"dense, rebuilt from {what}"
         if kind == "hf_dir":

@@ -35,8 +35,10 @@ from optc.core.kv_cache import KVCacheSpec
 from optc.core.settings import RuntimeSettings
 from optc.core.store import TensorStore
 
-SCHEMA_VERSION = 3  # 2: model.dtype in the model config; 3: typed runtime (max_num_seqs) and kv_layout.scales
-READABLE_SCHEMA_VERSIONS = (2, 3)  # a version-2 manifest reads as its version-3 equivalent
+# 2: model.dtype in the model config; 3: typed runtime (max_num_seqs) and kv_layout.scales; 4: the model
+# families' op attributes and per-layer config (`silu_mul` became `gated_act {act: silu}`)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (2, 3, 4)  # an older manifest and graph read as their version-4 equivalents
 SHARD_BYTES = 2 * 1024**3
 MIN_CUDA_CAPABILITY = (8, 0)
 
@@ -137,7 +139,7 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
         check_target(manifest, device)
     verify_files(path, manifest, hashes=verify)
     try:
-        graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
+        graph = Graph.from_json(_upgrade_graph(json.loads((path / "graph.json").read_text())))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ArtifactError(f"{path / 'graph.json'} cannot be read ({type(e).__name__}: {e}); rebuild the artifact") \
             from None
@@ -147,6 +149,18 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
     except VerifyError as e:
         raise ArtifactError(f"{path}: the graph and weights disagree ({e}); rebuild the artifact") from None
     return Artifact(path, manifest, graph, store, path / "tokenizer")
+
+
+def _upgrade_graph(d: dict[str, Any]) -> dict[str, Any]:
+    """A graph.json of schema 2 or 3 in schema 4's vocabulary: its SwiGLU nodes (`silu_mul`, bound to
+    `triton.silu_mul` or the reference) become `gated_act {act: silu}` (the same math and kernel)."""
+    for node in d["nodes"]:
+        if node["op"] == "silu_mul":
+            node["op"] = "gated_act"
+            node["attrs"]["act"] = "silu"
+            if node["attrs"].get("kernel") == "triton.silu_mul":
+                node["attrs"]["kernel"] = "triton.gated_act"
+    return d
 
 
 def weight_keys(graph: Graph) -> list[str]:

@@ -29,7 +29,7 @@ from optc.core.store import TensorStore
 class Step:
     positions: torch.Tensor  # (T,)
     batch: object  # ForwardBatch fields: block_tables, seq_lens, query_start_loc, slot_mapping
-    cos_sin: torch.Tensor  # (P, head_dim) fp32
+    cos_sin: dict[str, torch.Tensor]  # rotary table name -> (P, rotary_dim) fp32 (optc.core.rope)
     logits_indices: torch.Tensor | None  # rows that get logits; None = all
     kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
     new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
@@ -126,7 +126,7 @@ def dense_step(
     of `kv_spec` (None: a float cache of `block_size`, `dtype`)."""
     from functools import partial
 
-    from optc.core.rope import cos_sin_table
+    from optc.core.rope import cos_sin_tables
 
     cfg = graph.config
     spec = kv_spec or KVCacheSpec(block_size, str(dtype).removeprefix("torch."))
@@ -145,7 +145,7 @@ def dense_step(
     return Step(
         pos.to(device),
         batch,
-        cos_sin_table(cfg, max(seq_len, 1)).to(device),
+        {name: t.to(device) for name, t in cos_sin_tables(cfg, max(seq_len, 1)).items()},
         last,
         new_transient_cache=partial(spec.allocate_layer, cfg, 1 + num_seqs * per_seq, device),
     )

@@ -16,6 +16,10 @@ from typing import Any
 from optc.core.formats import Format
 
 GRAPH_INPUTS = ("input_ids", "positions")
+FULL_ATTENTION = "full_attention"  # a layer whose queries see every earlier key (transformers' layer type names)
+SLIDING_ATTENTION = "sliding_attention"  # a layer whose queries see the last `sliding_window` keys, themselves included
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation of its gate half
 GRAPH_OUTPUTS = ("logits",)
 REFERENCE_KERNEL = "torch"  # a node without a `kernel` attr runs its op's torch reference
 
@@ -39,15 +43,49 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # activations between nodes (and the default KV cache dtype)
+    # per-layer attention: () is every layer full; else one of LAYER_TYPES per layer
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    local_rope_theta: float | None = None  # sliding layers' own unscaled rope base (Gemma 3); None: the global table
+    rotary_dim: int | None = None  # leading dims of each head that rotate (partial rotary); None: all of head_dim
+    hidden_act: str = "silu"  # one of HIDDEN_ACTS
+    query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power; None: head_dim's
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+        if SLIDING_ATTENTION in self.layer_types and not (isinstance(self.sliding_window, int)
+                                                          and self.sliding_window >= 1):
+            raise ValueError(f"sliding layers need a sliding_window >= 1, got {self.sliding_window!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(HIDDEN_ACTS)}")
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer; None for a full-attention layer."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING_ATTENTION else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @staticmethod

@@ -1,7 +1,18 @@
-"""Rotary tables from a model config: default, linear and llama3 rope scaling (as transformers).
+"""Rotary tables from a model config: default, linear, llama3 and longrope scaling (as transformers).
 
-`cos_sin_table(config, num_positions)` -> (P, head_dim) fp32 [cos | sin]. Other scaling types are
-refused with the list of supported ones.
+`cos_sin_tables(config, num_positions)` -> {table name: (P, rotary_dim) fp32 [cos | sin]}: the
+`GLOBAL` table every rope node reads unless its `rope_table` attr names `LOCAL`, the sliding layers'
+own table (Gemma 3's local base, unscaled). rotary_dim is the config's (partial rotary) or head_dim.
+
+LongRoPE (Phi-3): transformers' rotary module uses the long factors for a forward call whose longest
+position reaches `original_max_position_embeddings`, the short ones otherwise. A paged cache keeps each
+token's rotated key, so the table here picks per position: rows below the original length use the short
+factors, rows from it on the long ones, which is what the rotary module gives a model stepped over its
+KV cache. transformers' `generate` goes further for Phi-3: when a sequence first grows past the original
+length it drops its cache and recomputes every position with the long factors; optc keeps the keys it
+has (as vLLM does), so past that length its tokens may differ from `generate`'s. Both tables are
+multiplied by the attention factor, as transformers does.
+Other scaling types are refused with the list of supported ones.
 """
 
 from __future__ import annotations
@@ -12,7 +23,9 @@ import torch
 
 from optc.core.ir import ModelConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+GLOBAL = "global"
+LOCAL = "local"
 
 
 def rope_type(config: ModelConfig) -> str:
@@ -20,9 +33,17 @@ def rope_type(config: ModelConfig) -> str:
     return rs.get("rope_type", rs.get("type", "default"))
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    return config.rotary_dim or config.head_dim
+
+
+def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def inv_freq(config: ModelConfig) -> torch.Tensor:
-    d = config.head_dim
-    freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    """The global table's frequencies (for longrope: the short factors')."""
+    freq = base_inv_freq(config.rope_theta, rotary_dim(config))
     kind, rs = rope_type(config), config.rope_scaling or {}
     if kind == "default":
         return freq
@@ -38,9 +59,36 @@ def inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "longrope":
+        return freq / torch.tensor(rs["short_factor"], dtype=torch.float32)
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def cos_sin_table(config: ModelConfig, num_positions: int) -> torch.Tensor:
-    freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq(config))
+def cos_sin_tables(config: ModelConfig, num_positions: int) -> dict[str, torch.Tensor]:
+    """Every table the config's rope nodes read, by name."""
+    tables = {GLOBAL: _global_table(config, num_positions)}
+    if config.local_rope_theta is not None:
+        tables[LOCAL] = _table(torch.arange(num_positions, dtype=torch.float32),
+                               base_inv_freq(config.local_rope_theta, rotary_dim(config)))
+    return tables
+
+
+def _global_table(config: ModelConfig, num_positions: int) -> torch.Tensor:
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    if rope_type(config) != "longrope":
+        return _table(positions, inv_freq(config))
+    rs = config.rope_scaling
+    original = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or config.max_position_embeddings / original
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    long = base_inv_freq(config.rope_theta, rotary_dim(config)) / torch.tensor(rs["long_factor"], dtype=torch.float32)
+    short_rows = _table(positions[:original], inv_freq(config))
+    long_rows = _table(positions[original:], long)
+    return torch.cat((short_rows, long_rows)) * attention_factor
+
+
+def _table(positions: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    freqs = torch.outer(positions, freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -36,30 +36,36 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-PRESETS = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=256,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    ),
-    "llama-3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
+# random:<preset>: transformers configs (model_type, fields), so the same weights load in transformers.
+# `tiny` and `llama-3-8b` are Llama; the others are each family's smallest real shape shrunk to a few
+# layers, with what makes the family differ kept: head_dim not hidden / heads (Qwen3), windows shorter
+# than the test prompts on local and global layers (Gemma), partial rotary and LongRoPE (Phi-4-mini).
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5, **_NO_SPECIAL_TOKENS)
+PRESETS: dict[str, tuple[str, dict]] = {
+    "tiny": ("llama", dict(_TINY, head_dim=16, tie_word_embeddings=False)),
+    "llama-3-8b": ("llama", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, **_NO_SPECIAL_TOKENS,
         rope_theta=500000.0,  # Llama-3-8B: no rope scaling (that came with Llama 3.1's longer context)
-    ),
+    )),
+    "qwen3-tiny": ("qwen3", dict(_TINY, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "gemma2-tiny": ("gemma2", dict(_TINY, num_hidden_layers=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=20,
+                                   query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
+                                   final_logit_softcapping=30.0)),
+    "gemma3-tiny": ("gemma3_text", dict(_TINY, num_hidden_layers=3, num_key_value_heads=1, head_dim=32,
+                                        rms_norm_eps=1e-6, sliding_window=12, query_pre_attn_scalar=32,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}})),
+    "phi3-tiny": ("phi3", dict(_TINY, head_dim=16, tie_word_embeddings=True, max_position_embeddings=128,
+                               original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                               rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
+                                             "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0]})),
 }
 RANDOM_SEED = 0
 
@@ -111,7 +117,7 @@ def tensor_table(store: TensorStore) -> dict[str, TensorInfo]:
 def _finish(config: ModelConfig, table: dict[str, TensorInfo], store: TensorStore, record: dict,
             save_tokenizer, where: str, quantization: dict | None = None) -> Source:
     """Build the graph over `table`, check every weight it uses is there, and keep only those."""
-    graph = models.family(config.architecture).graph_for(config, table)
+    graph = models.graph_for(config, table)
     used = set(graph.used_tensors())
     missing = sorted(used - set(table))
     if missing:
@@ -216,22 +222,25 @@ def _gguf_source(path: Path) -> Source:
 def _random_source(preset: str) -> Source:
     if preset not in PRESETS:
         raise SourceError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
-    p = dict(PRESETS[preset])
-    config = ModelConfig(
-        architecture="LlamaForCausalLM", rms_norm_eps=1e-5, rope_theta=p.pop("rope_theta", 10000.0), **p
-    )
-    shapes = models.family(config.architecture).param_shapes(config)
-    store = TensorStore({n: Entry(s, torch.float32, lambda n=n, s=s: _random_tensor(n, s)) for n, s in shapes.items()})
+    model_type, fields = PRESETS[preset]
+    config = models.config_from_hf({"model_type": model_type, **fields}, f"random:{preset}")
+    shapes = models.param_shapes(config)
+    # norms weigh by about 1 (Gemma's offset norms: w about 0); a tied embedding is also the lm_head, so it
+    # is drawn at the projections' scale (std 1 would make every next token near certain)
+    offset = models.family(config.architecture).LAYOUTS[config.architecture].norm_offset
+    embed_std = config.hidden_size**-0.5 if config.tie_word_embeddings else 1.0
+    store = TensorStore({n: Entry(s, torch.float32, lambda n=n, s=s: _random_tensor(n, s, 1.0 - offset, embed_std))
+                         for n, s in shapes.items()})
     record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
     return _finish(config, tensor_table(store), store, record, lambda out: _byte_tokenizer(config, out),
                    f"random:{preset}")
 
 
-def _random_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _random_tensor(name: str, shape: tuple[int, ...], norm_center: float, embed_std: float) -> torch.Tensor:
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ RANDOM_SEED)
-    if len(shape) == 1:  # norm weights: around 1
-        return 1.0 + 0.1 * torch.randn(shape, generator=g)
-    std = 1.0 if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
+    if len(shape) == 1:  # norm weights
+        return norm_center + 0.1 * torch.randn(shape, generator=g)
+    std = embed_std if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
     return torch.randn(shape, generator=g) * std
 
 

@@ -85,8 +85,7 @@ def write_hf(graph: Graph, store: TensorStore, out: Path, max_shard_bytes: int =
     generation_config.json of `graph` and `store` into the existing folder `out`."""
     from safetensors.torch import save_file
 
-    family = models.family(graph.config.architecture)
-    config = family.hf_config(graph.config)
+    config = models.hf_config(graph.config)
     qc = quantization_config(graph)
     if qc is not None:
         config["quantization_config"] = qc
@@ -96,7 +95,7 @@ def write_hf(graph: Graph, store: TensorStore, out: Path, max_shard_bytes: int =
         gen = {"bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids) or None}
         (out / GENERATION_FILE).write_text(json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n")
 
-    params = family.hf_params(graph)
+    params = models.hf_params(graph)
     sizes = [_nbytes(_module_tensors(graph, None, p)) for p in params]
     shards = _shards(sizes, max_shard_bytes)
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -124,10 +123,9 @@ def _linear_schemes(graph: Graph) -> dict[str, dict | None]:
 
 def _stored_schemes(graph: Graph) -> dict[str, dict | None]:
     """Every transformers `nn.Linear` module -> the compressed-tensors args of its stored format (None: dense)."""
-    family = models.family(graph.config.architecture)
-    fmt_of = {n: graph.tensors[t].format for t, names, _ in family.hf_params(graph) for n in names}
+    fmt_of = {n: graph.tensors[t].format for t, names, _ in models.hf_params(graph) for n in names}
     out = {}
-    for module in family.hf_linear_modules(graph):
+    for module in models.hf_linear_modules(graph):
         fmt = fmt_of.get(f"{module}.weight")  # a tied lm_head has no weight of its own: the dense embedding
         out[module] = None if fmt is None else fmt.scheme.compressed_tensors_args(fmt)
     return out

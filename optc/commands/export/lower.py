@@ -5,7 +5,7 @@
     outputs  logits (B, S, V) float32, present.{i}.key / .value (B, H_kv, T, D) float32
 
 Values between ONNX nodes are (B, S, features) where optc's are (T, features). The walk over the IR
-and the ops both flavors write the same way (embedding, add, linear with its weight formats, silu_mul,
+and the ops both flavors write the same way (embedding, add, linear with its weight formats, gated_act,
 lm_head, rms_norm as standard ops, which ONNX Runtime fuses itself) live in `Lowering`; the flavors
 (optc.commands.export.ort, optc.commands.export.portable) supply attention, rotary embedding, the residual-add norm and
 int4 matmuls. Activations are float32 whatever the artifact's dtype (bf16 and fp16 weights widen
@@ -29,18 +29,35 @@ from optc.commands.export.onnx_builder import (
     embedding_table,
     float32,
 )
+from optc.core.errors import UserError
 from optc.core.formats import Format, part_name
 from optc.core.ir import Graph, Node
-from optc.core.rope import cos_sin_table
+from optc.core.rope import GLOBAL, cos_sin_tables
 from optc.core.store import TensorStore
 
 # every op of optc.core.ops has a lowering (tests/test_export.py checks the two lists agree)
 LOWERED_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "rope", "rope_kv_store", "attention",
-               "silu_mul", "lm_head")
+               "gated_act", "lm_head")
+# op attributes of the families beyond Llama that no flavor lowers: a graph holding one is refused by name
+UNLOWERED_ATTRS = {"rms_norm": ("offset", "head_dim"), "add_rms_norm": ("offset",), "embedding": ("scale",),
+                   "attention": ("softcap", "window"), "lm_head": ("softcap",), "rope": ("rope_table", "rotary_dim"),
+                   "rope_kv_store": ("rope_table", "rotary_dim")}
 PAST_KEY = "past_key_values.{}.key"
 PAST_VALUE = "past_key_values.{}.value"
 PRESENT_KEY = "present.{}.key"
 PRESENT_VALUE = "present.{}.value"
+
+
+def check_lowerable(graph: Graph) -> None:
+    """Raise a UserError naming the first node whose attributes the ONNX export cannot lower."""
+    for node in graph.nodes:
+        attrs = [a for a in UNLOWERED_ATTRS.get(node.op, ()) if node.attrs.get(a)]
+        if node.op == "gated_act" and node.attrs["act"] != "silu":
+            attrs.append("act")
+        if attrs:
+            shown = ", ".join(f"{a}={node.attrs[a]!r}" for a in attrs)
+            raise UserError(f"node {node.name} ({node.op}, {shown}) of a {graph.config.architecture} graph has no "
+                            f"ONNX lowering; export it with --format hf instead")
 
 
 class Lowering:
@@ -73,6 +90,7 @@ class Lowering:
 
     # --- the walk ---------------------------------------------------------------------------------
     def build(self) -> onnx.ModelProto:
+        check_lowerable(self.graph)
         b, cfg = self.b, self.cfg
         kv_shape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_dim]
         present_shape = ["batch_size", cfg.num_kv_heads, "total_sequence_length", cfg.head_dim]
@@ -130,7 +148,7 @@ class Lowering:
         if node.op == "attention":
             k, v = self._pending_kv.pop(a["layer"]) if a.get("kv_stored") else (ins[1], ins[2])
             return [self.attention(ins[0], k, v, node)]
-        if node.op == "silu_mul":
+        if node.op == "gated_act":
             gate, up = ins
             silu = b.op1("Mul", [gate, b.op1("Sigmoid", [gate], base=base)], base=base)
             return [b.op1("Mul", [silu, up], base=base)]
@@ -161,7 +179,7 @@ class Lowering:
 
     def cos_sin(self) -> tuple[np.ndarray, np.ndarray]:
         """(P, D / 2) cos and sin tables over the model's max positions (rope scaling included)."""
-        table = cos_sin_table(self.cfg, self.cfg.max_position_embeddings).numpy()
+        table = cos_sin_tables(self.cfg, self.cfg.max_position_embeddings)[GLOBAL].numpy()
         half = self.cfg.head_dim // 2
         return table[:, :half], table[:, half:]
 

@@ -13,7 +13,7 @@ from optc.core.formats import Format, part_name
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.ops.attention import ATTENTION
 from optc.core.ops.collective import ALL_GATHER, ALL_REDUCE
-from optc.core.ops.elementwise import ADD, SILU_MUL
+from optc.core.ops.elementwise import ADD, GATED_ACT
 from optc.core.ops.linear import EMBEDDING, LINEAR, LM_HEAD
 from optc.core.ops.norm import ADD_RMS_NORM, RMS_NORM
 from optc.core.ops.rope import ROPE, ROPE_KV_STORE
@@ -32,7 +32,7 @@ OPS: dict[str, OpSpec] = {
     "rope": ROPE,
     "rope_kv_store": ROPE_KV_STORE,
     "attention": ATTENTION,
-    "silu_mul": SILU_MUL,
+    "gated_act": GATED_ACT,
     "lm_head": LM_HEAD,
     "all_reduce": ALL_REDUCE,
     "all_gather": ALL_GATHER,

@@ -8,8 +8,11 @@ K/V dequantized (value * scale, optc/core/kv_cache.py). K/V are stored once per 
 per query head. A token at slot s lives in block s // block_size, offset s % block_size; slot -1
 is not stored (padding). Block tables are padded with block 0, the reserved null block.
 
-Attention is causal over each request's whole context: query i of request b (at position
-seq_lens[b] - query_len_b + i) sees keys 0 .. its own position. Math is fp32, cast on store.
+Attention is causal over each request's context: query i of request b (at position p =
+seq_lens[b] - query_len_b + i) sees keys 0 .. p, or with a sliding `window` (attr) keys p - window + 1
+.. p (transformers' `kv_idx > q_idx - sliding_window`); blocks wholly before a window may be the null
+block in the table, never read. With a `softcap` (attr, Gemma 2) the scaled scores become
+softcap * tanh(scores / softcap) before the mask. Math is fp32, cast on store.
 `paged_attention_ref` is the specification the Triton kernels (optc.kernels.paged_decode,
 paged_prefill) are tested against; `paged_attention_sdpa`, the torch path the runtime runs, computes
 the same: SDPA for prefill, the reference's own fp32 math for a decode step. Both read `seq_lens` and
@@ -46,6 +49,8 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """All requests at once: queries and K/V padded per request, one causal mask (no Python loop).
     `kv_scales` (num_blocks, 2, block_size, H_kv): a quantized cache's scales (None: a float cache)."""
@@ -72,10 +77,10 @@ def paged_attention_ref(
     # (B, H_kv, group * Lq, D): the query heads of one KV head share its K/V (read once per group)
     qh = qp.view(num_requests, max_query, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     qh = qh.reshape(num_requests, num_kv_heads, group * max_query, head_dim)
-    scores = (qh @ k.transpose(-1, -2)) * scale  # (B, H_kv, group * Lq, L)
+    scores = _capped((qh @ k.transpose(-1, -2)) * scale, softcap)  # (B, H_kv, group * Lq, L)
     query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
-    masked = torch.arange(k.shape[2], device=dev)[None, None, :] > query_pos[:, :, None]  # (B, Lq, L)
-    scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))
+    masked = ~_visible(torch.arange(k.shape[2], device=dev)[None, None, :], query_pos[:, :, None], window)
+    scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))  # masked: (B, Lq, L)
     out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
     return out[request, row].to(q.dtype)
@@ -91,6 +96,8 @@ def paged_attention_sdpa(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The torch-bound runtime path: `paged_attention_ref`'s math on the gathered cache.
 
@@ -100,7 +107,8 @@ def paged_attention_sdpa(
     matmul per KV head group (`_decode`): on the CPU that is 1.4-3x faster than SDPA's kernel at
     these sizes, and equal to the reference. In a decode step whose caller knows the longest context
     as a Python int (`max_seq_len`, with `max_query_len` 1) it is used instead of reading it off
-    `seq_lens`, which saves a reduction and a host read per layer.
+    `seq_lens`, which saves a reduction and a host read per layer. A soft-capped layer runs the
+    reference's fp32 scores in prefill too (SDPA has no cap).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -120,7 +128,10 @@ def paged_attention_sdpa(
     # index_select copies whole blocks as contiguous rows: much faster on the CPU than advanced indexing
     table = block_tables[:, :num_blocks].reshape(-1).long()
     if num_tokens == num_requests and max_query == 1:  # a decode step: one query per request, no padding
-        return _decode(q, kv_cache, kv_scales, table, seq_lens, scale)
+        return _decode(q, kv_cache, kv_scales, table, seq_lens, scale, softcap, window)
+    if softcap:
+        return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_scales, softcap,
+                                   window)
     dtype = q.dtype if kv_scales is not None else kv_cache.dtype
     k, v = (dequantize(kv_cache[:, i].index_select(0, table), None if kv_scales is None
                        else kv_scales[:, i].index_select(0, table), dtype)
@@ -131,14 +142,14 @@ def paged_attention_sdpa(
     qp = q.new_zeros((num_requests, max_query, num_heads, head_dim), dtype=dtype)
     qp[request, row] = q.to(dtype)
     query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
-    allowed = torch.arange(length, device=dev)[None, None, :] <= query_pos[:, :, None]  # (B, Lq, L)
+    allowed = _visible(torch.arange(length, device=dev)[None, None, :], query_pos[:, :, None], window)  # (B, Lq, L)
     out = torch.nn.functional.scaled_dot_product_attention(
         qp.transpose(1, 2), k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=True)  # (B, H_q, Lq, D)
     return out.transpose(1, 2)[request, row].to(q.dtype)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, table: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+            seq_lens: torch.Tensor, scale: float, softcap: float | None, window: int | None) -> torch.Tensor:
     """One query per request against its gathered blocks (`table`: (B * nb,) block ids), in fp32 as
     `paged_attention_ref` computes it; K and V are gathered by one index_select."""
     # q: (B, H_q, D) -> (B, H_q, D)
@@ -150,8 +161,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | N
     k = kv[:, :, 0].reshape(b, length, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # (B, H_kv, D, L)
     v = kv[:, :, 1].reshape(b, length, num_kv_heads, head_dim).transpose(1, 2)  # (B, H_kv, L, D)
     scores = q.float().view(b, num_kv_heads, num_heads // num_kv_heads, head_dim) @ k  # (B, H_kv, group, L)
-    masked = torch.arange(length, device=q.device) >= seq_lens[:, None]  # (B, L)
-    scores.mul_(scale).masked_fill_(masked[:, None, None], float("-inf"))
+    keys = torch.arange(length, device=q.device)
+    masked = ~_visible(keys, seq_lens[:, None].long() - 1, window)  # (B, L): the query is at seq_len - 1
+    scores = _capped(scores.mul_(scale), softcap).masked_fill_(masked[:, None, None], float("-inf"))
     return (scores.softmax(-1) @ v).view(b, num_heads, head_dim).to(q.dtype)
 
 
@@ -167,6 +179,8 @@ def attention_ref(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The attention op: store k, v into the cache (None: stored already, by rope_kv_store), then
     attend. `max_query_len` / `max_seq_len` are the batch's bounds when the caller knows them as
@@ -175,11 +189,27 @@ def attention_ref(
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
     return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale,
-                                max_query_len, max_seq_len, kv_scales=kv_cache.scales)
+                                max_query_len, max_seq_len, kv_scales=kv_cache.scales, softcap=softcap, window=window)
+
+
+def attention_kwargs(node) -> dict:
+    """The optional arguments an attention node passes its implementation (none for plain causal
+    attention, so a kernel that implements only that keeps its signature)."""
+    return {a: node.attrs[a] for a in ("softcap", "window") if node.attrs.get(a)}
+
+
+def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys a query sees: causal, and within the window when there is one."""
+    seen = key_pos <= query_pos
+    return seen if window is None else seen & (key_pos > query_pos - window)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
 
 
 def _attention_call(fn, node, inputs, params, step):
-    # attention(q, k, v) {layer, heads, scale} -> out;  with {kv_stored}: attention(q) reads the cache only
+    # attention(q, k, v) {layer, heads, scale, softcap?, window?} -> out;  {kv_stored}: attention(q) reads the cache
     a, b = node.attrs, step.batch
     cache = step.kv_cache(a["layer"])
     k = v = None
@@ -189,7 +219,8 @@ def _attention_call(fn, node, inputs, params, step):
     # Python ints when the batch carries them (the runtime's ForwardBatch); a CUDA-graph capture
     # passes its capacity as max_seq_len
     out = fn(q, k, v, cache, b.slot_mapping, b.block_tables, b.seq_lens, b.query_start_loc, a["scale"],
-             max_query_len=getattr(b, "max_query_len", None), max_seq_len=getattr(b, "max_seq_len", None))
+             max_query_len=getattr(b, "max_query_len", None), max_seq_len=getattr(b, "max_seq_len", None),
+             **attention_kwargs(node))
     return [out.flatten(1)]
 
 

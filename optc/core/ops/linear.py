@@ -5,6 +5,11 @@ W is dequantized in x's dtype before the matmul; the Triton w4a16 / w8a16 launch
 signature. A linear with a `split` attr is the fusion of sibling linears: its output is split
 along features into the siblings' outputs. `lm_head` computes the logits of the step's selected
 rows only, in float32 (`logits_ref`: never rounded to a 16-bit activation dtype where it matters).
+
+Two attributes of the families beyond Llama live in the adapters, so every implementation gets them:
+an embedding's `scale` (Gemma's sqrt(hidden), rounded to the activation dtype and multiplied in it, as
+transformers does) and an lm_head's `softcap` (Gemma 2's final logit soft-capping, logits ->
+softcap * tanh(logits / softcap) in float32; monotonic, so the exactly recomputed best rows stay best).
 """
 
 from __future__ import annotations
@@ -52,14 +57,16 @@ def exact_top_logits(logits: torch.Tensor, x: torch.Tensor, parts: dict[str, tor
 
 
 def _embedding_call(fn, node, inputs, params, step):
-    # embedding(input_ids) {vocab_start?} [weight] -> hidden
+    # embedding(input_ids) {vocab_start?, scale?} [weight] -> hidden
     w = params["weight"].dense()
     if "vocab_start" not in node.attrs:
-        return [fn(inputs[0], w)]
-    # a vocab-parallel shard holds rows vocab_start ..: ids outside it give 0 (summed over ranks later)
-    ids = inputs[0] - node.attrs["vocab_start"]
-    inside = (ids >= 0) & (ids < w.shape[0])
-    return [torch.where(inside[:, None], fn(ids.clamp(0, w.shape[0] - 1), w), 0)]
+        out = fn(inputs[0], w)
+    else:  # a vocab-parallel shard holds rows vocab_start ..: ids outside it give 0 (summed over ranks later)
+        ids = inputs[0] - node.attrs["vocab_start"]
+        inside = (ids >= 0) & (ids < w.shape[0])
+        out = torch.where(inside[:, None], fn(ids.clamp(0, w.shape[0] - 1), w), 0)
+    scale = node.attrs.get("scale")
+    return [out if scale is None else out * torch.tensor(scale, dtype=out.dtype)]
 
 
 def _linear_call(fn, node, inputs, params, step):
@@ -71,11 +78,14 @@ def _linear_call(fn, node, inputs, params, step):
 
 
 def _lm_head_call(fn, node, inputs, params, step):
-    # lm_head(hidden) [weight] -> float32 logits of the rows step.logits_indices selects (None, or no step: all)
+    # lm_head(hidden) {softcap?} [weight] -> float32 logits of the rows step.logits_indices selects (None, or
+    # no step: all)
     indices = None if step is None else step.logits_indices
     x = inputs[0] if indices is None else inputs[0][indices]
     w = params["weight"]
-    return [fn(x, w.parts, w.format)]
+    logits = fn(x, w.parts, w.format)
+    cap = node.attrs.get("softcap")
+    return [logits if not cap else torch.tanh(logits / cap) * cap]
 
 
 def _lm_head_rows(inputs, step) -> int:

@@ -4,8 +4,10 @@ from the artifact's graph. The artifact stays one artifact; nothing here touches
 How each op's parameters and values partition is declared once per op in `PARTITIONS` (every op of
 optc.core.ops has an entry; a test holds that):
 - REPLICATED (norms): params whole, inputs and outputs whole;
+- PER_HEAD (a norm with a `head_dim` attr: Qwen3's and Gemma 3's q/k norms): its (head_dim,) weight
+  whole, its value in whichever head partition its consumer takes (the rope after it), output alike;
 - ELEMENTWISE (add): every input laid out alike, the output too;
-- GATED (silu_mul): gate and up split evenly along features, the output alike;
+- GATED (gated_act): gate and up split evenly along features, the output alike;
 - HEADS (rope, attention, rope_kv_store): query heads split evenly; KV heads split evenly or, when
   the ranks outnumber them, each rank holds the one KV head its query heads read (replicated, as vLLM
   does). The node's head counts become the rank's;
@@ -43,6 +45,7 @@ from optc.core.store import Entry, TensorStore
 
 class Partition(enum.Enum):
     REPLICATED = "replicated"
+    PER_HEAD = "per_head"
     ELEMENTWISE = "elementwise"
     GATED = "gated"
     HEADS = "heads"
@@ -61,11 +64,20 @@ PARTITIONS: dict[str, Partition] = {
     "rope": Partition.HEADS,
     "rope_kv_store": Partition.HEADS,
     "attention": Partition.HEADS,
-    "silu_mul": Partition.GATED,
+    "gated_act": Partition.GATED,
     "lm_head": Partition.VOCAB_LOGITS,
     "all_reduce": Partition.COLLECTIVE,
     "all_gather": Partition.COLLECTIVE,
 }
+
+
+
+def partition(node: Node) -> Partition:
+    """The node's partition rule: its op's, or PER_HEAD for a per-head norm."""
+    if node.op == "rms_norm" and node.attrs.get("head_dim"):
+        return Partition.PER_HEAD
+    return PARTITIONS[node.op]
+
 
 WHOLE = "whole"
 PARTIAL = "partial"
@@ -163,9 +175,9 @@ class _Planner:
         self.kv = ((kv_heads[0] * c.head_dim, kv_heads[1] * c.head_dim),)
         self.num_q_heads, self.num_kv_heads = q_heads[1] - q_heads[0], kv_heads[1] - kv_heads[0]
         for node in self.graph.nodes:
-            rule = PARTITIONS.get(node.op)
-            if rule is None:
+            if node.op not in PARTITIONS:
                 raise _Unsplittable(f"node {node.name}", f"op {node.op} declares no partition")
+            rule = partition(node)
             getattr(self, f"_{rule.value}")(copy.deepcopy(node), [self.layouts[v] for v in node.inputs])
         for v in self.graph.outputs:
             if self.layouts[v] != WHOLE:
@@ -207,8 +219,10 @@ class _Planner:
         """The layout `value`'s consumers take it in: a head or even partition, or WHOLE."""
         wanted = set()
         for consumer in self.consumers[value]:
-            rule, i = PARTITIONS.get(consumer.op), consumer.inputs.index(value)
-            if rule is Partition.HEADS:
+            rule, i = partition(consumer), consumer.inputs.index(value)
+            if rule is Partition.PER_HEAD:  # passes its value through: what its own consumers take
+                wanted.add(self._demand(consumer.outputs[0], width, what))
+            elif rule is Partition.HEADS:
                 wanted.add(self.q if i == 0 else self.kv)
             elif rule is Partition.GATED:
                 wanted.add(self._even(width, what))
@@ -223,6 +237,11 @@ class _Planner:
     def _replicated(self, node: Node, ins: list[Layout]) -> None:
         self._need(node, ins, all(x == WHOLE for x in ins), "needs its inputs whole")
         self._emit(node, [WHOLE] * len(node.outputs))
+
+    def _per_head(self, node: Node, ins: list[Layout]) -> None:
+        self._need(node, ins, ins[0] != PARTIAL, "needs its heads whole (not a partial sum)")
+        self._use_whole(node)
+        self._emit(node, [ins[0]])
 
     def _elementwise(self, node: Node, ins: list[Layout]) -> None:
         self._need(node, ins, len(set(ins)) == 1 and ins[0] != PARTIAL, "needs its inputs laid out alike")

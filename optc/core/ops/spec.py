@@ -74,9 +74,5 @@ def no_params(node: Node, cfg: ModelConfig) -> dict:
     return {}
 
 
-def hidden_weight(node: Node, cfg: ModelConfig) -> dict:
-    return {"weight": (cfg.hidden_size,)}
-
-
 def vocab_weight(node: Node, cfg: ModelConfig) -> dict:
     return {"weight": (cfg.vocab_size, cfg.hidden_size)}

@@ -112,9 +112,10 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, fmt: Format, n_grid: int = 20,
     return torch.cat(best)
 
 
-def fold_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """RMSNorm weight (K,) -> weight / s, in the norm weight's dtype (division in fp32)."""
-    return (norm_weight.float() / scales).to(norm_weight.dtype)
+def fold_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm weight (K,) -> weight / s, in the norm weight's dtype (division in fp32). A norm that weighs by
+    offset + w (Gemma's 1 + w) gets w' with offset + w' = (offset + w) / s."""
+    return ((offset + norm_weight.float()) / scales - offset).to(norm_weight.dtype)
 
 
 def fold_into_linear(prev_weight: torch.Tensor, scales: torch.Tensor, rows: slice | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from optc.core.formats import DENSE_F32, Format, part_name
 from optc.core.ir import Graph, Node, TensorInfo
 from optc.core.ops import OPS, Param
 from optc.core.store import Entry, TensorStore
+from optc.frontend.quant.awq import fold_into_linear, fold_into_norm
 
 NORMS = ("rms_norm", "add_rms_norm")
 
@@ -141,15 +142,31 @@ class BlockRunner:
         self.env = {v: env[v] for v in ("input_ids", "positions", *keep)}
 
 
-def fold_target(graph: Graph, nodes: list[Node], x: str) -> tuple[str, slice | None] | None:
-    """Where 1/s of input value x can be folded: (norm weight, None) or (linear weight, rows)."""
+@dataclass(frozen=True)
+class FoldTarget:
+    """Where 1/s of a linear group's input folds: a norm's weight (`rows` None; it weighs by `offset` + w,
+    so w becomes (offset + w) / s - offset) or `rows` of the linear producing the input."""
+
+    tensor: str
+    rows: slice | None = None
+    offset: float = 0.0
+
+    def fold(self, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The target's weight (fp32) with 1/s folded in."""
+        if self.rows is None:
+            return fold_into_norm(weight, scales, self.offset)
+        return fold_into_linear(weight, scales, self.rows)
+
+
+def fold_target(graph: Graph, nodes: list[Node], x: str) -> FoldTarget | None:
+    """Where 1/s of input value x can be folded: its norm, or rows of a linear before it."""
     producers = {o: n for n in graph.nodes for o in n.outputs}
     p = producers.get(x)
     if p is None:
         return None
-    if p.op in NORMS and p.outputs[0] == x:
-        return p.params["weight"], None
-    if p.op == "silu_mul":  # silu(g) * (u / s) = (silu(g) * u) / s: fold into the up rows
+    if p.op in NORMS and p.outputs[0] == x and not p.attrs.get("head_dim"):
+        return FoldTarget(p.params["weight"], offset=p.attrs.get("offset", 0.0))
+    if p.op == "gated_act":  # act(g) * (u / s) = (act(g) * u) / s: fold into the up rows
         return _linear_rows(producers, p.inputs[1])
     if p.op == "attention":  # o_proj: fold into v rows only when every head has its own v (no GQA)
         if p.attrs["num_heads"] != p.attrs["num_kv_heads"]:
@@ -158,13 +175,13 @@ def fold_target(graph: Graph, nodes: list[Node], x: str) -> tuple[str, slice | N
     return None
 
 
-def _linear_rows(producers: dict[str, Node], value: str) -> tuple[str, slice | None] | None:
+def _linear_rows(producers: dict[str, Node], value: str) -> FoldTarget | None:
     lin = producers.get(value)
     if lin is None or lin.op != "linear" or "bias" in lin.params:
         return None
     split = lin.attrs.get("split") or [lin.attrs["out_features"]]
     j = lin.outputs.index(value)
-    return lin.params["weight"], slice(sum(split[:j]), sum(split[:j + 1]))
+    return FoldTarget(lin.params["weight"], slice(sum(split[:j]), sum(split[:j + 1])))
 
 
 def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, dict[str, torch.Tensor]]],
