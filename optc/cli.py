@@ -58,6 +58,14 @@ def _parallel_options(tensor_parallel_size: int | None, distributed_backend: str
     return {k: v for k, v in options.items() if v is not None}
 
 
+def _read_text(path: Path, option: str) -> str:
+    """A text file an option names; a UserError naming the option when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{option} {path}: cannot read it ({type(e).__name__}: {e})") from None
+
+
 @contextmanager
 def _user_errors() -> Iterator[None]:
     """One line and exit 2 for a UserError (with its traceback under --traceback); bugs propagate."""
@@ -135,7 +143,10 @@ def inspect(
 def run(
     artifact: Path = typer.Argument(..., help="Artifact folder."),
     prompt: str = typer.Option(..., "--prompt", help="Prompt text."),
-    chat: bool = typer.Option(False, "--chat", help="Format the prompt with the model's chat template."),
+    chat: bool = typer.Option(False, "--chat", help="Format the prompt with the model's chat template (a base "
+                              "model has none: give one with --chat-template)."),
+    chat_template: Path | None = typer.Option(None, "--chat-template", help="A Jinja chat template file that "
+                                              "replaces the tokenizer's (or gives a base model one)."),
     max_tokens: int = typer.Option(
         64, "--max-tokens", min=1, help="Maximum new tokens; the prompt and these must fit in the context."
     ),
@@ -165,7 +176,10 @@ def run(
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
         )
         spec = SpeculativeConfig.parse(speculative) if speculative else None
-        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec,
+        template = _read_text(chat_template, "--chat-template") if chat_template else None
+        if template is not None and not chat:
+            raise UserError("--chat-template formats chat prompts: add --chat")
+        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec, chat_template=template,
                              **_parallel_options(tensor_parallel_size, distributed_backend))
         try:
             t0 = time.perf_counter()
@@ -380,6 +394,9 @@ def serve(
                                              "this origin, e.g. http://localhost:3000 (repeatable; none = no CORS)."),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log every request line and body (off: "
                                       "bodies are never logged)."),
+    chat_template: Path | None = typer.Option(None, "--chat-template", help="A Jinja chat template file for "
+                                              "/v1/chat/completions, replacing the tokenizer's (a base model has "
+                                              "none: without one its chat requests get 400)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
                                            "get to finish after SIGTERM/SIGINT before they are cancelled."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
@@ -397,7 +414,8 @@ def serve(
             raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
-                               **_parallel_options(tensor_parallel_size, distributed_backend))
+                               **_parallel_options(tensor_parallel_size, distributed_backend),
+                               chat_template=_read_text(chat_template, "--chat-template") if chat_template else None)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

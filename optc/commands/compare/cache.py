@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,12 +21,13 @@ from pathlib import Path
 import optc
 from optc.core.artifact import SCHEMA_VERSION, ArtifactError, read
 from optc.frontend.recipe import Recipe
+from optc.frontend.sources import cache_root
 
 KEY_CHARS = 20
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "compare"
+    return cache_root() / "compare"
 
 
 @dataclass(frozen=True)

