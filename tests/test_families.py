@@ -40,20 +40,22 @@ def family(request, tmp_path_factory):
     fused = build_artifact(out / "fused", None, "dtype=float32", FUSED, model=f"random:{preset}")
     hf = random_hf_model(preset)
     prompts = _prompts(preset)
-    return preset, hf, plain, fused, prompts, [_hf_cached_greedy(hf, ids) for ids in prompts]
+    return preset, hf, plain, fused, prompts, [_hf_cached_greedy(hf, ids)[0] for ids in prompts]
 
 
-def _hf_cached_greedy(hf, ids: list[int]) -> list[int]:
-    """NEW_TOKENS greedy tokens of a transformers model, one forward per token over its KV cache."""
-    tokens, cache = [], None
+def _hf_cached_greedy(hf, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """NEW_TOKENS greedy tokens of a transformers model and each step's float32 logits, one forward per
+    token over its KV cache."""
+    tokens, logits, cache = [], [], None
     with torch.no_grad():
         step = torch.tensor([ids])
         for _ in range(NEW_TOKENS):
             out = hf(step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
             step = torch.tensor([[tokens[-1]]])
-    return tokens
+    return tokens, logits
 
 
 @pytest.mark.parametrize("engine_config", list(ENGINES.values()), ids=list(ENGINES))
@@ -80,3 +82,22 @@ def test_every_prompt_position_logits_match_transformers(family):
                 expected = hf(torch.tensor([ids])).logits[0]
             assert_close(model.forward(batch, caches), expected, rtol=1e-4,
                          what=f"{preset} {artifact.name}: logits of a {len(ids)}-token prompt")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_greedy_like_transformers(preset, tmp_path):
+    """tests/test_bf16_parity.py's rule: tokens equal up to the first difference, and there transformers' own
+    bfloat16 logits of both tokens are at most one bfloat16 step apart (a tie within its rounding)."""
+    hf = random_hf_model(preset, torch.bfloat16)
+    artifact = build_artifact(tmp_path / "a", None, "dtype=bfloat16", FUSED, model=f"random:{preset}")
+    prompts = _prompts(preset)
+    completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for ids, c in zip(prompts, completions, strict=True):
+        expected, logits = _hf_cached_greedy(hf, ids)
+        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
+        if t is None:
+            continue
+        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
+        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
+        assert theirs - ours <= step, f"{preset}, {len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
+                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
