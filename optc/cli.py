@@ -102,11 +102,13 @@ def build(
     ),
 ) -> None:
     """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
+    from optc.commands.eval import evaluate_build
     from optc.frontend.build import BuildOptions
     from optc.frontend.build import build as run_build
 
     with _user_errors():
-        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device))
+        options = BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device)
+        path = run_build(options, evaluate=evaluate_build)
     typer.echo(str(path))
 
 

@@ -38,14 +38,13 @@ def assert_close(
 
 
 def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model: str | None = None) -> Path:
-    """`optc build` quietly, as a library call."""
+    """`optc build` quietly, as a library call (with `optc eval`'s evaluator, as the CLI passes it)."""
+    from optc.commands.eval import evaluate_build
     from optc.frontend.build import BuildOptions, build
 
-    return build(
-        BuildOptions(
-            recipe=Path(recipe) if recipe else None, out=Path(out), model=model, overrides=tuple(overrides), quiet=True
-        )
-    )
+    options = BuildOptions(recipe=Path(recipe) if recipe else None, out=Path(out), model=model,
+                           overrides=tuple(overrides), quiet=True)
+    return build(options, evaluate=evaluate_build)
 
 
 def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):

@@ -111,6 +111,18 @@ def test_every_ir_op_has_a_lowering():
     assert sorted(LOWERED_OPS) == sorted(set(OPS) - set(COLLECTIVE_OPS))  # collectives: never in an artifact
 
 
+def test_every_format_kind_has_an_onnx_matmul_and_a_missing_one_is_refused_by_name(monkeypatch):
+    """Export keeps the ONNX lowering of each format kind (the schemes in optc.core know nothing of ONNX)."""
+    from optc.commands.export import matmuls
+    from optc.core.formats import Format, FormatKind
+
+    assert set(matmuls.ONNX_MATMULS) == set(FormatKind)
+    monkeypatch.delitem(matmuls.ONNX_MATMULS, FormatKind.INT8_WO)
+    lowering = type("L", (), {"flavor": "ort", "b": None})()
+    with pytest.raises(matmuls.ExportFormatError, match=r"tensor w is int8_wo, which has no ONNX lowering"):
+        matmuls.onnx_matmul(lowering, "x", "w", {}, Format(FormatKind.INT8_WO, "float32", 8))
+
+
 def test_ort_flavor_uses_the_fused_contrib_ops(exported):
     def nodes(name, flavor):
         return onnx.load(str(exported[(name, flavor)] / "model.onnx"), load_external_data=False).graph.node
