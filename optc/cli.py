@@ -388,6 +388,13 @@ def serve(
     tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
     distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; a larger one "
+                                       "is answered 413 before it is read."),
+    client_timeout: float = typer.Option(30.0, "--client-timeout", help="Seconds a client may take to send a "
+                                         "request's headers, and then its body; a slower one is answered 408."),
+    failure_window: float = typer.Option(60.0, "--failure-window", help="A failed engine step fails the requests "
+                                         "in flight (500) and the server serves on; a second failure within this "
+                                         "many seconds stops the server (exit 1)."),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -399,7 +406,9 @@ def serve(
             raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
-                               **_parallel_options(tensor_parallel_size, distributed_backend))
+                               **_parallel_options(tensor_parallel_size, distributed_backend),
+                               max_body_bytes=max_body_bytes, client_timeout=client_timeout,
+                               failure_window=failure_window)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

@@ -8,6 +8,7 @@ randomness. Stop strings are matched on detokenized text, in runtime/text.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,8 +36,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if not self.temperature >= 0.0:
-            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
+        if not 0.0 <= self.temperature < math.inf:
+            raise InputError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}",
+                             "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
