@@ -21,9 +21,12 @@ from optc.core.errors import InputError
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (anything below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # None = drawn from the engine's generator
@@ -57,7 +60,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below GREEDY_BELOW, logits / temperature overflows float32 to inf and softmax gives NaN: argmax
+        # is the limit of sampling as temperature -> 0 (vLLM's _SAMPLING_EPS is the same 1e-5)
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(

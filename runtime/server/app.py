@@ -104,8 +104,11 @@ class ServerState:
             accepted = await anext(outputs)
         except (ValueError, UserError) as e:
             field = getattr(e, "field", None) or "prompt"
-            raise ApiError(400, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                           params_of.get(field, field)) from None
+            param = params_of.get(field, field)
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if param != field and field != "prompt":  # the body's name, where it is not the engine's
+                message = message.replace(field, param)
+            raise ApiError(400, message, param) from None
         return accepted, outputs
 
 

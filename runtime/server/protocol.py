@@ -76,6 +76,10 @@ class _Sampling(_Body):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ApiError(400, "'stop' strings must be non-empty", "stop")
+        for i, stop in enumerate(stops):
+            _check_text(stop, f"stop[{i}]", "stop")
+        if self.user is not None:
+            _check_text(self.user, "user", "user")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -217,7 +221,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         error = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
         param = str(error["loc"][0]) if error["loc"] else None
         # a union's error names the member it tried (`prompt.list[int].0`): the body's path is the rest
-        first = ".".join(str(p) for p in error["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES)))
+        loc = error["loc"]
+        first = ".".join([str(p) for p in loc[:1]]
+                         + [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _TYPES))])
         if error["type"] == "extra_forbidden":
             raise ApiError(400, f"'{first}' is not supported by this server", param) from None
         if error["type"] == "missing":
