@@ -119,21 +119,25 @@ def smollm2_hf_checkpoint() -> Path:
 
 
 @contextlib.contextmanager
-def serve_process(artifact: Path, *args: str, timeout: float = 120.0,
-                  log: IO[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def serve_process(artifact: Path, *args: str, timeout: float = 120.0, log: IO[str] | None = None,
+                  command: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`optc serve ARTIFACT ARGS` on 127.0.0.1 and a free port: yields (base URL, process) once
     /health answers 200, and always ends the process (SIGTERM, then SIGKILL after 10 s). Its output
-    goes to `log` (a file the caller reads afterwards) or to a temporary file."""
+    goes to `log` (a file the caller reads afterwards) or to a temporary file. `command` runs instead of
+    the `optc` executable (a script that changes something, then calls `optc.cli.app`), with `env` added
+    to the environment."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     optc = Path(sys.executable).parent / "optc"
-    command = [str(optc), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [*(command or [str(optc)]), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
     owns_log = log is None
     log = log or tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -121,6 +121,8 @@ class Artifact:
     graph: Graph
     store: TensorStore
     tokenizer_dir: Path
+    # weights file -> (bytes, mtime_ns, inode) when `read` checked it: `check_unchanged` compares
+    stamps: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def read(path: str | Path, verify: bool = True, device: str | None = None) -> Artifact:
@@ -135,6 +137,8 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
     manifest = read_manifest(path)
     if device is not None:
         check_target(manifest, device)
+    stamps = {rel: _stamp(path / rel) for rel in manifest.files if rel.startswith("weights-") and
+              (path / rel).is_file()}  # before the hashes: a change while they are computed shows later
     verify_files(path, manifest, hashes=verify)
     try:
         graph = Graph.from_json(json.loads((path / "graph.json").read_text()))
@@ -146,7 +150,31 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
         verify_graph(graph, store)
     except VerifyError as e:
         raise ArtifactError(f"{path}: the graph and weights disagree ({e}); rebuild the artifact") from None
-    return Artifact(path, manifest, graph, store, path / "tokenizer")
+    return Artifact(path, manifest, graph, store, path / "tokenizer", stamps)
+
+
+def check_unchanged(artifact: Artifact, error: BaseException | None = None) -> None:
+    """Raise an ArtifactError naming every weights file that was truncated, rewritten or replaced since
+    `read` checked it (a loader calls this after reading the weights, and when reading them failed: `error`,
+    chained). Nothing to say (None) when every file is as it was."""
+    changed = []
+    for rel, before in artifact.stamps.items():
+        f = artifact.path / rel
+        now = _stamp(f) if f.is_file() else None
+        if now != before:
+            what = "removed" if now is None else f"{before[0]} -> {now[0]} bytes" if now[0] != before[0] \
+                else "rewritten or replaced"
+            changed.append(f"{f} ({what})")
+    if changed:
+        cause = f"; reading it failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}" \
+            if error is not None else ""
+        raise ArtifactError(f"{', '.join(changed)} changed while the artifact was being loaded{cause}: load it "
+                            "again once whatever writes it is done, or rebuild the artifact") from error
+
+
+def _stamp(f: Path) -> tuple[int, int, int]:
+    st = f.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def weight_keys(graph: Graph) -> list[str]:
