@@ -7,6 +7,7 @@ prints one line and exits 2; any other exception is a bug and shows its tracebac
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -280,7 +281,8 @@ def bench(
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
                           "--compare-hf": compare_hf, "--tensor-parallel-size": tensor_parallel_size is not None,
-                          "--distributed-backend": distributed_backend is not None}
+                          "--distributed-backend": distributed_backend is not None,
+                          "--speculative": speculative is not None}
             if any(in_process.values()):
                 raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
                                 "it is the server's setting")
@@ -289,6 +291,10 @@ def bench(
         typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
         return
     with _user_errors():
+        with_url = {"--request-rate": not math.isinf(request_rate), "--max-concurrency": max_concurrency is not None}
+        if any(with_url.values()):
+            raise UserError(f"{[k for k, v in with_url.items() if v][0]} is for load tests of a server (--url); "
+                            "in-process, every request is submitted at once and --max-num-seqs sets how many run")
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
                                **_parallel_options(tensor_parallel_size, distributed_backend))
@@ -422,10 +428,11 @@ def export(
         "Face folder (config.json, model.safetensors, tokenizer) with quantized weights in compressed-tensors "
         "pack-quantized, for transformers / vLLM / SGLang (--flavor does not apply)."
     ),
-    flavor: Flavor = typer.Option(
-        Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
-        "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
-        "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
+    flavor: Flavor | None = typer.Option(
+        None, "--flavor", help="--format onnx only (default ort): ort: ONNX Runtime's com.microsoft fused operators "
+        "(GroupQueryAttention, RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a "
+        "genai_config.json; portable: standard ONNX operators only (for TensorRT and others; int4 must be "
+        "symmetric, group 64 or 128). --format tensorrt is always portable; --format hf takes none."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder once the new one is whole."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
@@ -438,7 +445,8 @@ def export(
 
     with _user_errors():
         result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
-    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json
+               else "\n".join([str(result.out), *result.notes]))
 
 
 @app.command()
