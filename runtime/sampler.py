@@ -127,6 +127,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False  # a top_p that rounds to 0 in float32 (5e-324) would drop every token: softmax of NaN
     drop = torch.zeros_like(drop).scatter(-1, order, drop)
     return logits.masked_fill(drop, float("-inf"))
 

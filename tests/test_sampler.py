@@ -126,6 +126,15 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
     assert sample(logits, tiny, [None, None]).tolist() == [1, 0]
 
 
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token():
+    """top_p 5e-324 is 0 in float32: every token's mass before it reached it, so every token was dropped."""
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([5e-324]))
+    assert kept.isfinite().tolist() == [[False, True, False]]
+    params = [SamplingParams(temperature=1.0, top_p=5e-324, seed=0)]
+    assert sample(logits, params, [torch.Generator().manual_seed(0)]).tolist() == [1]
+
+
 def test_params_defaults_and_stop_normalization():
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.seed, p.max_tokens, p.stop) == (0.0, 0, 1.0, None, 16, ())

@@ -40,7 +40,7 @@ BAD_NUMBERS = [
     ("2.5", "temperature"), ("-0.5", "temperature"), ("1e308", "temperature"), ('"0.5"', "temperature"),
     ("true", "temperature"), ("[0.5]", "temperature"),
     ("NaN", "top_p"), ("0", "top_p"), ("1.5", "top_p"), ("-Infinity", "top_p"),
-    ("-2", "top_k"), ("1.5", "top_k"), ('"5"', "top_k"),
+    ("-2", "top_k"), ("1.5", "top_k"), ('"5"', "top_k"), ("1" + "0" * 30, "top_k"),
     ("-1", "max_tokens"), ("1.5", "max_tokens"), ('"8"', "max_tokens"), ("1e999", "max_tokens"),
     ("1000000000000", "max_tokens"), ("true", "max_tokens"),
     ("-1", "logprobs"), ("21", "logprobs"), ("2.0", "logprobs"),

@@ -68,8 +68,8 @@ def engine(tiny_artifact):
 text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=12).map("".join)
 sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.just(0), st.floats(0.0, 2.0)),
-    "top_p": st.floats(0.05, 1.0),
-    "top_k": st.integers(-1, 64),
+    "top_p": st.floats(0.0, 1.0, exclude_min=True),
+    "top_k": st.one_of(st.integers(-1, 64), st.integers(-1, 2**31 - 1)),
     "seed": st.integers(-2**63, 2**63 - 1),
     "stop": st.one_of(st.sampled_from(WORDS[:8]), st.lists(st.sampled_from(WORDS[:8]), max_size=3)),
     "ignore_eos": st.booleans(),
@@ -171,7 +171,7 @@ BAD = {
     "max_completion_tokens": [0, -1, 1.5, "8", 10**12],
     "temperature": [-0.01, 2.01, 1e308, -1e308, "0.5", True, [0.5]],
     "top_p": [0, -0.5, 1.01, 1e308, "1", False],
-    "top_k": [-2, -10**30, 1.5, "5", True],
+    "top_k": [-2, -10**30, 10**30, 2**31, 1.5, "5", True],
     "seed": [2**63, -2**63 - 1, 10**40, 1.0, "7", True],
     "stop": [5, [5], [""], "", [None], {"s": 1}],
     "stream": [1, "true", None],

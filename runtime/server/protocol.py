@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # a bound the sampler's int64 tensors hold (10**30 made the engine step raise)
 _TYPES = ("str", "int", "float", "bool", "dict", "list")  # names pydantic puts in a union member's location
 
 
@@ -48,7 +49,7 @@ class _Sampling(_Body):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range; None = OpenAI's default, 1
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 = off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # extension; 0 or -1 = off; above the vocabulary = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
