@@ -30,6 +30,8 @@
 #   int4tg-b1, int4tg-b64         8B int4 with torch's tinygemm (torch.int4pack) bound instead of triton.w4a16
 #   autotune-all   the GPU test that runs every autotune config
 #   hf-b64         transformers against optc bf16 at batch 64
+#   tensorrt       `optc export --format tensorrt` of a tiny artifact: the engine builds and deserializes (skipped,
+#                  saying so, where the tensorrt package does not import: the GPU image has not had it so far)
 #   fake           the plan's self-test (no GPU): writes a row every 0.2 s; tests kill it midway
 #
 # What every stage does, so that a stage killed at any moment still returns what it measured:
@@ -53,7 +55,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STAGES="smoke kernel-tests quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
-        int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 fake"
+        int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 tensorrt fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
 PY=${PYTHON:-python3}
@@ -144,6 +146,10 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       estimate 4 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 and 16 tinygemm kernel tests"
       setup
       pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py tests/test_kernels_int4pack.py ;;
+    tensorrt)
+      estimate 2 "setup 0.3, tiny artifacts and their ONNX exports 0.5, one TensorRT engine build (unmeasured) ~1"
+      setup
+      pytest_stage 300 240 tests/test_export.py -k tensorrt ;;
     autotune-all)
       estimate 4 "setup 0.5 + ~110 compiles (every w4a16/w8a16 config at two shapes) 3 + runs 0.5"
       setup

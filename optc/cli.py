@@ -7,6 +7,7 @@ prints one line and exits 2; any other exception is a bug and shows its tracebac
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -110,11 +111,13 @@ def build(
     ),
 ) -> None:
     """Build an artifact from a recipe: load the model, run the passes, write the artifact atomically."""
+    from optc.commands.eval import evaluate_build
     from optc.frontend.build import BuildOptions
     from optc.frontend.build import build as run_build
 
     with _user_errors():
-        path = run_build(BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device))
+        options = BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device)
+        path = run_build(options, evaluate=evaluate_build)
     typer.echo(str(path))
 
 
@@ -292,7 +295,8 @@ def bench(
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
                           "--compare-hf": compare_hf, "--tensor-parallel-size": tensor_parallel_size is not None,
-                          "--distributed-backend": distributed_backend is not None}
+                          "--distributed-backend": distributed_backend is not None,
+                          "--speculative": speculative is not None}
             if any(in_process.values()):
                 raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
                                 "it is the server's setting")
@@ -301,6 +305,10 @@ def bench(
         typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
         return
     with _user_errors():
+        with_url = {"--request-rate": not math.isinf(request_rate), "--max-concurrency": max_concurrency is not None}
+        if any(with_url.values()):
+            raise UserError(f"{[k for k, v in with_url.items() if v][0]} is for load tests of a server (--url); "
+                            "in-process, every request is submitted at once and --max-num-seqs sets how many run")
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
                                **_parallel_options(tensor_parallel_size, distributed_backend))
@@ -403,6 +411,13 @@ def serve(
     tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
     distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; a larger one "
+                                       "is answered 413 before it is read."),
+    client_timeout: float = typer.Option(30.0, "--client-timeout", help="Seconds a client may take to send a "
+                                         "request's headers, and then its body; a slower one is answered 408."),
+    failure_window: float = typer.Option(60.0, "--failure-window", help="A failed engine step fails the requests "
+                                         "in flight (500) and the server serves on; a second failure within this "
+                                         "many seconds stops the server (exit 1)."),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -415,6 +430,8 @@ def serve(
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
                                **_parallel_options(tensor_parallel_size, distributed_backend),
+                               max_body_bytes=max_body_bytes, client_timeout=client_timeout,
+                               failure_window=failure_window,
                                chat_template=_read_text(chat_template, "--chat-template") if chat_template else None)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
@@ -429,10 +446,11 @@ def export(
         "Face folder (config.json, model.safetensors, tokenizer) with quantized weights in compressed-tensors "
         "pack-quantized, for transformers / vLLM / SGLang (--flavor does not apply)."
     ),
-    flavor: Flavor = typer.Option(
-        Flavor.ORT, "--flavor", help="ort: ONNX Runtime's com.microsoft fused operators (GroupQueryAttention, "
-        "RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a genai_config.json; portable: "
-        "standard ONNX operators only (for TensorRT and others; int4 must be symmetric, group 64 or 128)."
+    flavor: Flavor | None = typer.Option(
+        None, "--flavor", help="--format onnx only (default ort): ort: ONNX Runtime's com.microsoft fused operators "
+        "(GroupQueryAttention, RotaryEmbedding, SkipSimplifiedLayerNormalization, MatMulNBits) and a "
+        "genai_config.json; portable: standard ONNX operators only (for TensorRT and others; int4 must be "
+        "symmetric, group 64 or 128). --format tensorrt is always portable; --format hf takes none."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder once the new one is whole."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
@@ -445,7 +463,8 @@ def export(
 
     with _user_errors():
         result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
-    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else str(result.out))
+    typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json
+               else "\n".join([str(result.out), *result.notes]))
 
 
 @app.command()

@@ -38,14 +38,13 @@ def assert_close(
 
 
 def build_artifact(out: Path, recipe: str | Path | None, *overrides: str, model: str | None = None) -> Path:
-    """`optc build` quietly, as a library call."""
+    """`optc build` quietly, as a library call (with `optc eval`'s evaluator, as the CLI passes it)."""
+    from optc.commands.eval import evaluate_build
     from optc.frontend.build import BuildOptions, build
 
-    return build(
-        BuildOptions(
-            recipe=Path(recipe) if recipe else None, out=Path(out), model=model, overrides=tuple(overrides), quiet=True
-        )
-    )
+    options = BuildOptions(recipe=Path(recipe) if recipe else None, out=Path(out), model=model,
+                           overrides=tuple(overrides), quiet=True)
+    return build(options, evaluate=evaluate_build)
 
 
 def random_hf_model(preset: str = "tiny", dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -133,21 +132,25 @@ def smollm2_hf_checkpoint() -> Path:
 
 
 @contextlib.contextmanager
-def serve_process(artifact: Path, *args: str, timeout: float = 120.0,
-                  log: IO[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def serve_process(artifact: Path, *args: str, timeout: float = 120.0, log: IO[str] | None = None,
+                  command: list[str] | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """`optc serve ARTIFACT ARGS` on 127.0.0.1 and a free port: yields (base URL, process) once
     /health answers 200, and always ends the process (SIGTERM, then SIGKILL after 10 s). Its output
-    goes to `log` (a file the caller reads afterwards) or to a temporary file."""
+    goes to `log` (a file the caller reads afterwards) or to a temporary file. `command` runs instead of
+    the `optc` executable (a script that changes something, then calls `optc.cli.app`), with `env` added
+    to the environment."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     optc = Path(sys.executable).parent / "optc"
-    command = [str(optc), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [*(command or [str(optc)]), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port), *args]
     owns_log = log is None
     log = log or tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the server
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -51,6 +51,7 @@ import torch.multiprocessing as mp
 from optc.core.errors import UserError
 from optc.core.ops.sharding import plan_shards
 from optc.runtime.config import EngineConfig
+from optc.runtime.rank_stats import RankStats
 
 STOP = -1  # a header's request count that tells workers to exit
 QUERY = -2  # a header's request count that asks every rank for its RankStats
@@ -62,15 +63,6 @@ StepArgs = tuple[list[tuple[int, int]], list[list[int]], list[int], list[list[in
 
 class TensorParallelError(UserError, RuntimeError):
     """A tensor-parallel rank died or stopped answering; the engine cannot step any more."""
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """One rank's counters, as it reports them (`TensorParallelGroup.rank_stats`)."""
-
-    rank: int
-    num_forwards: int  # forwards this rank's model runner ran
-    num_kv_blocks: int  # blocks in this rank's KV pool, the null block included
 
 
 @dataclass

@@ -1,13 +1,15 @@
 """Bind an opened artifact's graph to kernels on a device: the runtime's Model.
 
 The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
-`optc.core.artifact.read`; only JSON and safetensors are read, nothing is unpickled. The runtime never
+`optc.core.artifact.read`; only JSON and safetensors are read, nothing is unpickled. A weights file that is
+truncated, rewritten or replaced after `read` checked it and before the weights are read is an ArtifactError
+naming it (`check_unchanged`), not a crash or another model's weights. The runtime never
 imports the sources or the passes.
 """
 
 from __future__ import annotations
 
-from optc.core.artifact import Artifact
+from optc.core.artifact import Artifact, check_unchanged
 from optc.core.ir import REFERENCE_KERNEL, Graph
 from optc.core.ops.sharding import shard
 from optc.runtime.model import Model
@@ -22,8 +24,14 @@ def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_siz
     graph, store = (artifact.graph, artifact.store) if group is None else shard(
         artifact.graph, artifact.store, rank, world_size)
     impls = {} if use_references else _impls(graph)
-    return Model(graph, store, device, kv_spec=artifact.manifest.kv_layout, impls=impls, group=group,
-                 use_references=use_references)
+    try:
+        model = Model(graph, store, device, kv_spec=artifact.manifest.kv_layout, impls=impls, group=group,
+                      use_references=use_references)
+    except Exception as e:  # a weights file truncated or replaced while it was read is named; anything else raises
+        check_unchanged(artifact, e)
+        raise
+    check_unchanged(artifact)  # a file replaced whole reads without error, as another model's weights
+    return model
 
 
 def _impls(graph: Graph) -> dict:

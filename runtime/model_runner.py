@@ -28,7 +28,7 @@ import torch
 from optc.runtime import logprobs
 from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
-from optc.runtime.distributed import RankStats
+from optc.runtime.rank_stats import RankStats
 from optc.runtime.sampler import Logprobs, compute_logprobs, sample
 from optc.runtime.scheduler import SchedulerOutput
 

@@ -8,6 +8,7 @@ randomness. Stop strings are matched on detokenized text, in runtime/text.py.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,9 +21,12 @@ from optc.core.errors import InputError
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (anything below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # None = drawn from the engine's generator
@@ -35,8 +39,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if not self.temperature >= 0.0:
-            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}", "temperature")
+        if not 0.0 <= self.temperature < math.inf:
+            raise InputError(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}",
+                             "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
@@ -55,7 +60,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below GREEDY_BELOW, logits / temperature overflows float32 to inf and softmax gives NaN: argmax
+        # is the limit of sampling as temperature -> 0 (vLLM's _SAMPLING_EPS is the same 1e-5)
+        return self.temperature < GREEDY_BELOW
 
 
 def sample(
@@ -120,6 +127,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False  # a top_p that rounds to 0 in float32 (5e-324) would drop every token: softmax of NaN
     drop = torch.zeros_like(drop).scatter(-1, order, drop)
     return logits.masked_fill(drop, float("-inf"))
 

@@ -106,8 +106,18 @@ def test_gate_names_every_regression():
     assert problems[0].startswith("base: perplexity 10 -> 11 (+10.00%, allowed +5%)")
     assert problems[1].startswith("base: output tok/s at batch size 1 100 -> 80 (x0.800, allowed x0.9)")
     assert V.gate(_report(11.0, 80.0), baseline, max_ppl_increase=None, min_speed_ratio=0.9) == [problems[1]]
+
+
+def test_a_gate_that_compares_nothing_fails_naming_both_sides():
+    baseline = _report(10.0, 100.0)
     renamed = {"variants": [{**_report(99.0, 1.0)["variants"][0], "name": "other"}]}
-    assert V.gate(renamed, baseline, 5, 0.9) == []
+    assert V.gate(renamed, baseline, 5, 0.9) == [
+        "no variant of this run matches a baseline variant by name (this run: ['other']; baseline: ['base']): "
+        "nothing was compared"]
+    other_size = {"variants": [{**baseline["variants"][0], "speed": {"4": {"output_tokens_per_s": {"median": 1}}}}]}
+    assert V.gate(other_size, baseline, None, 0.9) == [
+        "no batch size is measured in both runs (this run: ['4']; baseline: ['1']): speed was not compared"]
+    assert V.gate(other_size, baseline, 5, None) == []  # perplexity alone was compared, and held
 
 
 def test_labels_of_nearly_equal_points_do_not_overlap():

@@ -54,3 +54,19 @@ def test_build_with_eval_on_a_cuda_target(recipes, tmp_path):
     out = build_artifact(tmp_path / "e", recipes / "tiny.yaml", "target=cuda", CUDA_PASSES, "eval=true")
     quality = json.loads((out / "manifest.json").read_text())["quality"]
     assert quality["kld"] == pytest.approx(0.0, abs=1e-9) and quality["top1_agreement"] == 1.0
+
+
+def test_build_takes_the_evaluator_from_its_caller(recipes, tmp_path):
+    """The build layer does not import `optc eval` (docs/ARCHITECTURE.md's layers): a library caller that asks
+    for `eval: true` without an evaluator is told which one to pass, before anything is built; the one it
+    passes is what the manifest records."""
+    from optc.core.errors import UserError
+    from optc.frontend.build import BuildOptions, build
+
+    options = BuildOptions(recipe=recipes / "tiny.yaml", out=tmp_path / "e", overrides=("eval=true",), quiet=True)
+    with pytest.raises(UserError, match=r"`eval: true` needs an evaluator.*evaluate=optc.commands.eval.evaluate_build"):
+        build(options)
+    assert not (tmp_path / "e").exists()
+    calls = []
+    out = build(options, evaluate=lambda graph, store, source: calls.append(source.record) or {"kld": 0.5})
+    assert json.loads((out / "manifest.json").read_text())["quality"] == {"kld": 0.5} and len(calls) == 1

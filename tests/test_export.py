@@ -111,6 +111,18 @@ def test_every_ir_op_has_a_lowering():
     assert sorted(LOWERED_OPS) == sorted(set(OPS) - set(COLLECTIVE_OPS))  # collectives: never in an artifact
 
 
+def test_every_format_kind_has_an_onnx_matmul_and_a_missing_one_is_refused_by_name(monkeypatch):
+    """Export keeps the ONNX lowering of each format kind (the schemes in optc.core know nothing of ONNX)."""
+    from optc.commands.export import matmuls
+    from optc.core.formats import Format, FormatKind
+
+    assert set(matmuls.ONNX_MATMULS) == set(FormatKind)
+    monkeypatch.delitem(matmuls.ONNX_MATMULS, FormatKind.INT8_WO)
+    lowering = type("L", (), {"flavor": "ort", "b": None})()
+    with pytest.raises(matmuls.ExportFormatError, match=r"tensor w is int8_wo, which has no ONNX lowering"):
+        matmuls.onnx_matmul(lowering, "x", "w", {}, Format(FormatKind.INT8_WO, "float32", 8))
+
+
 def test_ort_flavor_uses_the_fused_contrib_ops(exported):
     def nodes(name, flavor):
         return onnx.load(str(exported[(name, flavor)] / "model.onnx"), load_external_data=False).graph.node
@@ -177,7 +189,7 @@ def test_tensorrt_says_what_is_missing(artifacts, tmp_path):
         import tensorrt  # noqa: F401
 
         if torch.cuda.is_available():
-            pytest.skip("tensorrt and a GPU exist here: the engine build is exercised on the GPU machine")
+            pytest.skip("tensorrt and a GPU exist here: nothing is missing (test_tensorrt_engine_builds runs)")
         missing = "an NVIDIA GPU"
     except ImportError:
         missing = "the tensorrt Python package (pip install tensorrt)" + (
@@ -185,6 +197,23 @@ def test_tensorrt_says_what_is_missing(artifacts, tmp_path):
     with pytest.raises(UserError, match=f"^--format tensorrt needs {missing.replace('(', '.').replace(')', '.')};"):
         export(ExportOptions(artifacts["dense"], tmp_path / "trt", format=ExportFormat.TENSORRT, quiet=True))
     assert not (tmp_path / "trt").exists()
+
+
+@pytest.mark.gpu
+def test_tensorrt_engine_builds(artifacts, tmp_path):
+    """The engine build itself. benchmarks/gpu_session.sh's `tensorrt` stage runs this on the GPU machine; it has
+    not run anywhere yet (no machine so far had the tensorrt package), which is what the skip says."""
+    trt = pytest.importorskip("tensorrt", reason="the tensorrt package does not import here: the TensorRT engine "
+                              "build is unrun (gpu_session.sh stage `tensorrt` runs it where tensorrt imports)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: the TensorRT engine build is unrun here")
+    result = export(ExportOptions(artifacts["dense"], tmp_path / "trt", format=ExportFormat.TENSORRT, quiet=True))
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine((result.out / "model.engine")
+                                                                                  .read_bytes())
+    names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+    cfg = read(artifacts["dense"]).graph.config
+    assert {"input_ids", "attention_mask", "position_ids", "logits"} <= names
+    assert len(names) == 4 + 4 * cfg.num_layers  # past and present key and value per layer
 
 
 def test_missing_onnx_names_the_install_command(artifacts, tmp_path, monkeypatch):

@@ -98,7 +98,9 @@ def test_temperature_flattens_the_distribution():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be finite and >= 0"),
+        ({"temperature": float("inf")}, "temperature must be finite and >= 0"),
+        ({"temperature": float("nan")}, "temperature must be finite and >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
@@ -112,6 +114,25 @@ def test_invalid_params_raise_clear_errors(kwargs, message):
     with pytest.raises(InputError, match=message) as error:
         SamplingParams(**kwargs)
     assert error.value.field == next(iter(kwargs))  # what the server's 400 names as `param`
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """logits / 2e-240 overflows to inf and softmax to NaN (multinomial raised): below GREEDY_BELOW is argmax."""
+    from optc.runtime.sampler import GREEDY_BELOW
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, 0.1, 0.2]])
+    tiny = [SamplingParams(temperature=t, seed=1) for t in (2.07e-240, GREEDY_BELOW / 2)]
+    assert all(p.is_greedy for p in tiny) and not SamplingParams(temperature=GREEDY_BELOW).is_greedy
+    assert sample(logits, tiny, [None, None]).tolist() == [1, 0]
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token():
+    """top_p 5e-324 is 0 in float32: every token's mass before it reached it, so every token was dropped."""
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([5e-324]))
+    assert kept.isfinite().tolist() == [[False, True, False]]
+    params = [SamplingParams(temperature=1.0, top_p=5e-324, seed=0)]
+    assert sample(logits, params, [torch.Generator().manual_seed(0)]).tolist() == [1]
 
 
 def test_params_defaults_and_stop_normalization():

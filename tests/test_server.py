@@ -347,6 +347,21 @@ def test_load_tester_against_the_server(server):
         run_load(LoadOptions(server, num_requests=2, input_len=4, output_len=2, api_key="wrong", show_progress=False))
 
 
+def test_load_tester_sends_a_jsonl_datasets_prompts_and_output_lens(server, engine, tmp_path):
+    """Each line's prompt text (not the raw JSON line) with its own output_len, as in-process `optc bench`."""
+    from optc.commands.loadgen import LoadOptions, run_load
+
+    dataset = tmp_path / "d.jsonl"
+    lines = [{"prompt": "one two three", "output_len": 3}, {"prompt": "four", "output_len": 5}, {"prompt": "six"}]
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    result = run_load(LoadOptions(server, num_requests=4, output_len=2, dataset=dataset, api_key=KEY,
+                                  show_progress=False))
+    assert result.num_errors == 0, result.errors
+    assert result.num_output_tokens == 3 + 5 + 2 + 3  # the 4th request cycles back to the first line
+    lengths = [len(engine.tokenizer(line["prompt"])["input_ids"]) for line in lines]
+    assert result.num_prompt_tokens == sum(lengths) + lengths[0]
+
+
 def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
     before = metrics(server)['optc:request_success_total{finished_reason="abort"}']
     # the client gives up after 0.2 s, long before 480 tokens are generated (one engine step takes >= 1 ms)
@@ -366,6 +381,9 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
 @pytest.mark.parametrize("args, words", [
     (["bench"], "--url"), (["bench", "--url", "http://127.0.0.1:9", "--eager"], "--eager"),
     (["bench", "--url", "ftp://x"], "--url"), (["bench", "--url", "http://127.0.0.1:9"], "/v1/models"),
+    (["bench", "--url", "http://127.0.0.1:9", "--speculative", "ngram"], "--speculative is for in-process runs"),
+    (["bench", "/nonexistent/artifact", "--request-rate", "5"], "--request-rate is for load tests of a server"),
+    (["bench", "/nonexistent/artifact", "--max-concurrency", "2"], "--max-concurrency is for load tests"),
     (["serve", "/nonexistent/artifact", "--port", "0"], "/nonexistent/artifact"),
 ])
 def test_cli_user_errors_are_one_line_and_exit_2(args, words):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import resource
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from optc.commands.dataset import read_dataset
 from optc.core.errors import InputError
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.speculative import SpeculativeConfig
@@ -256,28 +256,8 @@ def _prompts(options: BenchOptions, engine: Engine) -> tuple[list[list[int]], li
         g = torch.Generator().manual_seed(options.seed)
         ids = torch.randint(0, engine.vocab_size, (n, options.input_len), generator=g)
         return ids.tolist(), [options.output_len] * n
-    path = Path(options.dataset)
-    if not path.is_file():
-        raise InputError(f"--dataset {path} does not exist")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if not lines:
-        raise InputError(f"dataset {path} has no non-empty lines")
-    if path.suffix != ".jsonl":
-        return [list(engine.tokenizer(lines[i % len(lines)])["input_ids"]) for i in range(n)], [options.output_len] * n
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{number}: not JSON ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise InputError(f"{path}:{number}: expected an object with a string \"prompt\" (and an \"output_len\")")
-        output_len = record.get("output_len", options.output_len)
-        if not isinstance(output_len, int) or output_len < 1:
-            raise InputError(f"{path}:{number}: output_len must be an integer >= 1, got {output_len!r}")
-        records.append((list(engine.tokenizer(record["prompt"])["input_ids"]), output_len))
-    chosen = [records[i % len(records)] for i in range(n)]
-    return [r[0] for r in chosen], [r[1] for r in chosen]
+    chosen = read_dataset(options.dataset, n, options.output_len)
+    return [list(engine.tokenizer(text)["input_ids"]) for text, _ in chosen], [length for _, length in chosen]
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optc.commands.dataset import read_dataset
 from optc.core.errors import InputError, UserError
 
 PERCENTILES = (50, 99)
@@ -35,7 +36,7 @@ class LoadOptions:
     output_len: int = 128
     request_rate: float = math.inf  # requests per second (Poisson arrivals); inf = all at once
     max_concurrency: int | None = None  # None = no limit
-    dataset: Path | None = None  # a text file: one prompt per non-empty line (cycled)
+    dataset: Path | None = None  # prompts, as in-process bench reads them (optc/commands/dataset.py)
     seed: int = 0
     api_key: str | None = None  # None = env OPTC_API_KEY, if set
     model: str | None = None  # None = the server's first model
@@ -133,39 +134,35 @@ async def _run(options: LoadOptions) -> LoadResult:
         bar = tqdm(total=len(prompts), unit="req", desc="optc bench --url", disable=not options.show_progress)
         tasks = []
         start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, output_len) in enumerate(prompts):
             if i and not math.isinf(options.request_rate):
                 await asyncio.sleep(arrivals.expovariate(options.request_rate))
             await semaphore.acquire()
-            tasks.append(asyncio.create_task(_request(client, card["id"], prompt, options, semaphore, bar)))
+            tasks.append(asyncio.create_task(_request(client, card["id"], prompt, output_len, semaphore, bar)))
         measured = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
     return _result(options, card["id"], measured, duration)
 
 
-def _prompts(options: LoadOptions, card: dict[str, Any]) -> list[str | list[int]]:
+def _prompts(options: LoadOptions, card: dict[str, Any]) -> list[tuple[str | list[int], int]]:
+    """(prompt, output length) of each request: the dataset's (optc/commands/dataset.py), or random token ids."""
     if options.dataset is not None:
-        path = Path(options.dataset)
-        if not path.is_file():
-            raise UserError(f"--dataset {path}: no such file")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if not lines:
-            raise UserError(f"--dataset {path} has no non-empty lines")
-        return [lines[i % len(lines)] for i in range(options.num_requests)]
+        return read_dataset(options.dataset, options.num_requests, options.output_len)
     import torch
 
     if "vocab_size" not in card:
         raise UserError(f"{options.url} does not give its vocab_size in /v1/models; pass --dataset")
     g = torch.Generator().manual_seed(options.seed)  # the same prompts as in-process `optc bench`
-    return torch.randint(0, card["vocab_size"], (options.num_requests, options.input_len), generator=g).tolist()
+    ids = torch.randint(0, card["vocab_size"], (options.num_requests, options.input_len), generator=g).tolist()
+    return [(prompt, options.output_len) for prompt in ids]
 
 
-async def _request(client, model: str, prompt: str | list[int], options: LoadOptions, semaphore: asyncio.Semaphore,
+async def _request(client, model: str, prompt: str | list[int], output_len: int, semaphore: asyncio.Semaphore,
                    bar) -> _Measured:
     import httpx
 
-    body = {"model": model, "prompt": prompt, "max_tokens": options.output_len, "temperature": 0.0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = _Measured()
     start = time.perf_counter()
@@ -196,8 +193,8 @@ async def _request(client, model: str, prompt: str | list[int], options: LoadOpt
             out.e2e = time.perf_counter() - start
             if not is_done:
                 out.error = "the stream ended without [DONE]"
-            elif out.num_output_tokens != options.output_len:
-                out.error = f"got {out.num_output_tokens} tokens, asked for {options.output_len}"
+            elif out.num_output_tokens != output_len:
+                out.error = f"got {out.num_output_tokens} tokens, asked for {output_len}"
     except (httpx.HTTPError, ValueError, KeyError) as e:
         out.error = f"{type(e).__name__}: {e}"
     finally:

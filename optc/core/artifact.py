@@ -4,7 +4,9 @@
 
 `write` builds everything in a temporary sibling and renames it into place when complete, so an
 interrupted or failed build leaves no half artifact and never touches an existing one (with
-`force`, the old directory is replaced only after the new one is whole). `manifest.json` is
+`force`, the old directory is replaced only after the new one is whole, in one atomic exchange on Linux).
+A build killed outright (SIGKILL) leaves its temporary sibling behind; the next write to the same folder
+removes it (tests/test_build_kill.py kills builds at random moments). `manifest.json` is
 deterministic (same inputs, same bytes); timings and host details go to `report.json`.
 
 `Manifest` is the typed contract of `manifest.json`; `read(path)` is the one way every reader
@@ -14,11 +16,13 @@ version, file sizes and hashes, the target against a device, and that graph and 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -123,6 +127,8 @@ class Artifact:
     graph: Graph
     store: TensorStore
     tokenizer_dir: Path
+    # weights file -> (bytes, mtime_ns, inode) when `read` checked it: `check_unchanged` compares
+    stamps: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
 def read(path: str | Path, verify: bool = True, device: str | None = None) -> Artifact:
@@ -137,6 +143,8 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
     manifest = read_manifest(path)
     if device is not None:
         check_target(manifest, device)
+    stamps = {rel: _stamp(path / rel) for rel in manifest.files if rel.startswith("weights-") and
+              (path / rel).is_file()}  # before the hashes: a change while they are computed shows later
     verify_files(path, manifest, hashes=verify)
     try:
         graph = Graph.from_json(_upgrade_graph(json.loads((path / "graph.json").read_text())))
@@ -148,7 +156,31 @@ def read(path: str | Path, verify: bool = True, device: str | None = None) -> Ar
         verify_graph(graph, store)
     except VerifyError as e:
         raise ArtifactError(f"{path}: the graph and weights disagree ({e}); rebuild the artifact") from None
-    return Artifact(path, manifest, graph, store, path / "tokenizer")
+    return Artifact(path, manifest, graph, store, path / "tokenizer", stamps)
+
+
+def check_unchanged(artifact: Artifact, error: BaseException | None = None) -> None:
+    """Raise an ArtifactError naming every weights file that was truncated, rewritten or replaced since
+    `read` checked it (a loader calls this after reading the weights, and when reading them failed: `error`,
+    chained). Nothing to say (None) when every file is as it was."""
+    changed = []
+    for rel, before in artifact.stamps.items():
+        f = artifact.path / rel
+        now = _stamp(f) if f.is_file() else None
+        if now != before:
+            what = "removed" if now is None else f"{before[0]} -> {now[0]} bytes" if now[0] != before[0] \
+                else "rewritten or replaced"
+            changed.append(f"{f} ({what})")
+    if changed:
+        cause = f"; reading it failed with {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}" \
+            if error is not None else ""
+        raise ArtifactError(f"{', '.join(changed)} changed while the artifact was being loaded{cause}: load it "
+                            "again once whatever writes it is done, or rebuild the artifact") from error
+
+
+def _stamp(f: Path) -> tuple[int, int, int]:
+    st = f.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 def _upgrade_graph(d: dict[str, Any]) -> dict[str, Any]:
@@ -188,6 +220,7 @@ def write(
     if out.exists() and not force:
         raise ArtifactError(f"output folder {out} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -219,14 +252,48 @@ def write(
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename a finished folder `tmp` to `out`; an existing `out` is replaced only now, when the new one is whole."""
-    if out.exists():
+    """Rename a finished folder `tmp` to `out`; an existing `out` is replaced only now, when the new one is whole,
+    by an atomic exchange where the OS has one (Linux), so no moment is without `out`; elsewhere by two renames."""
+    if not out.exists():
+        tmp.rename(out)
+    elif _exchange(tmp, out):
+        shutil.rmtree(tmp)  # now the old folder
+    else:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(old)
         tmp.rename(out)
         shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporaries (`.NAME.tmp-PID`, `.NAME.old-PID`) that writers of `out` killed before they could
+    clean up left beside it; those of a writer still running stay."""
+    for p in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        pid = p.name.rpartition("-")[2]
+        if pid.isdigit() and not _is_running(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another account's process
+        return True
+    return True
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 with RENAME_EXCHANGE); False where the OS or filesystem cannot."""
+    if sys.platform != "linux":
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def read_manifest(path: Path) -> Manifest:

@@ -1,4 +1,9 @@
-"""`optc build`: recipe -> source -> passes -> artifact. The library function the CLI calls."""
+"""`optc build`: recipe -> source -> passes -> artifact. The library function the CLI calls.
+
+A recipe with `eval: true` records the built model's quality; measuring it is `optc eval`'s job (a command,
+a layer above this one), so the caller passes the evaluator in (`build(options, evaluate=...)`; the CLI,
+`optc compare` and `optc.testing.build_artifact` pass `optc.commands.eval.evaluate_build`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,10 +25,14 @@ from optc.core.ir import Graph
 from optc.core.kv_cache import KVCacheSpec
 from optc.core.ops import verify
 from optc.core.ops.sharding import ShardError, plan_shards
+from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, PassManager
 from optc.frontend.recipe import Recipe, RecipeError, load_recipe
 from optc.frontend.sources import load_source
 from optc.kernels.registry import KERNELS, KernelSpec
+
+# (built graph, built store, the source) -> the manifest's `quality` section
+Evaluator = Callable[[Graph, TensorStore, Any], dict]
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,15 @@ def calibration_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def build(options: BuildOptions) -> Path:
+def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
+    """Build the artifact; `evaluate` measures quality when the recipe says `eval: true` (required then)."""
     recipe = load_recipe(options.recipe, list(options.overrides), options.model)
     device = calibration_device(options.device)  # refuse before any heavy work
     if recipe.model is None:
         raise RecipeError("no model to build: set `model:` in the recipe or pass --model")
+    if recipe.eval and evaluate is None:
+        raise RecipeError("recipe key `eval: true` needs an evaluator and this caller passed none: call "
+                          "build(options, evaluate=optc.commands.eval.evaluate_build), as `optc build` does")
     stem = Path(options.recipe).stem if options.recipe else "artifact"
     out = Path(options.out) if options.out else Path("build") / stem
     if out.exists() and not options.force:  # refuse before any heavy work
@@ -81,10 +95,8 @@ def build(options: BuildOptions) -> Path:
     verify(graph, store)
     _check_tensor_parallel_size(graph, recipe.runtime.tensor_parallel_size)
     if recipe.eval:
-        from optc.commands.eval import evaluate_build
-
         say("measuring quality (optc eval)")
-        quality = evaluate_build(graph, store, source)
+        quality = evaluate(graph, store, source)
     else:
         quality = None
     cuda = recipe.target.value == "cuda"

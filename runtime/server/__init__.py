@@ -4,9 +4,12 @@
 engine on its engine thread, prints the URL when both are ready, and runs until SIGTERM or SIGINT:
 then it stops accepting connections, answers 503 to new requests on open connections, lets the
 requests in flight finish for up to `shutdown_timeout` seconds, and returns (exit 0). A model that
-fails to load stops the server and `serve` raises the loader's error; so does an engine that can step
-no more (a tensor-parallel rank died or hung: its TensorParallelError names the rank), after failing
-the requests in flight and stopping the other ranks. Needs the `serve` extra
+fails to load stops the server and `serve` raises the loader's error (a damaged or changed artifact: an
+ArtifactError naming the file, exit 2); so does an engine that can step no more (a tensor-parallel rank died
+or hung: its TensorParallelError names the rank, exit 2; a second failed step within `failure_window`
+seconds of the first: EngineFailedRepeatedly, exit 1), after failing the requests in flight and stopping
+the other ranks. Request bodies over `max_body_bytes` are answered 413, and clients that take longer than
+`client_timeout` to send their headers or their body 408 (runtime/server/limits.py). Needs the `serve` extra
 (fastapi, uvicorn, prometheus-client).
 """
 
@@ -27,6 +30,8 @@ import uvicorn
 from optc.core.errors import InputError, UserError
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
+from optc.runtime.server.async_engine import FAILURE_WINDOW_S
+from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, header_timeout_protocol
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ class ServeOptions:
     verify: bool = True  # check the artifact's file hashes on load
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is answered 413 before it is read
+    client_timeout: float = CLIENT_TIMEOUT_S  # seconds a client may take to send its headers, and its body
+    failure_window: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server (exit 1)
     chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template (a base model has none)
 
     def __post_init__(self) -> None:
@@ -56,6 +64,10 @@ class ServeOptions:
             raise InputError(f"--max-waiting must be >= 0, got {self.max_waiting}")
         if self.shutdown_timeout < 0:
             raise InputError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        for name, value in (("--max-body-bytes", self.max_body_bytes), ("--client-timeout", self.client_timeout),
+                            ("--failure-window", self.failure_window)):
+            if not value > 0 or value == float("inf"):
+                raise InputError(f"{name} must be a positive finite number, got {value}")
         if self.api_key == "":
             raise InputError("--api-key (or OPTC_API_KEY) must not be empty")
 
@@ -71,7 +83,7 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
     load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify,
                                chat_template=options.chat_template, **overrides)
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
-                          options.log_requests)
+                          options.log_requests, options.max_body_bytes, options.client_timeout, options.failure_window)
     _configure_logging()
     server: _Server | None = None
     fatal_errors: list[BaseException] = []  # a load that failed, or an engine that can step no more
@@ -91,6 +103,7 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
     uvicorn_config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=options.log_requests,
         timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on",
+        http=header_timeout_protocol(options.client_timeout),
     )
     server = _Server(uvicorn_config, app.state.server)
     server.run()

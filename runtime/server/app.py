@@ -5,8 +5,10 @@ Every error is OpenAI's shape with a status: 400 for an invalid or unsupported b
 the engine refuses (a prompt, or prompt + max_tokens, longer than the context: the message gives the
 numbers; `param` is the field the engine's InputError names), 401 for a missing or
 wrong key on /v1/* (compared in constant time), 404 for another model name, 503 while loading or
-draining and when `max_num_seqs + max_waiting` requests are already in flight, and a 500 that says
-nothing about the internals. A client that disconnects has its request aborted before the engine's
+draining and when `max_num_seqs + max_waiting` requests are already in flight, 413 for a body over
+`max_body_bytes` and 408 for a client too slow to send it (runtime/server/limits.py), a 500 naming the
+failure for the requests in flight when an engine step raises (EngineFailed), and a 500 that says nothing
+about the internals for anything else. A client that disconnects has its request aborted before the engine's
 next step; a streaming response is SSE ending with `data: [DONE]`.
 """
 
@@ -31,7 +33,16 @@ from optc.core.errors import UserError
 from optc.runtime.engine import Engine
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.server import responses as r
-from optc.runtime.server.async_engine import Accepted, AsyncEngine, Output, Prompt, apply_chat_template
+from optc.runtime.server.async_engine import (
+    FAILURE_WINDOW_S,
+    Accepted,
+    AsyncEngine,
+    EngineFailed,
+    Output,
+    Prompt,
+    apply_chat_template,
+)
+from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, BodyLimits
 from optc.runtime.server.metrics import CONTENT_TYPE, Metrics
 from optc.runtime.server.protocol import (
     ApiError,
@@ -52,6 +63,9 @@ class ServerConfig:
     max_waiting: int = 1024  # requests waiting beyond the running batch before 503
     allowed_origins: tuple[str, ...] = ()  # CORS; none = same-origin only
     log_requests: bool = False  # log request bodies (never by default)
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413, answered before it is read
+    client_timeout_s: float = CLIENT_TIMEOUT_S  # a body slower than this is a 408 (headers: header_timeout_protocol)
+    failure_window_s: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server
 
 
 class ServerState:
@@ -90,8 +104,11 @@ class ServerState:
             accepted = await anext(outputs)
         except (ValueError, UserError) as e:
             field = getattr(e, "field", None) or "prompt"
-            raise ApiError(400, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                           params_of.get(field, field)) from None
+            param = params_of.get(field, field)
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if param != field and field != "prompt":  # the body's name, where it is not the engine's
+                message = message.replace(field, param)
+            raise ApiError(400, message, param) from None
         return accepted, outputs
 
 
@@ -105,7 +122,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics, on_fatal)
+        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics, on_fatal, config.failure_window_s)
         state.engine.start()
         waiter = asyncio.create_task(_when_loaded(state))
         yield
@@ -114,6 +131,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
 
     app = FastAPI(title="optc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(BodyLimits, max_body_bytes=config.max_body_bytes, timeout_s=config.client_timeout_s)
     if config.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -247,8 +265,10 @@ async def _json(request: Request, config: ServerConfig) -> Any:
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except ValueError:
+    except ValueError:  # not JSON, not UTF-8, or an integer of more than 4300 digits
         raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
     if config.log_requests:
         log.info("%s %s %s", request.method, request.url.path, raw.decode(errors="replace"))
     return body
@@ -341,6 +361,9 @@ def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,
                     yield r.sse(event)
                 if out.finish_reason is not None:
                     last = out
+        except EngineFailed as e:  # the response has started: report in the stream
+            yield r.sse(ApiError(500, str(e)).body())
+            return
         except Exception:  # the response has started: report in the stream, keep internals in the log
             log.exception("a streaming request failed")
             yield r.sse(ApiError(500, "internal server error").body())
@@ -367,6 +390,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, e: HTTPException) -> Response:
         error = ApiError(e.status_code, str(e.detail))
         return JSONResponse(error.body(), status_code=e.status_code)
+
+    @app.exception_handler(EngineFailed)
+    async def engine_failed(request: Request, e: EngineFailed) -> Response:
+        return JSONResponse(ApiError(500, str(e)).body(), status_code=500)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception) -> Response:

@@ -12,10 +12,13 @@ token ids and logprobs); any other request gets one `Output` when it finishes. T
 queue is the request's `Accepted` (or the error that rejected it), so a handler can answer 400 before
 it starts a response.
 
-A step that raises fails the requests in flight, and the engine serves on. A tensor-parallel rank
-that died or hung (TensorParallelError) is different: the engine can never step again, so the thread
-fails every request, calls `on_fatal(error)` on the loop (the server exits with the error) and
-stops. The thread closes the engine when it ends, which stops the other ranks.
+A step that raises fails the requests in flight with an `EngineFailed` naming the error (the server
+answers them 500 with it), frees their KV blocks, and the engine serves on. A second failed step within
+`failure_window_s` of the first means the engine is likely to keep failing: the thread fails every
+request, calls `on_fatal(EngineFailedRepeatedly)` on the loop (the server exits with it, status 1) and
+stops, rather than fail every request from then on. A tensor-parallel rank that died or hung
+(TensorParallelError) is fatal at once: the engine can never step again. The thread closes the engine
+when it ends, which stops the other ranks.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from optc.runtime.server.metrics import Metrics
 from optc.runtime.text import chat_token_ids
 
 log = logging.getLogger("optc.serve")
+FAILURE_WINDOW_S = 60.0  # a second failed step this soon after the first stops the server
 
 Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
 
@@ -68,7 +72,17 @@ class Output:
 
 
 class EngineFailed(Exception):
-    """A step raised: the requests in flight are aborted; the message is not shown to clients."""
+    """A step raised: the requests in flight are aborted and answered 500 with this message."""
+
+    @staticmethod
+    def of(error: BaseException) -> EngineFailed:
+        first = str(error).splitlines()[0] if str(error) else ""
+        return EngineFailed(f"the engine step failed ({type(error).__name__}: {first}); the requests in flight "
+                            "were aborted")
+
+
+class EngineFailedRepeatedly(RuntimeError):
+    """Two steps failed within the failure window: the server stops (exit 1) rather than keep failing."""
 
 
 @dataclass
@@ -83,8 +97,11 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, load: Callable[[], Engine], loop: asyncio.AbstractEventLoop, metrics: Metrics,
-                 on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
+                 on_fatal: Callable[[BaseException], None] = lambda error: None,
+                 failure_window_s: float = FAILURE_WINDOW_S) -> None:
         self._load = load
+        self._failure_window_s = failure_window_s
+        self._last_failure: float | None = None  # perf_counter of the last failed step
         self._loop = loop
         self._on_fatal = on_fatal
         self.metrics = metrics
@@ -184,7 +201,18 @@ class AsyncEngine:
                 return
             except Exception as e:
                 log.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(engine, EngineFailed(str(e)))
+                self._fail_all(engine, EngineFailed.of(e))
+                now = time.perf_counter()
+                if self._last_failure is not None and now - self._last_failure <= self._failure_window_s:
+                    fatal = EngineFailedRepeatedly(
+                        f"a second engine step failed {now - self._last_failure:.1f} s after the first (window: "
+                        f"{self._failure_window_s:g} s): {type(e).__name__}: {e}; stopping the server")
+                    fatal.__cause__ = e
+                    log.error("%s", fatal)
+                    self._loop.call_soon_threadsafe(self._on_fatal, fatal)
+                    return
+                self._last_failure = now
+                self.stats = engine.stats()
                 continue
             now = time.perf_counter()
             for request in stepped:

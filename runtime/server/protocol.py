@@ -1,6 +1,8 @@
 """The OpenAI API's request bodies (pydantic) and the error shape, as far as this server supports them.
 
-Every model forbids unknown fields, and fields the API has but this server does not implement are
+Every model forbids unknown fields, takes each field only in its JSON type (strict: "0.5", true or 1.0 is not
+an integer, "1" is not a number) and no NaN or infinity (JSON's `1e999` parses as infinity), and fields the
+API has but this server does not implement are
 accepted only at their neutral value (`n` 1, penalties 0, no tools, a text response format): any
 other value is an `ApiError` 400 naming the field, never silently ignored. `top_k`, `ignore_eos` and
 `return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422;
@@ -15,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # a bound the sampler's int64 tensors hold (10**30 made the engine step raise)
+_TYPES = ("str", "int", "float", "bool", "dict", "list")  # names pydantic puts in a union member's location
 
 
 class ApiError(Exception):
@@ -33,7 +37,7 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -43,9 +47,9 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str
-    temperature: float | None = Field(None, ge=0.0)  # None = OpenAI's default, 1
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range; None = OpenAI's default, 1
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1 = off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # extension; 0 or -1 = off; above the vocabulary = off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -73,6 +77,10 @@ class _Sampling(_Body):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ApiError(400, "'stop' strings must be non-empty", "stop")
+        for i, stop in enumerate(stops):
+            _check_text(stop, f"stop[{i}]", "stop")
+        if self.user is not None:
+            _check_text(self.user, "user", "user")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -118,13 +126,39 @@ class TextPart(_Body):
     text: str
 
 
+class ContentPart(BaseModel):
+    """A part of a message's content as sent: its `type` is read first, so a part of another type (an image,
+    audio, a file) is refused by its type, not by the fields a text part would have."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.text_parts())
+
+    def text_parts(self) -> list[TextPart]:
+        """The content's parts as text parts; a 400 naming the first part of another type (or a malformed
+        text part)."""
+        if isinstance(self.content, str):
+            return []
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise ApiError(400, f"content part {j} has type {part.type!r}; this server takes text parts only "
+                               "({'type': 'text', 'text': ...})", "messages")
+            try:
+                parts.append(TextPart.model_validate(part.model_dump()))
+            except ValidationError as e:
+                error = e.errors()[0]
+                where = ".".join(str(p) for p in error["loc"])
+                raise ApiError(400, f"content part {j} ('text'): '{where}': {error['msg']}", "messages") from None
+        return parts
 
 
 class ResponseFormat(_Body):
@@ -182,13 +216,19 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         parsed = model.model_validate(body)
     except ValidationError as e:
-        error = e.errors()[0]
+        errors = e.errors()
+        # the first bad field's deepest error: for a union (`content`: a string or a list of parts) the member
+        # the value came closest to, not the first member tried
+        error = max((x for x in errors if x["loc"][:1] == errors[0]["loc"][:1]), key=lambda x: len(x["loc"]))
         param = str(error["loc"][0]) if error["loc"] else None
-        first = ".".join(str(p) for p in error["loc"])
+        # a union's error names the member it tried (`prompt.list[int].0`): the body's path is the rest
+        loc = error["loc"]
+        first = ".".join([str(p) for p in loc[:1]]
+                         + [str(p) for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in _TYPES))])
         if error["type"] == "extra_forbidden":
-            raise ApiError(400, f"'{first}' is not supported by this server", first) from None
+            raise ApiError(400, f"'{first}' is not supported by this server", param) from None
         if error["type"] == "missing":
-            raise ApiError(400, f"'{first}' is required", first) from None
+            raise ApiError(400, f"'{first}' is required", param) from None
         raise ApiError(400, f"'{first}': {error['msg']}", param) from None
     if hasattr(parsed, "check_supported"):
         parsed.check_supported()
@@ -197,7 +237,11 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 def _check_messages(messages: list[ChatMessage]) -> None:
     for i, message in enumerate(messages):
-        _check_text(message.text(), f"messages[{i}].content", "messages")
+        try:
+            text = message.text()
+        except ApiError as e:
+            raise ApiError(400, f"'messages[{i}].content': {e.message}", "messages") from None
+        _check_text(text, f"messages[{i}].content", "messages")
 
 
 def _check_text(text: str, where: str, param: str) -> None:

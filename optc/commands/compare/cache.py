@@ -67,6 +67,7 @@ def build_cached(cache_dir: Path, recipe: Recipe, source_record: dict, quiet: bo
     hit = lookup(cache_dir, recipe, source_record)
     if hit is not None:
         return hit
+    from optc.commands.eval import evaluate_build
     from optc.frontend.build import BuildOptions, build
 
     key = cache_key(recipe, source_record)
@@ -76,7 +77,7 @@ def build_cached(cache_dir: Path, recipe: Recipe, source_record: dict, quiet: bo
         recipe_path = Path(tmp) / "recipe.yaml"  # JSON is YAML: the resolved recipe, re-validated by build
         recipe_path.write_text(json.dumps(recipe.to_json(), indent=1))
         t0 = time.perf_counter()
-        build(BuildOptions(recipe=recipe_path, out=folder, force=True, quiet=quiet))
+        build(BuildOptions(recipe=recipe_path, out=folder, force=True, quiet=quiet), evaluate=evaluate_build)
         seconds = time.perf_counter() - t0
     manifest = read(folder, verify=False).manifest
     if manifest.recipe_sha256 != recipe.sha256():

@@ -143,8 +143,17 @@ def gate(current: dict, baseline: dict, max_ppl_increase: float | None, min_spee
 
     A variant regresses when its perplexity rose by more than `max_ppl_increase` percent over the
     same-named variant of the baseline, or its median output tokens/s at a batch size fell below
-    `min_speed_ratio` times the baseline's. Variants missing from either side are not compared."""
+    `min_speed_ratio` times the baseline's. Variants missing from either side are not compared, but a gate
+    that compares nothing (no variant name, or with `min_speed_ratio` no batch size, in common) fails too,
+    naming both sides: a gate that passes must have checked something."""
     old = {v["name"]: v for v in baseline.get("variants", [])}
+    matched = [v for v in current["variants"] if v["name"] in old]
+    if not matched:
+        return [f"no variant of this run matches a baseline variant by name (this run: "
+                f"{[v['name'] for v in current['variants']]}; baseline: {list(old)}): nothing was compared"]
+    if min_speed_ratio is not None and not any(set(v["speed"]) & set(old[v["name"]]["speed"]) for v in matched):
+        return [f"no batch size is measured in both runs (this run: {sorted(matched[0]['speed'])}; baseline: "
+                f"{sorted(old[matched[0]['name']]['speed'])}): speed was not compared"]
     problems = []
     for v in current["variants"]:
         b = old.get(v["name"])

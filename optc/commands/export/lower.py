@@ -22,6 +22,7 @@ import torch
 from onnx import TensorProto, helper
 from tqdm import tqdm
 
+from optc.commands.export.matmuls import onnx_matmul
 from optc.commands.export.onnx_builder import (
     MS_DOMAIN,
     OPSET,
@@ -167,7 +168,7 @@ class Lowering:
         if fmt.act_order:  # stored column j is input channel perm[j]
             perm = b.initializer(f"{tensor}.perm", parts["perm"].to(torch.int64).numpy())
             x = b.op1("Gather", [x, perm], base=tensor, axis=-1)
-        return fmt.scheme.onnx_matmul(self, x, tensor, parts, fmt)
+        return onnx_matmul(self, x, tensor, parts, fmt)
 
     def rms_norm(self, x: str, weight: str, eps: float, base: str) -> str:
         # x * 1 / sqrt(mean(x^2) + eps) * w, in float32 like rms_norm_ref

@@ -19,16 +19,12 @@ import torch
 from onnx import TensorProto
 
 from optc.commands.export.lower import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, Lowering
+from optc.commands.export.matmuls import ExportFormatError
 from optc.commands.export.onnx_builder import matmul_operand_int4_blocked
-from optc.core.errors import UserError
 from optc.core.formats import Format
 from optc.core.ir import Graph, Node
 
 MASK_VALUE = float(np.finfo(np.float32).min)
-
-
-class ExportFormatError(UserError, ValueError):
-    """An artifact whose weight format the asked-for export target cannot hold."""
 
 
 def check_formats(graph: Graph, flavor: str) -> None:

@@ -85,24 +85,6 @@ class Fp8E4M3(Scheme):
         scales = scales.reshape(-1)[:1] if fmt.per_tensor else scales.reshape(q.shape[0])
         return {"qweight": q.to(FP8_DTYPE), "scales": scales.to(fmt.torch_dtype)}
 
-    def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
-        from onnx import TensorProto
-
-        from optc.commands.export.onnx_builder import float32
-        from optc.commands.export.portable import ExportFormatError
-
-        refusal = self.export_refusal(fmt, lowering.flavor)
-        if refusal is not None:
-            raise ExportFormatError(f"tensor {tensor} is {refusal}")
-        b = lowering.b
-        qt = parts["qweight"].T.contiguous()  # (K, N): DequantizeLinear's axis 1 is the output channel
-        q = b.packed_initializer(f"{tensor}.qweight", TensorProto.FLOAT8E4M3FN, list(qt.shape),
-                                 qt.view(torch.uint8).numpy().tobytes())
-        scales = float32(parts["scales"])
-        s = b.initializer(f"{tensor}.scales", scales.reshape(()) if fmt.per_tensor else scales)
-        w = b.op1("DequantizeLinear", [q, s], base=tensor, axis=1)
-        return b.op1("MatMul", [x, w], base=tensor)
-
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
         if flavor == "hf":  # compressed-tensors' float-quantized form is not among the ones optc writes
             return ("fp8_e4m3; --format hf writes integer pack-quantized weights (int8, int4): export fp8 with "

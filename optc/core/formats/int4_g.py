@@ -118,9 +118,6 @@ class Int4G(Scheme):
             parts["zeros"] = zeros.to(torch.uint8)
         return parts
 
-    def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
-        return lowering.int4_matmul(x, tensor, parts, fmt)  # MatMulNBits or blocked DequantizeLinear, per flavor
-
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
         if flavor == "hf" and fmt.act_order:
             return ("int4_g with act_order (a GPTQ desc_act import: groups of scattered input channels); "

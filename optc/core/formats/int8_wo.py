@@ -70,16 +70,6 @@ class Int8Wo(Scheme):
              fmt: Format) -> dict[str, torch.Tensor]:
         return {"qweight": q.to(torch.int8), "scales": scales.reshape(q.shape[0]).to(fmt.torch_dtype)}
 
-    def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
-        from optc.commands.export.onnx_builder import matmul_operand_int8
-        from optc.commands.export.portable import ExportFormatError
-
-        refusal = self.export_refusal(fmt, lowering.flavor)
-        if refusal is not None:
-            raise ExportFormatError(f"tensor {tensor} is {refusal}")
-
-        return lowering.b.op1("MatMul", [x, matmul_operand_int8(lowering.b, tensor, parts)], base=tensor)
-
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
         if fmt.activations is Activations.NONE:
             return None

@@ -14,8 +14,8 @@ every consumer needs, so that no call site branches on the kind:
   to the stored grid for given parameters (`round_values`: integers for the int kinds, e4m3 values
   for fp8) and packing them into parts (`pack`): what RTN, AWQ and GPTQ share, so they round the same
   way;
-- export: the ONNX matmul of x with a weight in this kind (`onnx_matmul`), the export targets
-  that cannot hold a format (`export_refusal`), and the Hugging Face checkpoint form of a weight:
+- export: the export targets that cannot hold a format (`export_refusal`; the ONNX lowering of each
+  kind is export's own, optc.commands.export.matmuls), and the Hugging Face checkpoint form of a weight:
   the compressed-tensors quantization arguments of the format (`compressed_tensors_args`) and the
   module tensors its parts are written as and read back from (`to_compressed_tensors`,
   `from_compressed_tensors`); a fused weight is cut back into its siblings by `split_rows`;
@@ -167,13 +167,6 @@ class Scheme:
         raise InputError(f"format {fmt.kind.value} is not a quantized format")
 
     # --- export -----------------------------------------------------------------------------------
-    def onnx_matmul(self, lowering, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
-        """ONNX value x (B, S, K) @ W^T -> (B, S, N), built with `lowering` (optc.commands.export.lower)."""
-        from optc.commands.export.onnx_builder import matmul_operand_dense
-
-        w = matmul_operand_dense(lowering.b, tensor, parts, fmt)
-        return lowering.b.op1("MatMul", [x, w], base=tensor)
-
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
         """Why export target `flavor` (an ONNX flavor, or `hf`) cannot hold a weight in `fmt` (what follows
         "tensor X is "), or None."""
