@@ -1,7 +1,8 @@
 """The families beyond Llama through the quantization passes and tensor parallelism, on their random
-presets: int8, int4 (RTN and AWQ, whose scales fold into Gemma's (1 + w) norms), fp8 and SmoothQuant W8A8
-builds run and stay within a KL bound of the float32 build (`optc eval`'s numbers; AWQ below RTN), and a
-tensor-parallel engine at every size the shapes allow gives the one-rank engine's tokens and logits.
+presets: int8, int4 (RTN, GPTQ and AWQ, whose scales fold into Gemma's (1 + w) norms), fp8 and SmoothQuant
+W8A8 builds run and stay within a KL bound of the float32 build (`optc eval`'s numbers; AWQ and GPTQ below
+RTN), and a tensor-parallel engine at every size the shapes allow gives the one-rank engine's tokens and
+logits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ METHODS = {  # method -> (its passes, the KL bound vs float32 on these presets: 
     "int8": ("{quantize_rtn: {bits: 8}}", 0.002),
     "int4-rtn": ("{quantize_rtn: {bits: 4, group_size: 32}}", 0.06),
     "int4-awq": ("{quantize_awq: {bits: 4, group_size: 32, zero_point: true}}", 0.05),
+    "int4-gptq": ("{quantize_gptq: {bits: 4, group_size: 32}}", 0.05),
     "fp8": ("{quantize_fp8: {}}", 0.01),
     "w8a8-smoothquant": ("smoothquant, {quantize_rtn: {bits: 8, activations: dynamic}}", 0.002),
 }
@@ -52,7 +54,8 @@ def test_quantized_builds_stay_within_kl_of_float32(reference):
         q = evaluate(load_model(str(_quantized(preset, out, method))), f32, max_tokens=512, window=128)
         kl[method] = q["kld"]
         assert 0 <= q["kld"] < bound, f"{preset} {method}: KL {q['kld']:.4f} >= {bound}"
-    assert kl["int4-awq"] < kl["int4-rtn"], f"{preset}: AWQ's KL {kl['int4-awq']:.4f} >= RTN's {kl['int4-rtn']:.4f}"
+    for calibrated in ("int4-awq", "int4-gptq"):
+        assert kl[calibrated] < kl["int4-rtn"], f"{preset}: {calibrated}'s KL {kl[calibrated]:.4f} >= RTN's"
 
 
 def test_awq_folds_its_scales_into_the_input_norms(reference):
