@@ -101,3 +101,21 @@ def test_bf16_greedy_like_transformers(preset, tmp_path):
         step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
         assert theirs - ours <= step, f"{preset}, {len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
                                       f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "a multimodal model"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ({"model_type": "qwen3", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; supported: silu"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "transformers refuses this phi3 config"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
+], ids=["multimodal", "bidirectional", "qwen3-gelu", "phi3-bad-longrope", "yarn"])
+def test_unsupported_configs_are_user_errors_naming_what(config, message):
+    from optc.core.errors import UnsupportedModelError
+    from optc.frontend.models import config_from_hf
+
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 256}
+    with pytest.raises(UnsupportedModelError, match="x/config.json: .*" + message.replace("(", r"\(")):
+        config_from_hf({**base, **config}, "x/config.json")

@@ -38,7 +38,9 @@ def architecture_of(cfg: dict, where: str) -> str:
     model_type = cfg.get("model_type")
     arch = (cfg.get("architectures") or [MODEL_TYPES.get(model_type, model_type)])[0]
     if arch not in FAMILIES:
-        raise UnsupportedModelError(f"{where}: architecture {arch!r} is not supported; "
+        multimodal = " (a multimodal model: optc reads text-only decoders)" if "ConditionalGeneration" in str(arch) \
+            or model_type == "gemma3" else ""
+        raise UnsupportedModelError(f"{where}: architecture {arch!r} is not supported{multimodal}; "
                                     f"supported: {', '.join(FAMILIES)}")
     return arch
 
@@ -60,8 +62,9 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         from transformers import AutoConfig
 
         normalized = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
-    except (ValueError, TypeError) as e:
-        raise UnsupportedModelError(f"{where}: transformers refuses this {model_type} config: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers' config classes raise several types for a bad config
+        raise UnsupportedModelError(f"{where}: transformers refuses this {model_type} config: "
+                                    f"{' '.join(str(e).split())}") from None
     eos = cfg.get("eos_token_id")  # a generation_config's eos ids, merged by the source, win over the class's
     return family(arch).config_from_hf({**normalized.to_dict(), "eos_token_id": eos}, arch, where)
 
