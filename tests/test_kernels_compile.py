@@ -17,7 +17,7 @@ from optc.kernels import w4a16, w8a16
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
 FAMILIES = {"_w4a16_kernel", "_w8a16_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_silu_kernel", "_reduce_kernel"}
+            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_act_kernel", "_reduce_kernel"}
 
 
 def _env():
