@@ -24,8 +24,6 @@ import triton.language as tl
 
 BLOCK_I = 1024
 ACTS = ("silu", "gelu_tanh")  # the ACT constexpr is the index
-LOG2E = 1.4426950408889634
-GELU_2Y = 2.0 * 0.7978845608028654 * LOG2E  # 2 sqrt(2 / pi) log2 e: e^(-2|y|) as exp2
 
 
 @triton.jit
@@ -47,10 +45,10 @@ def _gated_act_kernel(
     if ACT == 0:
         act = g / (1.0 + tl.exp(-g))
     else:  # torch's 0.5 g (1 + tanh(y)); tanh(|y|) = (1 - t) / (1 + t), t = e^(-2|y|) in (0, 1]
-        y = g + 0.044715 * g * g * g
-        t = tl.exp2(-GELU_2Y * tl.abs(y))
+        inner = g + 0.044715 * g * g * g  # y / sqrt(2 / pi)
+        t = tl.exp2(-2.302208198144325 * tl.abs(inner))  # 2 sqrt(2 / pi) log2 e: e^(-2|y|) as exp2
         tanh = (1.0 - t) / (1.0 + t)
-        act = 0.5 * g * (1.0 + tl.where(y < 0, -tanh, tanh))
+        act = 0.5 * g * (1.0 + tl.where(inner < 0, -tanh, tanh))
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
