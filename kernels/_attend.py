@@ -5,7 +5,8 @@ checks of the cache layout (optc.core.ops.attention describes it).
 
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
 it (decode passes the request's last position: every key in the context), and with a sliding
-`window` only keys above query_pos - window (NO_WINDOW: none is set). Callers start their key loop
+window (`WINDOW`) only keys above query_pos - window (without one the launchers pass NO_WINDOW, and
+the step compiles as plain causal attention). Callers start their key loop
 at the window start of their first row (`window_start`), so blocks wholly before it, which the
 runtime may have freed (null block 0 in the table), are never read. Scores are in log2 units (the
 scale is folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`, sum `l_i` and
@@ -41,8 +42,8 @@ def attend(
     q, m_i, l_i, acc, query_pos,
     kv_base, scale_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co,
     stride_sb, stride_skv, stride_so, D, qk_scale, cap_log2, window,
-    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base (scale_base) points at the KV head's K (K
     # scale) of block 0
@@ -64,11 +65,15 @@ def attend(
         s = cap_log2 * (1.0 - 2.0 / (1.0 + tl.exp2(s * qk_scale)))
     else:
         s = s * qk_scale
-    visible = ((offs_n[None, :] <= query_pos[:, None]) & (offs_n[None, :] > query_pos[:, None] - window)
-               & mask_n[None, :])
+    visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
+    if WINDOW:
+        visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row with no key seen yet: p = 0, alpha = 0
+    if WINDOW:  # a row whose window starts past this step has seen no key: p = 0 and alpha = 0, not NaN
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:  # causal: each caller's first step shows every row a key
+        m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)

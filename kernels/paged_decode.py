@@ -59,8 +59,8 @@ def _decode_kernel(
     stride_sb, stride_skv, stride_so, stride_sh,
     stride_bt, stride_pb, stride_ph, stride_ps, stride_mb, stride_mh, stride_ms,
     # meta
-    IS_SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr, HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -76,8 +76,9 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # the splits cover the keys from the window start (0 without a window) to the end of the context
-    start = window_start(seq_len - 1, window) + split * tokens_per_split
+    start = split * tokens_per_split
+    if WINDOW:  # the splits cover the keys from the window start to the end of the context
+        start += window_start(seq_len - 1, window)
     end = tl.minimum(start + tokens_per_split, seq_len)
     kv_base = cache_ptr + kv_head * stride_ch
     scale_base = scale_ptr + kv_head * stride_sh
@@ -85,8 +86,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend(q, m_i, l_i, acc, last, kv_base, scale_base, block_tables_ptr + req * stride_bt,
                                n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
-                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, FP32_DOT, BLOCK_D,
-                               BLOCK_N)
+                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, WINDOW, FP32_DOT,
+                               BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or request) stays zero
     if IS_SPLIT:
@@ -156,8 +157,8 @@ def paged_decode(
     if num_requests == 0:
         return out
     max_seq_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    qk_scale, cap_log2, window = score_args(scale, softcap, window)
-    num_splits, tokens_per_split = split_shape(num_requests * num_kv_heads, min(max_seq_len, window), num_splits)
+    qk_scale, cap_log2, window_arg = score_args(scale, softcap, window)
+    num_splits, tokens_per_split = split_shape(num_requests * num_kv_heads, min(max_seq_len, window_arg), num_splits)
     is_split = num_splits > 1
     if is_split:
         part = torch.empty(num_requests, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -172,11 +173,12 @@ def paged_decode(
     _decode_kernel[grid](
         q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc,
         out, part, ml,
-        group, head_dim, block_size, tokens_per_split, qk_scale, cap_log2, window,
+        group, head_dim, block_size, tokens_per_split, qk_scale, cap_log2, window_arg,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
         IS_SPLIT=is_split, HAS_SCALES=kv_scales is not None, SOFTCAP=softcap is not None,
+        WINDOW=window is not None,
         FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps,
     )

@@ -49,7 +49,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
     stride_sb, stride_skv, stride_so, stride_sh, stride_bt,
     # meta
-    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -78,14 +78,16 @@ def _prefill_kernel(
     # query's window start; an empty tile loops 0 times
     last_query = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, query_len - 1)
     end = tl.where(tile * BLOCK_M < query_len * G, context_len + last_query + 1, 0)
-    start = window_start(context_len + (tile * BLOCK_M) // G, window)
+    start = 0  # a constant without a window: plain causal attention compiles as it did before windows
+    if WINDOW:
+        start = window_start(context_len + (tile * BLOCK_M) // G, window)
     kv_base = cache_ptr + kv_head * stride_ch
     scale_base = scale_ptr + kv_head * stride_sh
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, scale_base, block_tables_ptr + req * stride_bt,
                                n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
-                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, FP32_DOT, BLOCK_D,
-                               BLOCK_N)
+                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, WINDOW, FP32_DOT,
+                               BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -128,7 +130,7 @@ def paged_prefill(
         group, head_dim, block_size, *score_args(scale, softcap, window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
         block_tables.stride(0),
-        HAS_SCALES=kv_scales is not None, SOFTCAP=softcap is not None,
+        HAS_SCALES=kv_scales is not None, SOFTCAP=softcap is not None, WINDOW=window is not None,
         FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps,
     )

@@ -80,13 +80,14 @@ def test_kernels_compile_sm90_smollm2_shapes(tmp_path):
 
 
 # each family's real shapes (benchmarks/kernels.py MODELS): attention's padded head dim, whether its scores are
-# soft-capped, the gated activation (0 silu, 1 gelu_tanh), the norms' offset, rope's padded head dim
+# soft-capped, whether it has sliding layers (then it compiles windowed and global attention), the gated
+# activation (0 silu, 1 gelu_tanh), the norms' offset, rope's padded head dim
 FAMILY_SHAPES = {
-    "qwen3-0.6b": (128, False, 0, False, 128),
-    "gemma-2-2b": (256, True, 1, True, 256),
-    "gemma-3-270m": (256, False, 1, True, 256),
-    "phi-3-mini": (128, False, 0, False, 128),  # head dim 96, padded
-    "phi-4-mini": (128, False, 0, False, 128),  # 96 of 128 rotate
+    "qwen3-0.6b": (128, False, False, 0, False, 128),
+    "gemma-2-2b": (256, True, True, 1, True, 256),
+    "gemma-3-270m": (256, False, True, 1, True, 256),
+    "phi-3-mini": (128, False, False, 0, False, 128),  # head dim 96, padded
+    "phi-4-mini": (128, False, False, 0, False, 128),  # 96 of 128 rotate
 }
 
 
@@ -96,9 +97,10 @@ def test_kernels_compile_sm90_family_shapes(tmp_path, model):
     compiled = _compile_report(tmp_path, "--model", model, "--dtypes", "bfloat16")["compiled"]
     assert {c["kernel"] for c in compiled} == FAMILIES
     assert not [(c["kernel"], c["config"]) for c in compiled if c["spill_bytes"] or not c["fits"]]
-    block_d, softcap, act, offset, rope_d = FAMILY_SHAPES[model]
+    block_d, softcap, sliding, act, offset, rope_d = FAMILY_SHAPES[model]
     attention = [c["config"] for c in compiled if c["kernel"] in ("_decode_kernel", "_prefill_kernel")]
     assert {(c["BLOCK_D"], c["SOFTCAP"]) for c in attention} == {(block_d, softcap)}
+    assert {c["WINDOW"] for c in attention} == ({False, True} if sliding else {False})
     assert {c["config"]["ACT"] for c in compiled if c["kernel"] == "_gated_act_kernel"} == {act}
     assert {c["config"]["HAS_OFFSET"] for c in compiled if c["kernel"] == "_rms_norm_kernel"} == {offset}
     assert {c["config"]["BLOCK_D"] for c in compiled if c["kernel"] == "_rope_kv_store_kernel"} == {rope_d}
