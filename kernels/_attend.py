@@ -1,18 +1,18 @@
 """What both paged attention kernels share: the inner step (one tile of keys, read through the
 block table, folded into a flash-attention online softmax), the score transform of a soft-capped
-layer, the key range a sliding window leaves, the tile sizes per head dim, and the launchers'
-checks of the cache layout (optc.core.ops.attention describes it).
+layer, the key range a sliding window leaves, and the launchers' checks of the cache layout
+(optc.core.ops.attention describes it).
 
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
 it (decode passes the request's last position: every key in the context), and with a sliding
-window (`WINDOW`) only keys above query_pos - window (without one the launchers pass NO_WINDOW, and
-the step compiles as plain causal attention). Callers start their key loop
-at the window start of their first row (`window_start`), so blocks wholly before it, which the
-runtime may have freed (null block 0 in the table), are never read. Scores are in log2 units (the
-scale is folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`, sum `l_i` and
+window (`WINDOW`) only keys above query_pos - window. Without a window the step compiles as plain
+causal attention (the launchers pass NO_WINDOW, unread). With one, callers start their key loop at
+the window start of their first row (`window_start`), so blocks wholly before it, which the runtime
+may have freed (null block 0 in the table), are never read. Scores are in log2 units (the scale is
+folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`, sum `l_i` and
 unnormalized output `acc` are fp32; P is cast to the cache dtype for the second dot. The caller
-divides `acc` by `l_i` at the end. A row that has seen no key yet keeps m_i = -inf and l_i = 0
-(a window starts later for the later rows of a prefill tile).
+divides `acc` by `l_i` at the end. With a window, a row that has seen no key yet keeps m_i = -inf
+and l_i = 0 without NaN (its window starts past a prefill tile's first step).
 
 Soft-capping (`SOFTCAP`, Gemma 2): the reference's scaled score x = s * scale becomes
 cap * tanh(x / cap), then the mask; tanh is 1 - 2 / (1 + e^(2y)), in exp2, saturating to +-1
