@@ -13,7 +13,8 @@ tanh the interpreter also runs). The fp32 value is within a few ulps of tanh nea
 absolute 5e-7 at most), so after the rounding to the dtype it carries torch's bits except where
 torch's value sits that close to a rounding boundary (about 1% of fp16 outputs).
 
-Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1;
+GeGLU is also compiled for sm_90, not yet run on a GPU (docs/PERF.md).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ heuristic aims at TARGET_PROGRAMS (about four waves of an H100's 132 SMs: one wa
 16 splits left most SMs idle while the slowest program finished), in splits down to MIN_SPLIT_TOKENS
 (one BLOCK_N step); each split adds an fp32 partial row per query head, a few percent of the KV bytes
 it reads. Tests compare it with its op's torch reference (optc.core.ops), on the CPU under
-TRITON_INTERPRET=1, and the compile check builds it for sm_90.
+TRITON_INTERPRET=1, and the compile check builds it for sm_90; the soft cap, the window and the
+head-dim-256 tile have not yet run on a GPU (docs/PERF.md).
 """
 
 from __future__ import annotations

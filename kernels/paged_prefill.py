@@ -23,6 +23,8 @@ registers (4 warps spill; BLOCK_M 32 spills with an int8 / fp8 cache); the compi
 (tests/test_kernels_compile.py) holds each bf16 / fp16 tile to no spills.
 
 Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
+The soft cap, the window and the head-dim-256 tile are checked there and compiled for sm_90
+(tests/test_kernels_compile.py), not yet run on a GPU (docs/PERF.md).
 """
 
 from __future__ import annotations

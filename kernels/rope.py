@@ -18,7 +18,8 @@ cache dtype, exactly as the reference's two steps do. Into an int8 / fp8 cache e
 row is quantized as optc.core.kv_cache.quantize does (absmax over the row, fp32 scale stored beside the
 block, int8 rounded half up, fp8 rounded to nearest even), in the same expressions.
 
-Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
+Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1;
+partial rotary and head dims 96 / 256 are also compiled for sm_90, not yet run on a GPU (docs/PERF.md).
 """
 
 from __future__ import annotations
