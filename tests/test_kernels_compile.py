@@ -107,9 +107,11 @@ def test_kernels_compile_sm90_family_shapes(tmp_path, model):
 
 
 def test_kernels_compile_sm90_head_dim_256_attention_in_fp32_fits(tmp_path):
-    # fp32 (parity runs) at Gemma 2's shapes: the largest attention tiles spill, but compile and fit
+    # fp32 (parity runs) at Gemma 2's shapes: the largest attention tiles (prefill 136 KB of shared memory)
+    # spill, but compile and fit; the sliding layers' rows only (the global ones share their tiles, and
+    # the int8 / fp8 variants, spilling more, take ptxas half a minute more)
     report = _compile_report(tmp_path, "--model", "gemma-2-2b", "--dtypes", "float32",
-                             "--only", "paged_decode,paged_prefill")
+                             "--only", "paged_decode.local,paged_prefill.local")
     compiled = report["compiled"]
     assert {c["kernel"] for c in compiled} == {"_decode_kernel", "_combine_kernel", "_prefill_kernel"}
     assert all(c["fits"] for c in compiled) and {c["config"]["BLOCK_D"] for c in compiled} == {256}
