@@ -10,8 +10,8 @@ last `window` of them).
 
 One program serves one (request, KV head, row tile): the rows of a tile are (query token, query
 head of the group) pairs flattened as row = i * G + g, so each K/V tile is read once per group.
-The KV loop runs from the window start of the tile's first query (0 without a window: blocks wholly
-before it are never read) to the tile's last causal position. Flash-attention online softmax in fp32
+The KV loop runs from key 0 (with a `window`, from the window start of the tile's first query: blocks
+wholly before it are never read) to the tile's last causal position. Flash-attention online softmax in fp32
 (exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot (an int8 / fp8
 cache: to q's dtype, scales folded in as optc.kernels._attend describes); cast on store. Soft-capping
 as optc.kernels._attend describes.
