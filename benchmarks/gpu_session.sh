@@ -15,6 +15,9 @@
 #   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda, NCCL
 #                  tensor parallelism at N = 1 with captured collectives), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
+#   families       the family kernel paths never yet run on a GPU (only compiled for sm_90): attention with
+#                  soft cap, sliding window and head dims 256 / 96 at Gemma / Qwen3 / Phi-3 shapes (float,
+#                  int8 and fp8 KV), and each family's random preset built for cuda against its references
 #   quantized      every quantized kernel path never yet run on a GPU: a tiny artifact per path against its
 #                  torch references (int4/int8 linears and lm_heads, fp8, fp8/int8 W8A8, int8/fp8 KV), and
 #                  the fp8, W8A8 and tinygemm (torch.int4pack) kernels on Llama-3-8B shapes
@@ -23,6 +26,8 @@
 #                  (the torch.int4pack candidate) on the same shapes
 #   kernels-w8a16  benchmarks/kernels.py: int8 linears
 #   kernels-small  benchmarks/kernels.py: norms, activation, RoPE, paged attention
+#   kernels-gemma  benchmarks/kernels.py at Gemma 3 270M and Gemma 2 2B shapes: GeGLU, offset norms, head dim
+#                  256 RoPE and attention, global and .local (sliding window) rows
 #   awq-8b         `optc build recipes/llama-awq.yaml` on random:llama-3-8b with --device cuda (timed)
 #   profile-int4, profile-bf16   benchmarks/profile_decode.py: GPU time per kernel of a batch-1 decode step
 #   int4-b1, bf16-b1              serving 8B int4 (RTN g128) / bf16 (CUDA graphs, then eager) at batch 1
@@ -54,8 +59,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="smoke kernel-tests quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small awq-8b profile-int4 profile-bf16
-        int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 tensorrt fake"
+STAGES="smoke kernel-tests families quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small kernels-gemma awq-8b
+        profile-int4 profile-bf16 int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 tensorrt
+        fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
 MAX_BOUND=570       # every stage's steps end within this many seconds (device commands stop at 600)
 PY=${PYTHON:-python3}
@@ -111,8 +117,9 @@ pytest_stage() {  # pytest_stage SECONDS PER_TEST_SECONDS ARGS ...
   step "$secs" "${PYTEST[@]}" --timeout="$per" "$@"
 }
 
-kernels_stage() {  # kernels_stage SECONDS PREFIXES
-  step "$1" "$PY" benchmarks/kernels.py --only "$2" --warmup 5 --repeats 30 --jsonl "$OUT/$STAGE.jsonl"
+kernels_stage() {  # kernels_stage SECONDS PREFIXES [MODEL]
+  step "$1" "$PY" benchmarks/kernels.py --only "$2" --model "${3:-llama-3-8b}" --warmup 5 --repeats 30 \
+    --jsonl "$OUT/$STAGE.jsonl"
   table "$OUT/$STAGE.jsonl"
 }
 
@@ -142,6 +149,10 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       setup
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
         tests/test_kernels_linear.py -k "not every_autotune" ;;
+    families)
+      estimate 3 "setup 0.3, 20 attention tests at family shapes (~60 compiles), 8 tiny family builds served on cuda (~10 s each)"
+      setup
+      pytest_stage 420 150 tests/test_kernels_attention_window.py tests/test_kernels_families.py ;;
     quantized)
       estimate 4 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 and 16 tinygemm kernel tests"
       setup
@@ -158,6 +169,11 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       estimate 1.5 "measured 25 s with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
       kernels_stage 330 rms_norm,add_rms_norm,gated_act,rope_kv_store,paged_decode,paged_prefill ;;
+    kernels-gemma)
+      estimate 2.5 "two models' norm, activation, RoPE and attention rows (about 40 cases, compiles included)"
+      setup
+      kernels_stage 170 rms_norm,add_rms_norm,gated_act,rope_kv_store,paged_decode,paged_prefill gemma-3-270m
+      kernels_stage 170 rms_norm,add_rms_norm,gated_act,rope_kv_store,paged_decode,paged_prefill gemma-2-2b ;;
     kernels-w4a16 | kernels-w8a16)
       estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup

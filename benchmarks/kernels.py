@@ -1,5 +1,6 @@
-"""Kernel benchmarks at Llama-3-8B (or SmolLM2) decode shapes: each Triton kernel next to its torch equivalent,
-and torch's tinygemm int4 matmul (`tinygemm.*`, the `torch.int4pack` candidate) beside w4a16 in bfloat16.
+"""Kernel benchmarks at Llama-3-8B (or SmolLM2, or a family's: Qwen3, Gemma 2 / 3, Phi-3 / 4) decode shapes:
+each Triton kernel next to its torch equivalent, and torch's tinygemm int4 matmul (`tinygemm.*`, the
+`torch.int4pack` candidate) beside w4a16 in bfloat16.
 
     python benchmarks/kernels.py [--jsonl rows.jsonl] [--json out.json] [--repeats 50] [--only w4a16,w8a16]
     python benchmarks/kernels.py --compile-only [--arch 90] [--all-configs]    # no GPU needed
@@ -18,6 +19,11 @@ at a time limit keeps its finished rows; the table is printed from the rows (`py
 benchmarks/results.py table FILE.jsonl` rebuilds it). `--only` runs the kernels whose names start
 with one of the given prefixes, so the cases can be split across time-limited calls.
 Prefill rows (linears at M=512, paged_prefill) are compute-bound: their GB/s is not their limit.
+A family's attributes reach its rows: GeGLU in gated_act, the rotary width in rope_kv_store, the soft
+cap in the attention rows, and for a model with sliding layers `paged_decode.local` /
+`paged_prefill.local` rows with its window (bytes: the window's keys only, which the kernels alone
+read; the blocks before it stay in the table). Attention rows with a soft cap or a window compare
+with the runtime's torch path (optc.core.ops.attention.paged_attention_sdpa), which computes them.
 
 --compile-only needs no GPU: each case's Triton launches compile for the GPU of --arch (Triton's
 own compiler and the ptxas in its wheel) and do not run; it prints each compiled kernel's registers,
@@ -46,7 +52,9 @@ PREFILL = 512  # prompt tokens of the prefill rows (linears at M=PREFILL take th
 
 @dataclass(frozen=True)
 class Model:
-    """The shapes a model's kernels see; `group` is the int4 group size its recipes use."""
+    """The shapes a model's kernels see; `group` is the int4 group size its recipes use. The family
+    attributes: the rotary width (None: head_dim), the gated activation, the attention soft cap, the
+    sliding layers' window (None: no sliding layers) and the norms' weight offset (Gemma's 1 + w)."""
 
     hidden: int
     inter: int
@@ -54,6 +62,11 @@ class Model:
     kv_heads: int
     head_dim: int
     group: int
+    rotary_dim: int | None = None
+    act: str = "silu"
+    softcap: float | None = None
+    window: int | None = None
+    norm_offset: float = 0.0
 
     @property
     def linears(self) -> dict[str, tuple[int, int]]:  # name -> (N, K)
@@ -62,7 +75,16 @@ class Model:
                 "down": (self.hidden, self.inter)}
 
 
-MODELS = {"llama-3-8b": Model(4096, 14336, 32, 8, 128, 128), "smollm2-135m": Model(576, 1536, 9, 3, 64, 64)}
+MODELS = {"llama-3-8b": Model(4096, 14336, 32, 8, 128, 128), "smollm2-135m": Model(576, 1536, 9, 3, 64, 64),
+          # each family's config.json: head_dim 128 not hidden / heads (Qwen3); head_dim 256, GeGLU, soft cap and
+          # a 4,096-token window on alternate layers (Gemma 2); 4 heads over 1, a 512-token window on 5 of 6
+          # layers (Gemma 3); head_dim 96 (Phi-3-mini); partial rotary 96 of 128 (Phi-4-mini)
+          "qwen3-0.6b": Model(1024, 3072, 16, 8, 128, 128),
+          "gemma-2-2b": Model(2304, 9216, 8, 4, 256, 128, act="gelu_tanh", softcap=50.0, window=4096, norm_offset=1.0),
+          "gemma-3-270m": Model(640, 2048, 4, 1, 256, 128, act="gelu_tanh", window=512, norm_offset=1.0),
+          "phi-3-mini": Model(3072, 8192, 32, 32, 96, 128),
+          "phi-4-mini": Model(3072, 8192, 24, 8, 128, 128, rotary_dim=96)}
+FAMILY_MODELS = ("qwen3-0.6b", "gemma-2-2b", "gemma-3-270m", "phi-3-mini", "phi-4-mini")
 
 
 L2_FLUSH_BYTES = 256 << 20  # more than an H100's 50 MB L2: each timed call reads its operands from HBM
@@ -127,16 +149,17 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
     e, name = dt.itemsize, str(dt).removeprefix("torch.")
     w = data(m.hidden)
-    cos_sin = data(8192, m.head_dim, dtype=torch.float32)
+    cos_sin = data(8192, m.rotary_dim or m.head_dim, dtype=torch.float32)
     for t in BATCHES:
         x, r = data(2, t, m.hidden)
-        yield "rms_norm", f"T={t}", (2 * t + 1) * m.hidden * e, bind(norm.rms_norm, x, w, 1e-5), \
-            bind(rms_norm_ref, x, w, 1e-5)
-        yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, w, 1e-5), \
-            bind(add_rms_norm_ref, x, r, w, 1e-5)
+        norm_args = (w, 1e-5, m.norm_offset)
+        yield "rms_norm", f"T={t}", (2 * t + 1) * m.hidden * e, bind(norm.rms_norm, x, *norm_args), \
+            bind(rms_norm_ref, x, *norm_args)
+        yield "add_rms_norm", f"T={t}", (4 * t + 1) * m.hidden * e, bind(norm.add_rms_norm, x, r, *norm_args), \
+            bind(add_rms_norm_ref, x, r, *norm_args)
         gu = data(t, 2 * m.inter)
-        yield "gated_act", f"T={t}", 3 * t * m.inter * e, bind(activation.gated_act, gu), \
-            bind(gated_act_ref, gu)
+        yield "gated_act", f"T={t}", 3 * t * m.inter * e, bind(activation.gated_act, gu, act=m.act), \
+            bind(gated_act_ref, gu, act=m.act)
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
@@ -145,8 +168,11 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         args = (q, k, v, pos, cos_sin, cache, slots)
         yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
         for ctx in CONTEXTS:
-            byts = 2 * t * ctx * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
-            yield ("paged_decode", f"B={t} ctx={ctx}", byts, *_decode(m, t, ctx, dev, data, paged_decode.paged_decode))
+            for kernel, window in _layers(m):
+                seen = min(ctx, window or ctx)  # the keys the kernel reads
+                byts = 2 * t * seen * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
+                yield ("paged_decode" + kernel, f"B={t} ctx={ctx}", byts,
+                       *_decode(m, t, ctx, dev, data, paged_decode.paged_decode, window=window))
     for t in BATCHES + (PREFILL,):
         for lin, (n, kk) in m.linears.items():
             xl = data(t, kk)
@@ -170,8 +196,9 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
                 bind(w8a16.w8a16_linear, xl, p8, fmt8), bind(linear_ref, xl, p8, fmt8)
     for batch in (1, 4):  # prefill: `batch` prompts of PREFILL tokens each (compute-bound; bytes are the minimum)
         byts = 4 * batch * PREFILL * (m.heads + m.kv_heads) * m.head_dim * e
-        fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill)
-        yield ("paged_prefill", f"B={batch} T={PREFILL}", byts, *fns)
+        for kernel, window in _layers(m):
+            fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill, window=window)
+            yield ("paged_prefill" + kernel, f"B={batch} T={PREFILL}", byts, *fns)
     # int8 / fp8 KV (a value byte per element, an fp32 scale per (token, KV head) for K and V): the
     # fused store at T=32, decode at batch 32 x 4,096 (compare its GB/s with the bf16 row above:
     # the target is the same bytes per second on half the bytes), prefill at B=1
@@ -191,6 +218,20 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         byts = 2 * PREFILL * m.heads * m.head_dim * e + 2 * PREFILL * m.kv_heads * (m.head_dim + 4)
         yield (f"paged_prefill.{kv}", f"B=1 T={PREFILL}", byts,
                *_prefill(m, 1, dev, data, paged_prefill.paged_prefill, kv))
+
+
+def _layers(m: Model) -> list[tuple[str, int | None]]:
+    """(kernel name suffix, window) per kind of attention layer the model has: global, and local if it slides."""
+    return [("", None)] + ([(".local", m.window)] if m.window else [])
+
+
+def _torch_path(m: Model, window, q, cache, tables, seq_lens, starts, scale, kv_scales, **bounds):
+    """The runtime's torch attention (SDPA, or the fp32 reference where it soft-caps), for rows with a
+    soft cap or a window, which the plain SDPA call of the other rows does not compute."""
+    from optc.core.ops.attention import paged_attention_sdpa
+
+    return bind(paged_attention_sdpa, q, cache, tables, seq_lens, starts, scale, kv_scales=kv_scales,
+                softcap=m.softcap, window=window, **bounds)
 
 
 def _gather(cache, kv_scales, tables, dtype):
@@ -219,7 +260,7 @@ def _paged(m, batch, ctx, dev, data):
     return cache, tables, seq_lens
 
 
-def _decode(m, batch, ctx, dev, data, kernel, kv_dtype=None):
+def _decode(m, batch, ctx, dev, data, kernel, kv_dtype=None, window=None):
     cache, tables, seq_lens = _paged(m, batch, ctx, dev, data)
     starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
     q = data(batch, m.heads, m.head_dim)
@@ -234,10 +275,15 @@ def _decode(m, batch, ctx, dev, data, kernel, kv_dtype=None):
         k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # (B, H_kv, ctx, D)
         return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-    return bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_seq_len=ctx), torch_fn
+    tri = bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_seq_len=ctx, softcap=m.softcap,
+               window=window)
+    if m.softcap or window:
+        torch_fn = _torch_path(m, window, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=1,
+                               max_seq_len=ctx)
+    return tri, torch_fn
 
 
-def _prefill(m, batch, dev, data, kernel, kv_dtype=None):
+def _prefill(m, batch, dev, data, kernel, kv_dtype=None, window=None):
     cache, tables, seq_lens = _paged(m, batch, PREFILL, dev, data)
     starts = torch.arange(0, (batch + 1) * PREFILL, PREFILL, device=dev, dtype=torch.int32)
     q = data(batch * PREFILL, m.heads, m.head_dim)
@@ -254,13 +300,17 @@ def _prefill(m, batch, dev, data, kernel, kv_dtype=None):
         qb = q.view(batch, PREFILL, m.heads, m.head_dim).transpose(1, 2)
         return F.scaled_dot_product_attention(qb, k, v, scale=scale, is_causal=True, enable_gqa=True)
 
-    return bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=PREFILL), torch_fn
+    tri = bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=PREFILL,
+               softcap=m.softcap, window=window)
+    if m.softcap or window:
+        torch_fn = _torch_path(m, window, q, cache, tables, seq_lens, starts, scale, kv_scales)
+    return tri, torch_fn
 
 
-def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) -> dict:
+def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str], only: tuple[str, ...] = ()) -> dict:
     """Compile every kernel the cases launch for sm_{arch}, without a GPU (optc.kernels.compile_only):
     one row per distinct compiled config, and the failures (compiler errors; launches with no
-    config that fits in the GPU's shared memory)."""
+    config that fits in the GPU's shared memory). `only`: just the cases whose kernel name starts with one."""
     import triton
 
     from optc.kernels.compile_only import MAX_SHARED, compile_only
@@ -268,6 +318,8 @@ def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str]) 
     seen, rows, failures = set(), [], []
     for name in dtypes:
         for kernel, shape, _, tri, _ in _cases(MODELS[model], "cpu", getattr(torch, name), torch.empty):
+            if only and not kernel.startswith(only):
+                continue
             where = f"{kernel} {shape} {name}"
             with compile_only(arch, all_configs) as launches:
                 try:
@@ -306,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results to this file (at the end)")
     ap.add_argument("--jsonl", help="append each row here as one JSON line the moment it is measured (survives a kill)")
     ap.add_argument("--only", default="",
-                    help="comma-separated kernel name prefixes to run (e.g. w4a16,w8a16; default: every kernel)")
+                    help="comma-separated kernel name prefixes to run, or compile with --compile-only (e.g. "
+                         "w4a16,w8a16; default: every kernel)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed runs before timing (default 10)")
     ap.add_argument("--repeats", type=int, default=50, help="timed runs; the median is reported (default 50)")
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b",
@@ -324,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones (read at import)
         os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is its default
-        report = compile_report(args.model, args.arch, args.all_configs, args.dtypes.split(","))
+        only = tuple(p for p in args.only.split(",") if p)
+        report = compile_report(args.model, args.arch, args.all_configs, args.dtypes.split(","), only)
         _print_compile_report(report)
         if args.json:
             with open(args.json, "w") as f:

@@ -1,12 +1,23 @@
 """What both paged attention kernels share: the inner step (one tile of keys, read through the
-block table, folded into a flash-attention online softmax) and the launchers' checks of the
-cache layout (optc.core.ops.attention describes it).
+block table, folded into a flash-attention online softmax), the score transform of a soft-capped
+layer, the key range a sliding window leaves, and the launchers' checks of the cache layout
+(optc.core.ops.attention describes it).
 
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
-it (decode passes the request's last position: every key in the context). Scores are in log2
-units (the scale is folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`,
-sum `l_i` and unnormalized output `acc` are fp32; P is cast to the cache dtype for the second
-dot. The caller divides `acc` by `l_i` at the end.
+it (decode passes the request's last position: every key in the context), and with a sliding
+window (`WINDOW`) only keys above query_pos - window. Without a window the step compiles as plain
+causal attention (the launchers pass NO_WINDOW, unread). With one, callers start their key loop at
+the window start of their first row (`window_start`), so blocks wholly before it, which the runtime
+may have freed (null block 0 in the table), are never read. Scores are in log2 units (the scale is
+folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`, sum `l_i` and
+unnormalized output `acc` are fp32; P is cast to the cache dtype for the second dot. The caller
+divides `acc` by `l_i` at the end. With a window, a row that has seen no key yet keeps m_i = -inf
+and l_i = 0 without NaN (its window starts past a prefill tile's first step).
+
+Soft-capping (`SOFTCAP`, Gemma 2): the reference's scaled score x = s * scale becomes
+cap * tanh(x / cap), then the mask; tanh is 1 - 2 / (1 + e^(2y)), in exp2, saturating to +-1
+without overflow (e^(2y) = inf gives 1). The launcher passes qk_scale = 2 * scale / cap * log2 e
+(the exp2 argument) and cap_log2 = cap * log2 e.
 
 An int8 / fp8 cache (`HAS_SCALES`) is read as stored and cast to q's dtype (exact: int8 and e4m3
 values are bf16 / fp16 values); its per-(token, KV head) scales fold into the scores (a column
@@ -22,13 +33,17 @@ import triton.language as tl
 
 from optc.kernels._dot import dot
 
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any context
+
 
 @triton.jit
 def attend(
     q, m_i, l_i, acc, query_pos,
     kv_base, scale_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co,
-    stride_sb, stride_skv, stride_so, D, qk_scale,
-    HAS_SCALES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_sb, stride_skv, stride_so, D, qk_scale, cap_log2, window,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base (scale_base) points at the KV head's K (K
     # scale) of block 0
@@ -46,11 +61,21 @@ def attend(
     s = dot(q, tl.trans(k), FP32_DOT)
     if HAS_SCALES:  # s[i, n] = q_i . (k_n * ks_n)
         s = s * tl.load(scale_ptr, mask=mask_n, other=0.0)[None, :]
+    if SOFTCAP:  # cap * tanh(x / cap) in log2 units; qk_scale = 2 * scale / cap * log2 e
+        s = cap_log2 * (1.0 - 2.0 / (1.0 + tl.exp2(s * qk_scale)))
+    else:
+        s = s * qk_scale
     visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each caller's first step shows every row a key
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOW:
+        visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if WINDOW:  # a row whose window starts past this step has seen no key: p = 0 and alpha = 0, not NaN
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    else:  # causal: each caller's first step shows every row a key
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(kv_ptr + stride_ckv, mask=mask_nd, other=0.0)
     if HAS_SCALES:  # sum_n p[i, n] * (v_n * vs_n) = sum_n (p[i, n] * vs_n) * v_n
@@ -58,6 +83,22 @@ def attend(
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32_DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def window_start(first_pos, window):
+    """The first key the query at `first_pos` sees (0 without a window)."""
+    return tl.maximum(first_pos - window + 1, 0)
+
+
+def score_args(scale: float, softcap: float | None, window: int | None) -> tuple[float, float, int]:
+    """(qk_scale, cap_log2, window) for `attend`: the soft cap folded as its docstring says."""
+    assert softcap is None or softcap > 0, f"softcap {softcap} must be positive"
+    assert window is None or window > 0, f"window {window} must be positive"
+    window = NO_WINDOW if window is None else min(window, NO_WINDOW)
+    if softcap is None:
+        return scale * LOG2E, 0.0, window
+    return 2.0 * scale / softcap * LOG2E, softcap * LOG2E, window
 
 
 def check_paged_args(

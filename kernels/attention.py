@@ -2,7 +2,9 @@
 GQA-aware KV cache (optc.core.ops.attention describes the layout and the reference, `attention_ref`).
 
 A batch whose requests each bring one query token runs `paged_decode` (splits long contexts across
-programs); any other batch (prefill, chunked prefill, mixed) runs `paged_prefill`.
+programs); any other batch (prefill, chunked prefill, mixed) runs `paged_prefill`. Both take a layer's
+soft cap (Gemma 2) and sliding window (Gemma 2 and 3); a sliding layer reads only the blocks its
+window reaches.
 """
 
 from __future__ import annotations
@@ -30,20 +32,20 @@ def paged_attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """optc.core.ops.attention.attention_ref for plain causal attention (the registry's predicate keeps
-    soft-capped and sliding-window layers on the reference): stores k, v (None: stored already), then attends.
+    """optc.core.ops.attention.attention_ref: stores k, v (None: stored already), then attends (causal,
+    soft-capped by `softcap`, within `window` when given).
 
     `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
     kernel's split count is baked into the graph.
     """
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
-    assert softcap is None and window is None, "soft-capped or sliding attention: the kernels compute neither"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
     args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale, kv_cache.scales)
+    scores = {"softcap": softcap, "window": window}
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if q.shape[0] else 0
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
-        return paged_decode(*args, max_seq_len=max_seq_len)
-    return paged_prefill(*args, max_query_len=max_query_len)
+        return paged_decode(*args, max_seq_len=max_seq_len, **scores)
+    return paged_prefill(*args, max_query_len=max_query_len, **scores)

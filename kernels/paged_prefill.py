@@ -1,18 +1,30 @@
-"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache
-(optc.core.ops.attention describes the layout and the reference).
+"""Causal varlen prefill (and chunked prefill) attention over the paged, GQA-aware KV cache, with
+an optional sliding window and soft cap (optc.core.ops.attention describes the layout and the
+reference).
 
 The K/V of every token, the earlier context's and this step's, are read from the paged cache (the
 store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
 chunks before it through the block table with no special case. Query i of request b sits at
-position seq_lens[b] - query_len_b + i and sees keys 0 .. its own position.
+position seq_lens[b] - query_len_b + i and sees keys 0 .. its own position (with a `window`, the
+last `window` of them).
 
 One program serves one (request, KV head, row tile): the rows of a tile are (query token, query
 head of the group) pairs flattened as row = i * G + g, so each K/V tile is read once per group.
-The KV loop stops at the tile's last causal position. Flash-attention online softmax in fp32
+The KV loop runs from key 0 (with a `window`, from the window start of the tile's first query: blocks
+wholly before it are never read) to the tile's last causal position. Flash-attention online softmax in fp32
 (exp2, scale folded into log2 e); P is cast to the cache dtype for the second dot (an int8 / fp8
-cache: to q's dtype, scales folded in as optc.kernels._attend describes); cast on store.
+cache: to q's dtype, scales folded in as optc.kernels._attend describes); cast on store. Soft-capping
+as optc.kernels._attend describes.
+
+Tiles (`TILES`, by the padded head dim BLOCK_D): (BLOCK_M rows, BLOCK_N keys, warps); head dims that
+are not a power of two (Phi-3's 96) pad to BLOCK_D with masked columns. The head-dim-256 tile
+(Gemma) runs 8 warps, which spreads its (64, 256) fp32 accumulator so that sm_90 code keeps it in
+registers (4 warps spill; BLOCK_M 32 spills with an int8 / fp8 cache); the compile-only check
+(tests/test_kernels_compile.py) holds each bf16 / fp16 tile to no spills.
 
 Tests compare it with its op's torch reference (optc.core.ops), on the CPU under TRITON_INTERPRET=1.
+The soft cap, the window and the head-dim-256 tile are checked there and compiled for sm_90
+(tests/test_kernels_compile.py), not yet run on a GPU (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -21,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from optc.kernels._attend import attend, check_paged_args
+from optc.kernels._attend import attend, check_paged_args, score_args, window_start
 from optc.kernels._dot import fp32_dot
 
-LOG2E = 1.4426950408889634
-BLOCK_M = 64  # (query token, head) rows per program
-BLOCK_N = 32  # KV tokens per inner step
+# BLOCK_D -> (BLOCK_M (query token, head) rows per program, BLOCK_N KV tokens per inner step, num_warps)
+TILES = {16: (64, 32, 4), 32: (64, 32, 4), 64: (64, 32, 4), 128: (64, 32, 4), 256: (64, 32, 8)}
 
 
 @triton.jit
@@ -34,13 +45,13 @@ def _prefill_kernel(
     # pointers
     q_ptr, cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
     # sizes
-    G, D, block_size, qk_scale,
+    G, D, block_size, qk_scale, cap_log2, window,
     # strides: q / out (token, head); cache (block, k|v, offset, head); scales (block, k|v, offset, head);
     # block table (request)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
     stride_sb, stride_skv, stride_so, stride_sh, stride_bt,
     # meta
-    HAS_SCALES: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -65,15 +76,20 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # causal: no row of this tile sees past its last query's position; an empty tile loops 0 times
+    # causal: no row of this tile sees past its last query's position, nor (a window) before its first
+    # query's window start; an empty tile loops 0 times
     last_query = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, query_len - 1)
     end = tl.where(tile * BLOCK_M < query_len * G, context_len + last_query + 1, 0)
+    start = 0  # a constant without a window: plain causal attention compiles as it did before windows
+    if WINDOW:
+        start = window_start(context_len + (tile * BLOCK_M) // G, window)
     kv_base = cache_ptr + kv_head * stride_ch
     scale_base = scale_ptr + kv_head * stride_sh
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, scale_base, block_tables_ptr + req * stride_bt,
                                n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
-                               stride_so, D, qk_scale, HAS_SCALES, FP32_DOT, BLOCK_D, BLOCK_N)
+                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, WINDOW, FP32_DOT,
+                               BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -89,11 +105,14 @@ def paged_prefill(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """paged_attention_ref for any query lengths (prefill, chunked prefill, speculative verify).
 
     `kv_scales`: an int8 / fp8 cache's scales (None: a float cache). `max_query_len` sizes the grid;
-    without it the launcher reads query_start_loc (a device sync).
+    without it the launcher reads query_start_loc (a device sync). `softcap`, `window`: the
+    reference's (None: none).
     """
     # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
     num_requests, _, num_kv_heads, head_dim, block_size, group = check_paged_args(
@@ -105,13 +124,16 @@ def paged_prefill(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     cs = kv_cache.stride()
     ss = kv_scales.stride() if kv_scales is not None else (0,) * 4
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n, num_warps = TILES[block_d]
     grid = lambda meta: (num_requests, num_kv_heads, triton.cdiv(max_query_len * group, meta["BLOCK_M"]))
     _prefill_kernel[grid](
         q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc, out,
-        group, head_dim, block_size, scale * LOG2E,
+        group, head_dim, block_size, *score_args(scale, softcap, window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
         block_tables.stride(0),
-        HAS_SCALES=kv_scales is not None, FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
-        BLOCK_M=BLOCK_M, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK_N, num_warps=4,
+        HAS_SCALES=kv_scales is not None, SOFTCAP=softcap is not None, WINDOW=window is not None,
+        FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
+        BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out

@@ -34,6 +34,7 @@ from optc.core.ops import OPS, Impl, Param
 TARGETS = ("cpu", "cuda")
 MAX_HIDDEN = 16384  # norm kernels keep one row in registers
 MAX_GROUP = 64  # query heads per KV head that the attention tiles hold
+GATED_ACTS = ("silu", "gelu_tanh")  # what triton.gated_act computes (optc.kernels.activation.ACTS)
 
 
 @dataclass(frozen=True)
@@ -174,17 +175,22 @@ def _norm_ok(q: KernelQuery) -> bool:
 
 
 def _gated_act_ok(q: KernelQuery) -> bool:
-    return _dtype_ok(q) and q.act == "silu"
+    return _dtype_ok(q) and q.act in GATED_ACTS
 
 
 def _rope_ok(q: KernelQuery) -> bool:
-    return _dtype_ok(q) and q.head_dim > 0 and q.head_dim % 2 == 0 and q.head_dim <= 512 and q.rotary_dim is None
+    # partial rotary: an even rotary width within the head (the table's width)
+    r = q.rotary_dim
+    return (_dtype_ok(q) and q.head_dim > 0 and q.head_dim % 2 == 0 and q.head_dim <= 512
+            and (r is None or (r > 0 and r % 2 == 0 and r <= q.head_dim)))
 
 
 def _attention_ok(q: KernelQuery) -> bool:
+    # head dims 16..256 in multiples of 8 (16-byte rows in bf16; a dim that is not a power of two pads its
+    # tile with masked columns); soft cap and window: any positive value
     d = q.head_dim
-    return (_dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES and 16 <= d <= 256 and d & (d - 1) == 0
-            and q.softcap is None and q.window is None
+    return (_dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES and 16 <= d <= 256 and d % 8 == 0
+            and (q.softcap is None or q.softcap > 0) and (q.window is None or q.window > 0)
             and q.num_kv_heads > 0 and q.num_heads % q.num_kv_heads == 0
             and q.num_heads // q.num_kv_heads <= MAX_GROUP)
 

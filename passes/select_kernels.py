@@ -6,20 +6,26 @@ machine per M bucket (optc.kernels.choose) and the fastest per bucket is recorde
 the winner changes with M, `kernel_by_m` (see optc.kernels.registry). `measure: false` binds the first
 supporting kernel for every M instead (deterministic graphs, tests). A node already bound to
 candidates keeps its binding, so a second run measures nothing. Timings go to the pass stats
-(`optc inspect` shows them). A node bound to a kernel that does not support its shape, or a kernel
-that raises on it while measured, is a build-time error naming node, shape and kernel.
+(`optc inspect` shows them). A node bound to a kernel that does not support it, or a kernel that
+raises on it while measured, is a build-time error naming node, shape and kernel, the op attribute
+the kernel cannot take (a family's soft cap, window, activation, rotary width, norm offset) when that
+is what it refuses, and what to do.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from optc.core.errors import InputError
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.kernels.registry import KERNELS, KernelQuery, candidates
+from optc.kernels.registry import KERNELS, KernelQuery, KernelSpec, candidates
+
+# KernelQuery fields read off a family's op attributes -> the node attribute each comes from
+FAMILY_ATTRS = {"softcap": "softcap", "window": "window", "act": "act", "rotary_dim": "rotary_dim",
+                "norm_offset": "offset"}
 
 
 class SelectKernels(Pass):
@@ -86,7 +92,8 @@ class SelectKernels(Pass):
 
 def check_bound(graph: Graph, node: Node) -> None:
     """Raise an InputError naming node, shape and kernel when a kernel the node is bound to (its
-    `kernel` or one in `kernel_by_m`) does not support the node."""
+    `kernel` or one in `kernel_by_m`) does not support the node: the op attribute it cannot take and
+    the model's architecture when an attribute is the reason, and what to do."""
     names = {node.kernel} | {k for _, k in node.attrs.get("kernel_by_m", ())}
     for name in sorted(names - {REFERENCE_KERNEL}):
         spec = KERNELS.get(name)
@@ -95,8 +102,25 @@ def check_bound(graph: Graph, node: Node) -> None:
             w = query.weight
             shape = (f"weight {list(query.weight_shape)} {w.kind.value}" if w is not None
                      else f"hidden {query.hidden_size}, head_dim {query.head_dim}")
+            attr = _refused_attr(spec, query)
+            what = (f"take its attribute {attr[0]}={attr[1]!r} ({graph.config.architecture})" if attr is not None
+                    else "run that shape")
             raise InputError(f"node {node.name} ({node.op}, {shape}, {query.dtype}) is bound to kernel {name}, "
-                             f"which cannot run that shape")
+                             f"which cannot {what}: rebuild with select_kernels after every pass that changes the "
+                             f"node (it leaves a node no kernel takes on its torch reference), or disable the "
+                             f"kernel (select_kernels: {{disable: [{name}]}})")
+
+
+def _refused_attr(spec: KernelSpec, query: KernelQuery) -> tuple[str, object] | None:
+    """(node attribute, value) of the family attribute `spec` refuses in `query`: the first whose plain
+    value (Llama's) the kernel would take; None when the shape or format is the reason."""
+    plain = KernelQuery(query.op, query.dtype)
+    for field_name, attr in FAMILY_ATTRS.items():
+        value = getattr(query, field_name)
+        default = getattr(plain, field_name)
+        if value != default and spec.supports(replace(query, **{field_name: default})):
+            return attr, value
+    return None
 
 
 def _binding(attrs: dict) -> dict:

@@ -13,11 +13,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from optc.kernels import w4a16, w8a16
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
 FAMILIES = {"_w4a16_kernel", "_w8a16_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_silu_kernel", "_reduce_kernel"}
+            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_act_kernel", "_reduce_kernel"}
 
 
 def _env():
@@ -75,6 +77,44 @@ def test_kernels_compile_sm90_smollm2_shapes(tmp_path):
     scaled = {(c["kernel"], c["dtype"]) for c in report["compiled"] if c["config"].get("HAS_SCALES")}
     assert scaled == {(k, d) for k in ("_rope_kv_store_kernel", "_decode_kernel", "_prefill_kernel")
                       for d in ("bfloat16", "float16")}
+
+
+# each family's real shapes (benchmarks/kernels.py MODELS): attention's padded head dim, whether its scores are
+# soft-capped, whether it has sliding layers (then it compiles windowed and global attention), the gated
+# activation (0 silu, 1 gelu_tanh), the norms' offset, rope's padded head dim
+FAMILY_SHAPES = {
+    "qwen3-0.6b": (128, False, False, 0, False, 128),
+    "gemma-2-2b": (256, True, True, 1, True, 256),
+    "gemma-3-270m": (256, False, True, 1, True, 256),
+    "phi-3-mini": (128, False, False, 0, False, 128),  # head dim 96, padded
+    "phi-4-mini": (128, False, False, 0, False, 128),  # 96 of 128 rotate
+}
+
+
+@pytest.mark.parametrize("model", list(FAMILY_SHAPES))
+def test_kernels_compile_sm90_family_shapes(tmp_path, model):
+    # bf16: every kernel, without spills
+    compiled = _compile_report(tmp_path, "--model", model, "--dtypes", "bfloat16")["compiled"]
+    assert {c["kernel"] for c in compiled} == FAMILIES
+    assert not [(c["kernel"], c["config"]) for c in compiled if c["spill_bytes"] or not c["fits"]]
+    block_d, softcap, sliding, act, offset, rope_d = FAMILY_SHAPES[model]
+    attention = [c["config"] for c in compiled if c["kernel"] in ("_decode_kernel", "_prefill_kernel")]
+    assert {(c["BLOCK_D"], c["SOFTCAP"]) for c in attention} == {(block_d, softcap)}
+    assert {c["WINDOW"] for c in attention} == ({False, True} if sliding else {False})
+    assert {c["config"]["ACT"] for c in compiled if c["kernel"] == "_gated_act_kernel"} == {act}
+    assert {c["config"]["HAS_OFFSET"] for c in compiled if c["kernel"] == "_rms_norm_kernel"} == {offset}
+    assert {c["config"]["BLOCK_D"] for c in compiled if c["kernel"] == "_rope_kv_store_kernel"} == {rope_d}
+
+
+def test_kernels_compile_sm90_head_dim_256_attention_in_fp32_fits(tmp_path):
+    # fp32 (parity runs) at Gemma 2's shapes: the largest attention tiles (prefill 136 KB of shared memory)
+    # spill, but compile and fit; the sliding layers' rows only (the global ones share their tiles, and
+    # the int8 / fp8 variants, spilling more, take ptxas half a minute more)
+    report = _compile_report(tmp_path, "--model", "gemma-2-2b", "--dtypes", "float32",
+                             "--only", "paged_decode.local,paged_prefill.local")
+    compiled = report["compiled"]
+    assert {c["kernel"] for c in compiled} == {"_decode_kernel", "_combine_kernel", "_prefill_kernel"}
+    assert all(c["fits"] for c in compiled) and {c["config"]["BLOCK_D"] for c in compiled} == {256}
 
 
 def test_compile_only_reports_what_the_interpreter_accepts(tmp_path):

@@ -74,14 +74,19 @@ def _check(tmp: Path, case: str, device: str) -> None:
     if device == "cpu" and "w8a8" not in case:
         assert [c.token_ids for c in cuda.generate(PROMPTS, GREEDY)] == want
     for prompt, tokens in zip(PROMPTS, want, strict=True):
-        ids = prompt + tokens
-        args = ([ids], [0], [list(range(1, 1 + -(-len(ids) // block_size)))], [len(ids)])
-        expected = reference.runner.forward(*args).clone()
-        got = cuda.runner.forward(*args)
-        assert_close(got, expected, rtol=rtol, what=f"{case} logits, {len(ids)} tokens")
-        top2 = expected.topk(2, dim=-1).values
-        clear = top2[:, 0] - top2[:, 1] > 2 * rtol * expected.abs().max()
-        assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear]), case
+        assert_same_logits(cuda, reference, prompt + tokens, block_size, rtol, case)
+
+
+def assert_same_logits(engine: Engine, reference: Engine, ids: list[int], block_size: int, rtol: float, what: str):
+    """Teacher-forced logits of `ids` (one request in blocks 1, 2, ...) within `rtol` of the largest of the
+    reference's, and the same argmax wherever the reference's top two are further apart than twice that."""
+    args = ([ids], [0], [list(range(1, 1 + -(-len(ids) // block_size)))], [len(ids)])
+    expected = reference.runner.forward(*args).clone()
+    got = engine.runner.forward(*args)
+    assert_close(got, expected, rtol=rtol, what=f"{what} logits, {len(ids)} tokens")
+    top2 = expected.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * rtol * expected.abs().max()
+    assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear]), what
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "fp8-kv"])

@@ -4,12 +4,13 @@ import importlib
 import inspect
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from optc.core.formats import Format, FormatKind
 from optc.core.ops import OPS
-from optc.kernels.registry import KERNELS, TARGETS, KernelQuery, PreparedImpl, impls, select
+from optc.kernels.registry import GATED_ACTS, KERNELS, TARGETS, KernelQuery, PreparedImpl, impls, select
 
 
 def _int4(group):
@@ -35,12 +36,31 @@ def test_registry_selects_w4a16_only_when_groups_divide_k():
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,expected", [
     (128, 32, 8, "triton.paged_attention"), (64, 9, 3, "triton.paged_attention"), (16, 4, 2, "triton.paged_attention"),
-    (96, 32, 8, None), (512, 8, 8, None), (8, 4, 4, None), (128, 128, 1, None),
+    (96, 32, 32, "triton.paged_attention"), (256, 8, 4, "triton.paged_attention"),
+    (256, 4, 1, "triton.paged_attention"),
+    (100, 32, 8, None), (512, 8, 8, None), (8, 4, 4, None), (128, 128, 1, None),
 ])
 def test_registry_attention_support_by_head_dim_and_group(head_dim, num_heads, num_kv_heads, expected):
     q = KernelQuery("attention", "bfloat16", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     kv_dtype="bfloat16", kv_block_size=16)
     assert (select(q, "cuda").name if select(q, "cuda") else None) == expected
+
+
+def test_registry_takes_the_family_attributes_the_kernels_compute():
+    from optc.kernels.activation import ACTS
+
+    attention = KernelQuery("attention", "bfloat16", num_heads=8, num_kv_heads=4, head_dim=256, kv_dtype="int8")
+    for softcap, window in ((50.0, None), (None, 4096), (50.0, 512)):
+        assert select(replace(attention, softcap=softcap, window=window), "cuda").name == "triton.paged_attention"
+    assert select(replace(attention, window=0), "cuda") is None
+    assert select(KernelQuery("gated_act", "bfloat16", act="gelu_tanh"), "cuda").name == "triton.gated_act"
+    assert select(KernelQuery("gated_act", "bfloat16", act="relu"), "cuda") is None
+    assert set(ACTS) == set(GATED_ACTS)
+    for op in ("rope", "rope_kv_store"):
+        rope = KernelQuery(op, "bfloat16", num_heads=24, num_kv_heads=8, head_dim=128, rotary_dim=96)
+        assert select(rope, "cuda").name == f"triton.{op}"
+        assert select(replace(rope, rotary_dim=95), "cuda") is None
+        assert select(replace(rope, rotary_dim=130), "cuda") is None
 
 
 def test_registry_rejects_unknown_dtype_and_hidden_size():

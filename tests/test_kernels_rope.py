@@ -145,6 +145,76 @@ def test_kv_store_kernel_quantizes_like_ref(kv_dtype):
     assert_same_stored(cache, ref)
 
 
+# partial rotary (head_dim, rotary width): Phi-4-mini's 96 of 128 shrunk; a head dim that is not a power
+# of two (Phi-3's 96, here 24); phi3-tiny's 12 of 16
+PARTIAL = [(32, 24), (24, 16), (16, 12)]
+
+
+@pytest.mark.parametrize("head_dim,rotary", PARTIAL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_partial_rotary_matches_ref(head_dim, rotary, dtype):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(11, 3, head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 50, (11,), generator=g)
+    out = rope(x, pos, _cos_sin(50, rotary))
+    assert_close(out, rope_ref(x, pos, _cos_sin(50, rotary)), *TOL[dtype])
+    assert torch.equal(out[..., rotary:], x[..., rotary:])  # the dims past the rotary width pass through
+    assert not torch.equal(out[..., :rotary], x[..., :rotary])
+
+
+@pytest.mark.parametrize("head_dim,rotary", PARTIAL)
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_rope_kv_store_kernel_partial_rotary_matches_ref(head_dim, rotary, kv_dtype):
+    # k rotates its first `rotary` dims, v none; an int8 row's absmax covers the whole head
+    g = torch.Generator().manual_seed(7)
+    num_tokens, num_kv_heads, block_size = 13, 2, 16
+    q = torch.randn(num_tokens, 6, head_dim, generator=g)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=g) * 3 for _ in range(2))
+    k[:, :, -1] = 20.0  # the largest |k| of each row is a pass-through dim
+    pos = torch.randint(0, 40, (num_tokens,), generator=g)
+    slots = torch.randperm(3 * block_size, generator=g)[:num_tokens] + block_size
+    slots[3] = -1
+    cos_sin = _cos_sin(40, rotary)
+    if kv_dtype is None:
+        cache, ref = (KVCache(torch.zeros(4, 2, block_size, num_kv_heads, head_dim)) for _ in range(2))
+    else:
+        cache, ref = (_quantized_cache(kv_dtype, 4, block_size, num_kv_heads, head_dim) for _ in range(2))
+    assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, ref, slots), *TOL[torch.float32])
+    if kv_dtype is None:
+        assert_close(cache.data, ref.data, *TOL[torch.float32])
+        assert torch.equal(cache.data == 0, ref.data == 0)
+    else:
+        assert_same_stored(cache, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary", [(24, 8, 128, 96), (32, 32, 96, 96), (8, 4, 256, 256)])
+def test_rope_kv_store_family_shapes_on_cuda(dtype, kv_dtype, heads, kv_heads, head_dim, rotary):
+    # Phi-4-mini (partial rotary), Phi-3-mini (head dim 96), Gemma 2 2B (head dim 256)
+    g = torch.Generator().manual_seed(heads)
+    q = torch.randn(20, heads, head_dim, generator=g).to(dtype).cuda()
+    k, v = (torch.randn(20, kv_heads, head_dim, generator=g).to(dtype).cuda() for _ in range(2))
+    pos = torch.randint(0, 4000, (20,), generator=g).cuda()
+    slots = torch.arange(16, 36).cuda()
+    slots[[3, 11]] = -1
+    cos_sin = _cos_sin(4096, rotary).cuda()
+    if kv_dtype is None:
+        cache, ref = (KVCache(torch.zeros(4, 2, 16, kv_heads, head_dim, device="cuda", dtype=dtype)) for _ in range(2))
+    else:
+        cache, ref = (_quantized_cache(kv_dtype, 4, 16, kv_heads, head_dim, "cuda") for _ in range(2))
+    assert_close(rope_kv_store(q, k, v, pos, cos_sin, cache, slots),
+                 rope_kv_store_ref(q, k, v, pos, cos_sin, ref, slots), *TOL[dtype])
+    if kv_dtype is None:
+        assert_close(cache.data, ref.data, *TOL[dtype])
+    else:
+        assert_same_stored(cache, ref)
+    assert_close(rope(q, pos, cos_sin), rope_ref(q, pos, cos_sin), *TOL[dtype])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

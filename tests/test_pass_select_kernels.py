@@ -55,7 +55,7 @@ def test_select_kernels_binds_triton_on_cuda_and_torch_elsewhere():
 
 
 def test_select_kernels_falls_back_on_unsupported_shapes_and_disabled_kernels():
-    odd = make_pass("select_kernels").run(_graph(head_dim=24), None, PassContext(target="cuda"))
+    odd = make_pass("select_kernels").run(_graph(head_dim=20), None, PassContext(target="cuda"))
     assert _kernels(odd.graph)["attention"] == "torch" and _kernels(odd.graph)["rope"] == "triton.rope"
     off = make_pass("select_kernels", {"disable": ("triton.w4a16",)}).run(_graph(), None, PassContext(target="cuda"))
     assert _kernels(off.graph)["qkv"] == "torch" and _kernels(off.graph)["norm"] == "triton.rms_norm"
@@ -166,6 +166,71 @@ def test_a_kernel_bound_to_a_shape_it_cannot_run_is_a_build_error():
     with pytest.raises(UserError, match=r"kernel cpu\.int8pack cannot run node o \(linear, weight \[48, 100\] "
                                         r"int8_wo, x \(1, 100\) bfloat16\)"):
         Chooser().choose(node, KernelQuery("linear", "bfloat16", fmt, (48, 100)), [lax])
+
+
+def _family_graph(rotary_dim: int = 12) -> Graph:
+    """_graph with Gemma 2's and Phi-4-mini's attributes on its nodes: a soft-capped sliding attention,
+    partial rotary and a GeGLU."""
+    graph = _graph()
+    nodes = []
+    for n in graph.nodes:
+        attrs = dict(n.attrs)
+        if n.op == "attention":
+            attrs |= {"softcap": 50.0, "window": 12}
+        if n.op == "rope":
+            attrs |= {"rotary_dim": rotary_dim}
+        nodes.append(Node(n.name, n.op, n.inputs, n.outputs, attrs, n.params))
+    nodes.insert(3, Node("act", "gated_act", ["x", "x"], ["y"], {"act": "gelu_tanh"}))
+    return Graph(graph.config, nodes, graph.tensors)
+
+
+def test_family_attributes_bind_the_triton_kernels():
+    graph = make_pass("select_kernels").run(_family_graph(), None, PassContext(target="cuda")).graph
+    kernels = _kernels(graph)
+    assert (kernels["attention"], kernels["rope"], kernels["act"]) == (
+        "triton.paged_attention", "triton.rope", "triton.gated_act")
+    # an odd rotary width (no rotate-half pairs) is refused: the node keeps its reference
+    graph = make_pass("select_kernels").run(_family_graph(rotary_dim=11), None, PassContext(target="cuda")).graph
+    assert _kernels(graph)["rope"] == "torch"
+
+
+def _rebound(graph: Graph, name: str, kernel: str) -> Graph:
+    """`graph` through select_kernels, then node `name` bound to `kernel`."""
+    graph = make_pass("select_kernels").run(graph, None, PassContext(target="cuda")).graph
+    graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, "kernel": kernel}, n.params) if n.name == name
+                   else n for n in graph.nodes]
+    return graph
+
+
+def test_a_kernel_bound_to_an_attribute_it_cannot_take_names_node_attribute_and_remedy(monkeypatch):
+    from dataclasses import replace
+
+    import pytest
+
+    from optc.core.errors import UserError
+    from optc.kernels import registry
+
+    remedy = (r"rebuild with select_kernels after every pass that changes the node \(it leaves a node no kernel "
+              r"takes on its torch reference\), or disable the kernel "
+              r"\(select_kernels: \{disable: \[triton\.rope\]\}\)")
+    graph = _rebound(_family_graph(rotary_dim=11), "rope", "triton.rope")
+    with pytest.raises(UserError, match=r"node rope \(rope, hidden 64, head_dim 16, bfloat16\) is bound to kernel "
+                                        r"triton\.rope, which cannot take its attribute rotary_dim=11 "
+                                        r"\(LlamaForCausalLM\): " + remedy):
+        make_pass("select_kernels").ensures(graph)
+    # a kernel that refused windows (as triton.paged_attention did before it computed them) names the window
+    spec = registry.KERNELS["triton.paged_attention"]
+    graph = _rebound(_family_graph(), "attention", spec.name)
+    monkeypatch.setitem(registry.KERNELS, spec.name,
+                        replace(spec, supports=lambda q: spec.supports(q) and q.window is None))
+    with pytest.raises(UserError, match=r"node attention \(attention, .*\) is bound to kernel "
+                                        r"triton\.paged_attention, which cannot take its attribute window=12"):
+        make_pass("select_kernels").ensures(graph)
+    # a shape no kernel runs (head dim 512) says so, with the same remedy
+    graph = _rebound(_graph(head_dim=512), "attention", spec.name)
+    with pytest.raises(UserError, match=r"node attention \(attention, hidden 64, head_dim 512, bfloat16\) is bound "
+                                        r"to kernel triton\.paged_attention, which cannot run that shape: rebuild"):
+        make_pass("select_kernels").ensures(graph)
 
 
 def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
