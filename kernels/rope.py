@@ -199,4 +199,7 @@ def _launch(q, k, v, q_out, positions, cos_sin, cache: KVCache | None, slot_mapp
         IS_INT=has_kv and not kv_cache.dtype.is_floating_point,
         BLOCK_HQ=triton.next_power_of_2(max(h_q, 1)), BLOCK_HKV=triton.next_power_of_2(max(h_kv, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        # no fused multiply-add: x * cos and pair * sin round apart, as the reference's torch ops do, so a
+        # quantized store lands on the reference's int8 / fp8 values exactly
+        enable_fp_fusion=False,
     )
