@@ -82,6 +82,20 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def hf_cached_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`max_tokens` greedy tokens of a transformers causal LM after `prompt`, one forward per token over
+    its own KV cache (the sliding-window caches of families that have them)."""
+    tokens, cache = [], None
+    with torch.no_grad():
+        step = torch.tensor([prompt])
+        for _ in range(max_tokens):
+            out = model(step, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
     kv = engine.kv_manager

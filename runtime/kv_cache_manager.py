@@ -245,11 +245,8 @@ class KVCacheManager:
     def _token_capacity(self, max_num_batched_tokens: int | None) -> int:
         """Tokens one request can hold if it had every block: a full group holds one block per
         `block_size` tokens, a sliding group at most its window and one step's tokens."""
-        size = self.block_size
-
-        def blocks(n: int) -> int:  # blocks a request of n blocks' worth of tokens holds at most
-            return sum(n if w is None or max_num_batched_tokens is None
-                       else min(n, -(-(w - 1 + max_num_batched_tokens) // size) + 1) for w in self.windows)
+        def blocks(n: int) -> int:
+            return max_request_blocks(self.windows, n, self.block_size, max_num_batched_tokens)
 
         usable = self.pool.num_blocks - 1
         if blocks(usable + 1) <= usable:  # every group sliding: a request's holding is bounded
@@ -258,7 +255,7 @@ class KVCacheManager:
         while low < high:
             mid = (low + high + 1) // 2
             low, high = (mid, high) if blocks(mid) <= usable else (low, mid - 1)
-        return low * size
+        return low * self.block_size
 
     def _copy_on_write(self, block_ids: list[int], index: int) -> None:
         source = block_ids[index]
@@ -273,6 +270,18 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, request.token_ids[i * size : (i + 1) * size]))
+
+
+def max_request_blocks(windows: Sequence[int | None], num_blocks: int, block_size: int,
+                       max_num_batched_tokens: int | None) -> int:
+    """The most blocks a request with `num_blocks` blocks' worth of tokens holds over KV-cache groups
+    of these windows: a full group all of them; a sliding group of window w at most
+    ceil((w - 1 + n) / block_size) + 1 while a step adds n <= max_num_batched_tokens tokens (None:
+    unbounded steps) -- the keys its first query sees, the step's tokens, one block of misalignment."""
+    if max_num_batched_tokens is None:
+        return len(windows) * num_blocks
+    return sum(num_blocks if w is None else min(num_blocks, -(-(w - 1 + max_num_batched_tokens) // block_size) + 1)
+               for w in windows)
 
 
 def _is_shared(pool: BlockPool, block_id: int, request_id: str) -> bool:

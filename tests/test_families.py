@@ -17,7 +17,7 @@ import torch
 
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
-from optc.testing import assert_close, build_artifact, random_hf_model
+from optc.testing import assert_close, build_artifact, hf_cached_greedy, random_hf_model
 
 PRESETS = ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-tiny"]
 FUSED = "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, kv_layout]"
@@ -45,15 +45,7 @@ def family(request, tmp_path_factory):
 
 def _hf_cached_greedy(hf, ids: list[int]) -> list[int]:
     """NEW_TOKENS greedy tokens of a transformers model, one forward per token over its KV cache."""
-    tokens, cache = [], None
-    with torch.no_grad():
-        step = torch.tensor([ids])
-        for _ in range(NEW_TOKENS):
-            out = hf(step, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
-    return tokens
+    return hf_cached_greedy(hf, ids, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("engine_config", list(ENGINES.values()), ids=list(ENGINES))
@@ -72,10 +64,11 @@ def test_every_prompt_position_logits_match_transformers(family):
     preset, hf, plain, fused, prompts, _ = family
     for artifact in (plain, fused):
         model = Engine.load(artifact).model
+        num_groups = len(model.kv_groups)  # KV-cache groups: a block list each, one after the other
         for ids in prompts:
-            num_blocks = 1 + len(ids) // 16
+            num_blocks = (1 + len(ids) // 16) * num_groups
             caches = model.allocate_kv_caches(num_blocks + 1, 16)
-            batch = ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], 16, [len(ids)])
+            batch = ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], 16, [len(ids)], num_groups)
             with torch.no_grad():
                 expected = hf(torch.tensor([ids])).logits[0]
             assert_close(model.forward(batch, caches), expected, rtol=1e-4,

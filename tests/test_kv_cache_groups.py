@@ -6,6 +6,7 @@ import pytest
 
 from optc.core.ir import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from optc.core.kv_cache import KVCacheGroup, KVCacheSpec, kv_cache_groups, num_kv_slots
+from optc.runtime.batch import ForwardBatch
 from optc.runtime.block_pool import NULL_BLOCK_ID
 from optc.runtime.kv_cache_manager import NO_LIMIT, KVCacheManager
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
@@ -155,3 +156,14 @@ def test_capacity_counts_a_sliding_group_up_to_its_window_and_one_steps_tokens()
     assert KVCacheManager(21, 4, windows=(None, 8), max_num_batched_tokens=4).num_token_capacity == 64
     assert KVCacheManager(21, 4, windows=(None, 8)).num_token_capacity == 40  # unbounded steps: like full
     assert KVCacheManager(21, 4, windows=(8, 8), max_num_batched_tokens=4).num_token_capacity == NO_LIMIT
+
+
+def test_a_batch_has_a_block_table_and_slot_mapping_per_group():
+    # request 0: 3 new tokens from 13, full [1, 2, 3, 4], sliding [0, 0, 5, 6]; request 1: 2 from 0, [7], [8]
+    batch = ForwardBatch.build([[1, 2, 3], [4, 5]], [13, 0], [[1, 2, 3, 4, 0, 0, 5, 6], [7, 8]], 4, num_groups=2)
+    (full, full_slots), (sliding, sliding_slots) = batch.group_tables
+    assert full.tolist() == [[1, 2, 3, 4], [7, 0, 0, 0]] and sliding.tolist() == [[0, 0, 5, 6], [8, 0, 0, 0]]
+    assert full_slots.tolist() == [4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3, 7 * 4, 7 * 4 + 1]
+    assert sliding_slots.tolist() == [6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3, 8 * 4, 8 * 4 + 1]
+    assert batch.block_tables is full and batch.slot_mapping is full_slots  # group 0's, as the fields say
+    assert ForwardBatch.build([[1]], [0], [[3]], 4).group_tables == ()  # one group: the fields only

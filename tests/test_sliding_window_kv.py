@@ -1,0 +1,77 @@
+"""Sliding-window layers in the paged KV cache, end to end on random:gemma3-tiny (layers: sliding,
+sliding, full; window 12): a local layer's blocks stay bounded by its window over a sequence several
+windows long while the full layer's grow, and the tokens stay transformers'; prefix caching,
+preemption, chunked prefill and n-gram speculation give the tokens of a plain engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optc.core.settings import SpeculativeConfig
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.block_pool import NULL_BLOCK_ID
+from optc.runtime.kv_cache_manager import max_request_blocks
+from optc.testing import assert_no_leaks, build_artifact, hf_cached_greedy, random_hf_model
+
+WINDOW, BLOCK = 12, 4
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return build_artifact(tmp_path_factory.mktemp("gemma3") / "a", None, "dtype=float32", "passes=[]",
+                          model="random:gemma3-tiny")
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_local_layers_blocks_stay_within_their_window_and_tokens_equal_transformers(gemma3):
+    engine = Engine.load(gemma3, block_size=BLOCK, max_num_batched_tokens=8)
+    kv = engine.kv_manager
+    assert kv.windows == (None, WINDOW, WINDOW)  # groups: layer 2 (full), layer 0, layer 1
+    prompt = _prompt(45)  # 45 + 40 tokens: 7 windows
+    request = engine.add_request(prompt, PARAMS)
+    step_bound = max_request_blocks((WINDOW,), 1 << 20, BLOCK, 8)  # a prefill chunk of 8: 6 blocks
+    decode_bound = -(-WINDOW // BLOCK) + 1  # 4
+    num_sliding_blocks = []
+    while not request.is_finished:
+        engine.step()
+        if request.is_finished:
+            break
+        full, *sliding = kv.group_block_ids(request.request_id)
+        assert len(full) == -(-request.num_computed_tokens // BLOCK) and NULL_BLOCK_ID not in full  # grows
+        held = [sum(b != NULL_BLOCK_ID for b in blocks) for blocks in sliding]
+        bound = decode_bound if request.num_computed_tokens > len(prompt) else step_bound
+        assert max(held) <= bound, (request.num_computed_tokens, held)
+        num_sliding_blocks.append(held[0])
+    assert len(full) == 21 and max(num_sliding_blocks[-30:]) == decode_bound  # 84 tokens: 21 blocks vs 4
+    assert request.output_token_ids == hf_cached_greedy(random_hf_model("gemma3-tiny"), prompt, 40)
+    assert_no_leaks(engine)
+
+
+def test_prefix_hits_and_preemption_give_the_plain_engines_tokens(gemma3):
+    shared = _prompt(30, seed=2)  # a prefix of 2.5 windows
+    prompts = [shared + _prompt(3 + 4 * i, seed=10 + i) for i in range(4)] + [_prompt(17, seed=20)]
+    plain = Engine.load(gemma3, block_size=BLOCK, enable_prefix_caching=False)
+    want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
+    # 40 usable blocks: 3 groups of a 70-token request need 18 + 2 x 6 blocks, so five of them preempt
+    engine = Engine.load(gemma3, block_size=BLOCK, num_blocks=41, max_num_batched_tokens=16)
+    assert [c.token_ids for c in engine.generate(prompts[:1], PARAMS)] == want[:1]
+    assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+    stats = engine.stats()
+    assert stats.num_prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0
+    assert_no_leaks(engine)
+
+
+def test_ngram_speculation_gives_the_plain_tokens(gemma3):
+    prompts = [[5, 6, 7, 8, 9] * 7, _prompt(20, seed=3) * 2, _prompt(9, seed=4)]
+    plain = Engine.load(gemma3, block_size=BLOCK)
+    want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
+    spec = SpeculativeConfig.parse("ngram")
+    engine = Engine.load(gemma3, block_size=BLOCK, speculative=spec, max_num_batched_tokens=16)
+    assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+    assert engine.stats().num_draft_tokens > 0
+    assert_no_leaks(engine)
