@@ -120,35 +120,37 @@ class KVCacheManager:
         `request.num_computed_tokens`. On None nothing has changed, except that sliding groups have
         let go of blocks no query can see any more.
         """
-        computed = computed_block_ids or []
-        lists = self._block_ids.get(request.request_id)
+        request_id, size, pool = request.request_id, self.block_size, self.pool
+        lists = self._block_ids.get(request_id)
+        computed = computed_block_ids or ()
         if computed and lists:
-            raise RuntimeError(f"request {request.request_id} has blocks; prefix hits are for admission")
+            raise RuntimeError(f"request {request_id} has blocks; prefix hits are for admission")
         num_hit = len(computed) // self.num_groups
-        num_computed = request.num_computed_tokens + num_hit * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        first_written = num_computed // self.block_size
+        num_computed = request.num_computed_tokens + num_hit * size
+        num_needed = -(-(num_computed + num_new_tokens) // size)
+        first_written = num_computed // size
         if lists is None:
-            lists = [[] for _ in range(self.num_groups)]
+            lists = [[] for _ in self.windows]
         elif self._sliding:
-            self._release_out_of_window(lists, num_computed)
-        pool = self.pool
-        copy_indices = [(blocks, i) for blocks in lists for i in range(first_written, len(blocks))
-                        if _is_shared(pool, blocks[i], request.request_id)]
-        num_revived = sum(1 for b in computed if b != NULL_BLOCK_ID and pool.ref_count(b) == 0)
-        num_new_blocks = max(0, num_needed - len(lists[0]) - num_hit)
-        if self.num_groups * num_new_blocks + len(copy_indices) + num_revived > pool.num_free_blocks:
+            self._release_out_of_window(request_id, lists, num_computed)
+        num_held = len(lists[0])
+        copy_indices = [(blocks, i) for blocks in lists for i in range(first_written, num_held)
+                        if pool.ref_count(blocks[i]) > 1 or pool.block_hash(blocks[i]) is not None]
+        num_new_blocks = max(0, num_needed - num_held - num_hit)
+        num_wanted = self.num_groups * num_new_blocks + len(copy_indices)
+        if computed:  # cached blocks in the free queue are revived: they come out of the free count
+            num_wanted += sum(1 for b in computed if b != NULL_BLOCK_ID and pool.ref_count(b) == 0)
+        if num_wanted > pool.num_free_blocks:
             return None
         if computed_block_ids is not None:
             self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += num_hit * self.block_size
-        pool.touch(b for b in computed if b != NULL_BLOCK_ID)
-        lists = self._block_ids.setdefault(request.request_id, lists)
-        for g, blocks in enumerate(lists):
-            blocks.extend(computed[g * num_hit: (g + 1) * num_hit])
-        self._num_cached_blocks[request.request_id] = min(
-            self._num_cached_blocks.get(request.request_id, 0) + num_hit, first_written
-        )
+            self.num_prefix_hit_tokens += num_hit * size
+        if computed:
+            pool.touch(b for b in computed if b != NULL_BLOCK_ID)
+            for g, blocks in enumerate(lists):
+                blocks.extend(computed[g * num_hit: (g + 1) * num_hit])
+        lists = self._block_ids.setdefault(request_id, lists)
+        self._num_cached_blocks[request_id] = min(self._num_cached_blocks.get(request_id, 0) + num_hit, first_written)
         for blocks, i in copy_indices:
             self._copy_on_write(blocks, i)
         if num_new_blocks:
@@ -161,15 +163,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = num_computed_tokens // self.block_size
-        self._extend_hashes(request, num_full)
         start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:  # most decode steps: no block became full
+            return
+        self._extend_hashes(request, num_full)
         hashes = request.block_hashes
         for blocks, salt in zip(self._block_ids[request.request_id], self._salts, strict=True):
             for i in range(start, num_full):
                 # False when another request computed the same prefix first: this copy stays private.
                 if blocks[i] != NULL_BLOCK_ID:  # a sliding group's block outside the window
                     self.pool.cache_block(blocks[i], hashes[i] + salt if salt else hashes[i])
-        self._num_cached_blocks[request.request_id] = max(start, num_full)
+        self._num_cached_blocks[request.request_id] = num_full
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Free the request's blocks past its first `num_tokens` tokens (a speculative rollback)."""
@@ -228,11 +232,15 @@ class KVCacheManager:
                 return [NULL_BLOCK_ID] * i + run[::-1]
         return run[::-1]  # a run from block 0, shorter than the window: every key of the hit is there
 
-    def _release_out_of_window(self, lists: list[list[int]], num_computed: int) -> None:
+    def _release_out_of_window(self, request_id: str, lists: list[list[int]], num_computed: int) -> None:
         """Each sliding group lets go of the blocks wholly before the first key a query at
         `num_computed` (or later) sees, putting the null block in their place."""
+        first_written = num_computed // self.block_size
         for g, window in self._sliding:
             blocks = lists[g]
+            if first_written < len(blocks) and blocks[first_written] == NULL_BLOCK_ID:  # nulls lead the list
+                raise RuntimeError(f"request {request_id} would write a block its sliding window let go of "
+                                   "(its computed count went back before the step that released it)")
             first_seen = min((num_computed - window + 1) // self.block_size, len(blocks))
             released = []
             for i in range(first_seen - 1, -1, -1):
@@ -282,11 +290,3 @@ def max_request_blocks(windows: Sequence[int | None], num_blocks: int, block_siz
         return len(windows) * num_blocks
     return sum(num_blocks if w is None else min(num_blocks, -(-(w - 1 + max_num_batched_tokens) // block_size) + 1)
                for w in windows)
-
-
-def _is_shared(pool: BlockPool, block_id: int, request_id: str) -> bool:
-    """Whether a block about to be written must be copied first (shared, or holding a cached prefix)."""
-    if block_id == NULL_BLOCK_ID:
-        raise RuntimeError(f"request {request_id} would write a block its sliding window let go of "
-                           "(its computed count went back before the step it was released in)")
-    return pool.ref_count(block_id) > 1 or pool.block_hash(block_id) is not None

@@ -75,3 +75,17 @@ def test_ngram_speculation_gives_the_plain_tokens(gemma3):
     assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
     assert engine.stats().num_draft_tokens > 0
     assert_no_leaks(engine)
+
+
+def test_tensor_parallel_ranks_follow_the_groups_block_ids(gemma3):
+    # two ranks (gloo): rank 0 releases blocks and preempts, both write where the step's group tables say
+    prompts = [_prompt(30, seed=30 + i) for i in range(3)]
+    overrides = {"block_size": BLOCK, "num_blocks": 41, "max_num_batched_tokens": 16}
+    want = [c.token_ids for c in Engine.load(gemma3, **overrides).generate(prompts, PARAMS)]
+    engine = Engine.load(gemma3, tensor_parallel_size=2, **overrides)
+    try:
+        assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+        assert engine.stats().num_preemptions > 0
+        assert_no_leaks(engine)
+    finally:
+        engine.close()
