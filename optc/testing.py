@@ -87,12 +87,12 @@ def hf_cached_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     its own KV cache (the sliding-window caches of families that have them)."""
     tokens, cache = [], None
     with torch.no_grad():
-        step = torch.tensor([prompt])
+        step = torch.tensor([prompt], device=model.device)
         for _ in range(max_tokens):
             out = model(step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
+            step = torch.tensor([[tokens[-1]]], device=model.device)
     return tokens
 
 

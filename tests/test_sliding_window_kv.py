@@ -89,3 +89,25 @@ def test_tensor_parallel_ranks_follow_the_groups_block_ids(gemma3):
         assert_no_leaks(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_local_layers_on_cuda_stay_bounded_and_give_transformers_tokens(tmp_path):
+    # the Triton rope + KV store writes through each group's slot mapping; attention runs the Triton
+    # kernels where they take a window (else its reference, eager), over each group's block table
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: random:gemma3-tiny\ndtype: float32\ntarget: cuda\npasses: [fuse_qkv, fuse_gate_up, "
+                      "fuse_add_rmsnorm, fuse_rope_kv, {kv_layout: {block_size: 16}}, select_kernels, cuda_graphs]\n")
+    engine = Engine.load(build_artifact(tmp_path / "a", recipe), device="cuda", num_blocks=256)
+    requests = [engine.add_request(p, PARAMS) for p in (_prompt(45), _prompt(70, seed=5))]  # 7 and 9 windows
+    bound = max_request_blocks((WINDOW,), 1 << 20, 16, engine.config.max_num_batched_tokens)
+    while engine.has_unfinished():
+        engine.step()
+        for request in requests:
+            for blocks in engine.kv_manager.group_block_ids(request.request_id)[1:]:  # the sliding groups
+                assert sum(b != NULL_BLOCK_ID for b in blocks) <= bound
+    hf = random_hf_model("gemma3-tiny", device="cuda")
+    assert [r.output_token_ids for r in requests] == [hf_cached_greedy(hf, r.prompt_token_ids, 40) for r in requests]
+    assert_no_leaks(engine)
