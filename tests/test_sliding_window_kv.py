@@ -66,14 +66,20 @@ def test_prefix_hits_and_preemption_give_the_plain_engines_tokens(gemma3):
     assert_no_leaks(engine)
 
 
-def test_ngram_speculation_gives_the_plain_tokens(gemma3):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_gives_the_plain_tokens(gemma3, method):
+    # drafts roll back to the step's start at most, past what the sliding groups released; a draft
+    # model (gemma3-tiny itself: every draft accepted) keeps sliding groups in its own pool too
     prompts = [[5, 6, 7, 8, 9] * 7, _prompt(20, seed=3) * 2, _prompt(9, seed=4)]
     plain = Engine.load(gemma3, block_size=BLOCK)
     want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
-    spec = SpeculativeConfig.parse("ngram")
+    spec = SpeculativeConfig.parse("ngram" if method == "ngram" else f"draft:{gemma3}:3")
     engine = Engine.load(gemma3, block_size=BLOCK, speculative=spec, max_num_batched_tokens=16)
     assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
     assert engine.stats().num_draft_tokens > 0
+    if method == "draft":
+        draft = engine.speculator.proposer.kv_manager
+        assert draft.windows == (None, WINDOW, WINDOW) and draft.num_free_blocks == draft.num_blocks - 1
     assert_no_leaks(engine)
 
 
