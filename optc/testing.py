@@ -85,15 +85,22 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 def hf_cached_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """`max_tokens` greedy tokens of a transformers causal LM after `prompt`, one forward per token over
     its own KV cache (the sliding-window caches of families that have them)."""
-    tokens, cache = [], None
+    return [token_id for token_id, _ in hf_cached_greedy_logprobs(model, prompt, max_tokens)]
+
+
+def hf_cached_greedy_logprobs(model, prompt: list[int], max_tokens: int) -> list[tuple[int, float]]:
+    """`hf_cached_greedy`'s tokens, each with its log-probability (log_softmax of float32 logits)."""
+    out_tokens, cache = [], None
     with torch.no_grad():
         step = torch.tensor([prompt], device=model.device)
         for _ in range(max_tokens):
             out = model(step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]], device=model.device)
-    return tokens
+            logprobs = out.logits[0, -1].float().log_softmax(-1)
+            token_id = int(logprobs.argmax())
+            out_tokens.append((token_id, float(logprobs[token_id])))
+            step = torch.tensor([[token_id]], device=model.device)
+    return out_tokens
 
 
 def assert_no_leaks(engine) -> None:

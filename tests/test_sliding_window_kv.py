@@ -12,10 +12,17 @@ from optc.core.settings import SpeculativeConfig
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.block_pool import NULL_BLOCK_ID
 from optc.runtime.kv_cache_manager import max_request_blocks
-from optc.testing import assert_no_leaks, build_artifact, hf_cached_greedy, random_hf_model
+from optc.testing import (
+    assert_no_leaks,
+    build_artifact,
+    hf_cached_greedy,
+    hf_cached_greedy_logprobs,
+    random_hf_model,
+)
 
 WINDOW, BLOCK = 12, 4
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+SCORED = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +35,38 @@ def _prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_local_layers_blocks_stay_within_their_window_and_tokens_equal_transformers(gemma3):
+@pytest.fixture(scope="module")
+def hf():
+    return random_hf_model("gemma3-tiny")
+
+
+def _scored(engine: Engine, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Each prompt's greedy tokens with their log-probabilities, all requests at once."""
+    requests = [engine.add_request(p, SCORED) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [_pairs(r) for r in requests]
+
+
+def _pairs(request) -> list[tuple[int, float]]:
+    return list(zip(request.output_token_ids, (lp.logprob for lp in request.logprobs), strict=True))
+
+
+def _assert_transformers(got: list[list[tuple[int, float]]], hf, prompts: list[list[int]]) -> None:
+    """Tokens equal transformers', log-probabilities within 1e-4: the random model's greedy tokens
+    barely move (a wrong key in a local layer can leave them as they are), its log-probabilities do."""
+    for ours, prompt in zip(got, prompts, strict=True):
+        want = hf_cached_greedy_logprobs(hf, prompt, PARAMS.max_tokens)
+        assert [t for t, _ in ours] == [t for t, _ in want]
+        assert [lp for _, lp in ours] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
+def test_local_layers_blocks_stay_within_their_window_and_tokens_equal_transformers(gemma3, hf):
     engine = Engine.load(gemma3, block_size=BLOCK, max_num_batched_tokens=8)
     kv = engine.kv_manager
     assert kv.windows == (None, WINDOW, WINDOW)  # groups: layer 2 (full), layer 0, layer 1
     prompt = _prompt(45)  # 45 + 40 tokens: 7 windows
-    request = engine.add_request(prompt, PARAMS)
+    request = engine.add_request(prompt, SCORED)
     step_bound = max_request_blocks((WINDOW,), 1 << 20, BLOCK, 8)  # a prefill chunk of 8: 6 blocks
     decode_bound = -(-WINDOW // BLOCK) + 1  # 4
     num_sliding_blocks = []
@@ -48,34 +81,30 @@ def test_local_layers_blocks_stay_within_their_window_and_tokens_equal_transform
         assert max(held) <= bound, (request.num_computed_tokens, held)
         num_sliding_blocks.append(held[0])
     assert len(full) == 21 and max(num_sliding_blocks[-30:]) == decode_bound  # 84 tokens: 21 blocks vs 4
-    assert request.output_token_ids == hf_cached_greedy(random_hf_model("gemma3-tiny"), prompt, 40)
+    _assert_transformers([_pairs(request)], hf, [prompt])
     assert_no_leaks(engine)
 
 
-def test_prefix_hits_and_preemption_give_the_plain_engines_tokens(gemma3):
+def test_prefix_hits_and_preemption_give_transformers_tokens(gemma3, hf):
     shared = _prompt(30, seed=2)  # a prefix of 2.5 windows
     prompts = [shared + _prompt(3 + 4 * i, seed=10 + i) for i in range(4)] + [_prompt(17, seed=20)]
-    plain = Engine.load(gemma3, block_size=BLOCK, enable_prefix_caching=False)
-    want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
     # 40 usable blocks: 3 groups of a 70-token request need 18 + 2 x 6 blocks, so five of them preempt
     engine = Engine.load(gemma3, block_size=BLOCK, num_blocks=41, max_num_batched_tokens=16)
-    assert [c.token_ids for c in engine.generate(prompts[:1], PARAMS)] == want[:1]
-    assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+    _assert_transformers(_scored(engine, prompts[:1]), hf, prompts[:1])
+    _assert_transformers(_scored(engine, prompts), hf, prompts)  # hits on the first one's blocks, each other's
     stats = engine.stats()
     assert stats.num_prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0
     assert_no_leaks(engine)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_speculation_gives_the_plain_tokens(gemma3, method):
+def test_speculation_gives_transformers_tokens(gemma3, hf, method):
     # drafts roll back to the step's start at most, past what the sliding groups released; a draft
     # model (gemma3-tiny itself: every draft accepted) keeps sliding groups in its own pool too
     prompts = [[5, 6, 7, 8, 9] * 7, _prompt(20, seed=3) * 2, _prompt(9, seed=4)]
-    plain = Engine.load(gemma3, block_size=BLOCK)
-    want = [c.token_ids for c in plain.generate(prompts, PARAMS)]
     spec = SpeculativeConfig.parse("ngram" if method == "ngram" else f"draft:{gemma3}:3")
     engine = Engine.load(gemma3, block_size=BLOCK, speculative=spec, max_num_batched_tokens=16)
-    assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+    _assert_transformers(_scored(engine, prompts), hf, prompts)
     assert engine.stats().num_draft_tokens > 0
     if method == "draft":
         draft = engine.speculator.proposer.kv_manager
@@ -83,14 +112,12 @@ def test_speculation_gives_the_plain_tokens(gemma3, method):
     assert_no_leaks(engine)
 
 
-def test_tensor_parallel_ranks_follow_the_groups_block_ids(gemma3):
+def test_tensor_parallel_ranks_follow_the_groups_block_ids(gemma3, hf):
     # two ranks (gloo): rank 0 releases blocks and preempts, both write where the step's group tables say
     prompts = [_prompt(30, seed=30 + i) for i in range(3)]
-    overrides = {"block_size": BLOCK, "num_blocks": 41, "max_num_batched_tokens": 16}
-    want = [c.token_ids for c in Engine.load(gemma3, **overrides).generate(prompts, PARAMS)]
-    engine = Engine.load(gemma3, tensor_parallel_size=2, **overrides)
+    engine = Engine.load(gemma3, tensor_parallel_size=2, block_size=BLOCK, num_blocks=41, max_num_batched_tokens=16)
     try:
-        assert [c.token_ids for c in engine.generate(prompts, PARAMS)] == want
+        _assert_transformers(_scored(engine, prompts), hf, prompts)
         assert engine.stats().num_preemptions > 0
         assert_no_leaks(engine)
     finally:
