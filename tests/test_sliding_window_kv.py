@@ -97,6 +97,18 @@ def test_prefix_hits_and_preemption_give_transformers_tokens(gemma3, hf):
     assert_no_leaks(engine)
 
 
+def test_the_pool_counts_a_block_as_one_layer_and_a_sliding_group_up_to_its_bound(gemma3):
+    # the CPU default pool: what max_num_seqs requests of the whole context hold, with steps of 8 tokens
+    engine = Engine.load(gemma3, block_size=BLOCK, max_seq_len=96, max_num_batched_tokens=8)
+    config, kv = engine.config, engine.kv_manager
+    layer_block = 2 * BLOCK * 1 * 32 * 4  # K and V of 4 tokens, 1 KV head x 32, fp32: the groups share the pool
+    assert engine.model.kv_bytes_per_block(BLOCK) == layer_block
+    per_request = 24 + 2 * (-(-(WINDOW - 1 + 8) // BLOCK) + 1)  # full: 96 tokens; sliding: 12 - 1 + 8 keys
+    assert per_request == max_request_blocks(kv.windows, 24, BLOCK, 8) == 36  # every layer: 72
+    assert kv.num_blocks == config.max_num_seqs * per_request + 1
+    assert kv.num_token_capacity >= 96  # a request of the whole context fits
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_gives_transformers_tokens(gemma3, hf, method):
     # drafts roll back to the step's start at most, past what the sliding groups released; a draft
