@@ -81,6 +81,49 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def prefill_logits(model, ids: list[int], every_position: bool = False, block_size: int = 16) -> torch.Tensor:
+    """A runtime Model's float32 logits of one prompt on fresh KV blocks (a list per KV-cache group): the
+    last position's (V,), or every position's (T, V)."""
+    from optc.runtime.batch import ForwardBatch
+
+    num_groups = len(model.kv_groups)
+    num_blocks = (1 + len(ids) // block_size) * num_groups
+    caches = model.allocate_kv_caches(num_blocks + 1, block_size)
+    batch = ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], block_size,
+                               [len(ids)] if every_position else None, num_groups)
+    logits = model.forward(batch, caches)
+    return logits if every_position else logits[-1]
+
+
+def hf_cached_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`max_tokens` greedy tokens of a transformers causal LM after `prompt`, one forward per token over
+    its own KV cache (the sliding-window caches of families that have them)."""
+    return [int(logits.argmax()) for logits in hf_cached_greedy_logits(model, prompt, max_tokens)]
+
+
+def hf_cached_greedy_logprobs(model, prompt: list[int], max_tokens: int) -> list[tuple[int, float]]:
+    """`hf_cached_greedy`'s tokens, each with its log-probability (log_softmax of float32 logits)."""
+    out = []
+    for logits in hf_cached_greedy_logits(model, prompt, max_tokens):
+        logprobs = logits.log_softmax(-1)
+        token_id = int(logprobs.argmax())
+        out.append((token_id, float(logprobs[token_id])))
+    return out
+
+
+def hf_cached_greedy_logits(model, prompt: list[int], max_tokens: int) -> list[torch.Tensor]:
+    """The float32 logits of each of `hf_cached_greedy`'s steps (its token is their argmax)."""
+    steps, cache = [], None
+    with torch.no_grad():
+        step = torch.tensor([prompt], device=model.device)
+        for _ in range(max_tokens):
+            out = model(step, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[0, -1].float())
+            step = torch.tensor([[int(steps[-1].argmax())]], device=model.device)
+    return steps
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
     kv = engine.kv_manager

@@ -5,6 +5,8 @@ The layout is a `KVCacheSpec` (optc/core/kv_cache.py): the manifest's `kv_layout
 every node that touches the cache gets its block size, dtype, scale policy and, for a quantized
 cache, where the scales live as attrs (what kernel selection and the executor's transient caches
 read off a node). An int8 / fp8_e4m3 cache stores a scale per (token, KV head) beside each block.
+A model with sliding-window layers has several KV-cache groups (`kv_cache_groups`, a function of the
+model config that the runtime applies too); the stats list them, with a pool block's bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optc.core.ir import Graph, Node
-from optc.core.kv_cache import DEFAULT_BLOCK_SIZE, KV_DTYPES, KVCacheSpec
+from optc.core.kv_cache import DEFAULT_BLOCK_SIZE, KV_DTYPES, KVCacheSpec, kv_cache_groups
 from optc.core.ops import OPS
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
@@ -38,6 +40,9 @@ class KvLayout(Pass):
         spec = KVCacheSpec(block_size, dtype)
         stats = {"block_size": block_size, "dtype": dtype, "scales": spec.scales.value,
                  "bytes_per_token": spec.bytes_per_token(graph.config)}
+        groups = kv_cache_groups(graph.config)
+        if len(groups) > 1 or groups[0].window is not None:  # sliding layers: what a pool block holds
+            stats |= {"groups": [g.to_json() for g in groups], "bytes_per_block": spec.bytes_per_block(graph.config)}
         manifest = {"kv_layout": spec}
         attrs = spec.node_attrs()
         stale = {"kv_scales_at"} - set(attrs)  # a float layout over a quantized one drops the scales' location

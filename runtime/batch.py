@@ -10,7 +10,11 @@ Conventions (T = scheduled tokens in this step, B = requests in this step):
 - slot = block_id * block_size + offset; block 0 is the reserved null block, so block tables are
   padded with 0 and a slot of -1 means "do not store" (padding tokens of a CUDA-graph bucket);
 - `logits_indices` selects the flattened token rows whose logits are returned (the last token of
-  each request for plain decoding; several per request for speculative verification).
+  each request for plain decoding; several per request for speculative verification);
+- a model with several KV-cache groups (sliding-window layers: optc/core/kv_cache.py) has one block
+  table and one slot mapping per group (`group_tables`, `block_tables`/`slot_mapping` being group
+  0's); request b's `block_ids[b]` then holds its groups' lists one after the other, all of one
+  length (runtime/kv_cache_manager.py). A node reads its group's (`kv_group` attr, set at load).
 
 `BatchBuilder` builds a step's batch on the model's device with one host->device copy: every array
 is written into one (pinned, on CUDA) host buffer at 8-byte-aligned offsets (`Packed`), the used
@@ -39,6 +43,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # (L,) int64, rows of the flattened tokens to return logits for
     max_query_len: int
     max_seq_len: int
+    # per KV-cache group: (block_tables, slot_mapping) as above; () with one group (the fields above)
+    group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +66,7 @@ class ForwardBatch:
             move(self.logits_indices),
             self.max_query_len,
             self.max_seq_len,
+            tuple((move(tables), move(slots)) for tables, slots in self.group_tables),
         )
 
     @staticmethod
@@ -69,24 +76,29 @@ class ForwardBatch:
         block_ids: list[list[int]],
         block_size: int,
         logits_per_request: list[int] | None = None,
+        num_groups: int = 1,
     ) -> ForwardBatch:
         """Build a batch (on the CPU) from per-request new tokens, their start positions and block lists.
 
         `token_ids[b]` are the new tokens of request b, starting at position `num_computed[b]`;
-        `block_ids[b]` cover at least `num_computed[b] + len(token_ids[b])` tokens;
+        `block_ids[b]` cover at least `num_computed[b] + len(token_ids[b])` tokens (in each of
+        `num_groups` KV-cache groups, one group's list after the other);
         `logits_per_request[b]` (default 1) trailing tokens of request b get logits.
         """
-        return BatchBuilder("cpu").build(token_ids, num_computed, block_ids, block_size, logits_per_request)
+        return BatchBuilder("cpu", num_groups).build(token_ids, num_computed, block_ids, block_size,
+                                                     logits_per_request)
 
 
 @lru_cache(maxsize=256)
-def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int) -> Packed:
-    """The packed layout of a ForwardBatch's arrays (decode steps repeat a few shapes: cached)."""
+def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int, num_groups: int = 1) -> Packed:
+    """The packed layout of a ForwardBatch's arrays (decode steps repeat a few shapes: cached); with
+    several KV-cache groups, a block table and a slot mapping per group."""
     i32, i64 = torch.int32, torch.int64
+    groups = (num_groups,) if num_groups > 1 else ()
     return Packed({"input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
-                   "slot_mapping": (i64, (num_tokens,)), "logits_indices": (i64, (num_logits,)),
+                   "slot_mapping": (i64, (*groups, num_tokens)), "logits_indices": (i64, (num_logits,)),
                    "query_start_loc": (i32, (num_requests + 1,)), "seq_lens": (i32, (num_requests,)),
-                   "block_tables": (i32, (num_requests, width))})
+                   "block_tables": (i32, (*groups, num_requests, width))})
 
 
 class Packed:
@@ -146,8 +158,9 @@ class BatchBuilder:
     costs nothing once the runner has read that step's sampled tokens. On the CPU the same path runs
     (the copy is a memcpy of a few KB), so the CPU tests cover it."""
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, num_groups: int = 1) -> None:
         self.device = torch.device(device)
+        self.num_groups = num_groups  # KV-cache groups of the model: a block table and slot mapping each
         self._host = host_buffer(4096, self.device)
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
 
@@ -160,22 +173,23 @@ class BatchBuilder:
         logits_per_request: list[int] | None = None,
     ) -> ForwardBatch:
         """ForwardBatch.build's batch, on this builder's device."""
-        num_requests = len(token_ids)
+        num_requests, num_groups = len(token_ids), self.num_groups
         logits_per_request = logits_per_request or [1] * num_requests
         positions, slots, logits_indices, starts, seq_lens = [], [], [], [0], []
         for b in range(num_requests):
             n, start, blocks = len(token_ids[b]), num_computed[b], block_ids[b]
             pos = range(start, start + n)
             positions.extend(pos)
-            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
+            if num_groups == 1:  # with groups, the slots are computed from the tables below
+                slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
             end = starts[-1] + n
             logits_indices.extend(range(end - logits_per_request[b], end))
             starts.append(end)
             seq_lens.append(start + n)
-        lens = [len(b) for b in block_ids]
+        lens = [len(b) // num_groups for b in block_ids]
         width = max(lens, default=0) or 1
         max_query_len, max_seq_len = max(map(len, token_ids), default=0), max(seq_lens, default=0)
-        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width)
+        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width, num_groups)
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copy has left the host buffer
         if self._host.numel() < layout.nbytes:
@@ -183,15 +197,34 @@ class BatchBuilder:
         arrays = layout.arrays(self._host.numpy())
         arrays["input_ids"][:] = list(chain.from_iterable(token_ids))
         arrays["positions"][:] = positions
-        arrays["slot_mapping"][:] = slots
         arrays["logits_indices"][:] = logits_indices
         arrays["query_start_loc"][:] = starts
         arrays["seq_lens"][:] = seq_lens
-        write_block_tables(arrays["block_tables"], block_ids, lens)
+        if num_groups == 1:
+            arrays["slot_mapping"][:] = slots
+            write_block_tables(arrays["block_tables"], block_ids, lens)
+        else:
+            write_group_tables(arrays["block_tables"], arrays["slot_mapping"], block_ids, lens,
+                               np.diff(starts), arrays["positions"], block_size)
         device_bytes = self._host[: layout.nbytes].to(self.device, non_blocking=True, copy=True)  # the one copy
         if self._copied is not None:
             self._copied.record()
-        return ForwardBatch(**layout.views(device_bytes), max_query_len=max_query_len, max_seq_len=max_seq_len)
+        views = layout.views(device_bytes)
+        if num_groups > 1:
+            tables, slot_mappings = views["block_tables"].unbind(), views["slot_mapping"].unbind()
+            views |= {"block_tables": tables[0], "slot_mapping": slot_mappings[0],
+                      "group_tables": tuple(zip(tables, slot_mappings, strict=True))}
+        return ForwardBatch(**views, max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+
+def write_group_tables(tables: np.ndarray, slot_mappings: np.ndarray, block_ids: list[list[int]], lens: list[int],
+                       query_lens: np.ndarray, positions: np.ndarray, block_size: int) -> None:
+    """Each KV-cache group's block table (tables[g]: (n, width)) from the requests' lists (group after
+    group, `lens[b]` blocks each) and the slot of every new token in it (slot_mappings[g]: (T,))."""
+    for g in range(tables.shape[0]):
+        write_block_tables(tables[g], [ids[g * n: (g + 1) * n] for ids, n in zip(block_ids, lens, strict=True)], lens)
+    request = np.repeat(np.arange(len(lens)), query_lens)  # (T,)
+    slot_mappings[:] = tables[:, request, positions // block_size] * block_size + positions % block_size
 
 
 def write_block_tables(table: np.ndarray, block_ids: list[list[int]], lens: list[int]) -> None:

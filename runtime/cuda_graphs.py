@@ -17,6 +17,8 @@ How a capture stays valid for every replay:
   pinned host buffer; the step's rows and the bucket's padding rows are written on the host and
   copied in one host->device transfer, with no device-side copies or fills. Other steps are built
   by a `BatchBuilder` (one transfer too) and run eager.
+- A model with several KV-cache groups (sliding-window layers) has a static block table and slot
+  mapping per group, as wide as the others (a sliding group's released blocks are null entries).
 - The static batch's `max_seq_len` is the engine's context capacity, not the step's: the decode
   kernel turns it into a split count (a Python int) that the graph bakes in, so it must cover the
   longest context a replay can see. Block tables are as wide as that capacity.
@@ -40,12 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from optc.core.ir import Graph
 from optc.core.ops import host_syncing_nodes
 from optc.core.settings import CUDA_GRAPH_BATCH_SIZES
-from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables
+from optc.runtime.batch import BatchBuilder, ForwardBatch, Packed, host_buffer, write_block_tables, write_group_tables
+from optc.runtime.model import kv_windows
 
 NUM_WARMUP_RUNS = 2
 
@@ -96,19 +100,25 @@ def capture_blockers(graph: Graph) -> list[str]:
 class StaticBatch:
     """The input buffers every graph reads, sized for the largest bucket; padding rows by default."""
 
-    def __init__(self, config: GraphConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: GraphConfig, device: torch.device | str = "cpu", num_groups: int = 1) -> None:
         rows, width = config.max_capture_size, config.max_blocks_per_request
         i32, i64 = torch.int32, torch.int64
         device = torch.device(device)
+        groups = (num_groups,) if num_groups > 1 else ()  # KV-cache groups: a table and slot mapping each
         # the buffers a step changes: views of one device buffer, written from one host mirror
-        layout = Packed({"input_ids": (i64, (rows,)), "positions": (i64, (rows,)), "slot_mapping": (i64, (rows,)),
-                         "seq_lens": (i32, (rows,)), "block_tables": (i32, (rows, width))})
+        layout = Packed({"input_ids": (i64, (rows,)), "positions": (i64, (rows,)),
+                         "slot_mapping": (i64, (*groups, rows)), "seq_lens": (i32, (rows,)),
+                         "block_tables": (i32, (*groups, rows, width))})
         self._device_bytes = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         self._host_bytes = host_buffer(layout.nbytes, device)
         self._host = layout.arrays(self._host_bytes.numpy())
         views = layout.views(self._device_bytes)
         self.input_ids, self.positions, self.seq_lens = views["input_ids"], views["positions"], views["seq_lens"]
-        self.slot_mapping, self.block_tables = views["slot_mapping"], views["block_tables"]
+        self.num_groups = num_groups
+        # per group (block_tables (rows, width), slot_mapping (rows,)); the fields are group 0's
+        self._groups = (list(zip(views["block_tables"].unbind(), views["slot_mapping"].unbind(), strict=True))
+                        if groups else [(views["block_tables"], views["slot_mapping"])])
+        self.block_tables, self.slot_mapping = self._groups[0]
         self._pad(0, rows)
         self._device_bytes.copy_(self._host_bytes)
         self.query_start_loc = torch.arange(rows + 1, dtype=i32, device=device)  # one token per row
@@ -122,12 +132,17 @@ class StaticBatch:
     def view(self, bucket: int) -> ForwardBatch:
         """The first `bucket` rows as a ForwardBatch (built once per bucket)."""
         if bucket not in self._views:
-            self._views[bucket] = ForwardBatch(
-                self.input_ids[:bucket], self.positions[:bucket], self.query_start_loc[: bucket + 1],
-                self.seq_lens[:bucket], self.block_tables[:bucket], self.slot_mapping[:bucket],
-                self.logits_indices[:bucket], max_query_len=1, max_seq_len=self.max_seq_len,
-            )
+            self._views[bucket] = self._rows(bucket)
         return self._views[bucket]
+
+    def _rows(self, n: int) -> ForwardBatch:
+        """The first `n` rows as a ForwardBatch of views."""
+        groups = tuple((tables[:n], slots[:n]) for tables, slots in self._groups) if self.num_groups > 1 else ()
+        return ForwardBatch(
+            self.input_ids[:n], self.positions[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
+            self.block_tables[:n], self.slot_mapping[:n], self.logits_indices[:n], max_query_len=1,
+            max_seq_len=self.max_seq_len, group_tables=groups,
+        )
 
     def holds(self, batch: ForwardBatch) -> bool:
         """Whether `batch` is a view of these buffers (from `write` or `view`)."""
@@ -137,7 +152,7 @@ class StaticBatch:
               block_size: int, bucket: int) -> ForwardBatch:
         """A pure-decode step (one new token per request) written into rows [0, n), with rows
         [n, bucket) padding, in one host->device copy; the batch of its n rows, a view of the buffers."""
-        n, lens = len(token_ids), [len(b) for b in block_ids]
+        n, lens = len(token_ids), [len(b) // self.num_groups for b in block_ids]
         if not n <= bucket <= self.input_ids.shape[0] or max(lens, default=0) > self.block_tables.shape[1]:
             raise ValueError(f"a batch of {n} requests x {max(lens, default=0)} blocks does not fit bucket "
                              f"{bucket} ({list(self.block_tables.shape)} static block table)")
@@ -147,20 +162,20 @@ class StaticBatch:
         host["input_ids"][:n] = [t[0] for t in token_ids]
         host["positions"][:n] = num_computed
         host["seq_lens"][:n] = [p + 1 for p in num_computed]
-        host["slot_mapping"][:n] = [blocks[p // block_size] * block_size + p % block_size
-                                    for p, blocks in zip(num_computed, block_ids, strict=True)]
-        write_block_tables(host["block_tables"], block_ids, lens)
+        if self.num_groups == 1:
+            host["slot_mapping"][:n] = [blocks[p // block_size] * block_size + p % block_size
+                                        for p, blocks in zip(num_computed, block_ids, strict=True)]
+            write_block_tables(host["block_tables"], block_ids, lens)
+        else:
+            write_group_tables(host["block_tables"], host["slot_mapping"][:, :n], block_ids, lens, np.ones(n, int),
+                               host["positions"][:n], block_size)
         self._pad(n, bucket)
         self._device_bytes.copy_(self._host_bytes, non_blocking=True)  # the one copy
         if self._copied is not None:
             self._copied.record()
         self._num_dirty = self.input_ids.shape[0]  # rows past the bucket hold whatever the host had
         if n not in self._prefixes:
-            self._prefixes[n] = ForwardBatch(
-                self.input_ids[:n], self.positions[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
-                self.block_tables[:n], self.slot_mapping[:n], self.logits_indices[:n], max_query_len=1,
-                max_seq_len=self.max_seq_len,
-            )
+            self._prefixes[n] = self._rows(n)
         return self._prefixes[n]
 
     def _pad(self, start: int, stop: int) -> None:
@@ -168,8 +183,8 @@ class StaticBatch:
         host["input_ids"][start:stop] = 0
         host["positions"][start:stop] = 0
         host["seq_lens"][start:stop] = 1
-        host["slot_mapping"][start:stop] = -1
-        host["block_tables"][start:stop] = 0
+        host["slot_mapping"][..., start:stop] = -1
+        host["block_tables"][..., start:stop, :] = 0
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy a pure-decode batch into rows [0, n) and make rows [n, bucket) padding again."""
@@ -180,16 +195,19 @@ class StaticBatch:
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
-        self.block_tables[:n, width:].zero_()  # entries of earlier, longer requests
+        for (tables, slots), (new_tables, new_slots) in zip(
+                self._groups, batch.group_tables or [(batch.block_tables, batch.slot_mapping)], strict=True):
+            slots[:n].copy_(new_slots, non_blocking=True)
+            tables[:n, :width].copy_(new_tables, non_blocking=True)
+            tables[:n, width:].zero_()  # entries of earlier, longer requests
         stale = min(self._num_dirty, bucket)
         if stale > n:  # rows a larger earlier batch filled: back to padding
             self.input_ids[n:stale].zero_()
             self.positions[n:stale].zero_()
             self.seq_lens[n:stale].fill_(1)
-            self.slot_mapping[n:stale].fill_(-1)
-            self.block_tables[n:stale].zero_()
+            for tables, slots in self._groups:
+                slots[n:stale].fill_(-1)
+                tables[n:stale].zero_()
         self._num_dirty = self._num_dirty if self._num_dirty > bucket else n
 
 
@@ -207,8 +225,9 @@ class CudaGraphRunner:
             )
         self.model, self.kv_caches, self.config = model, kv_caches, config
         device = torch.device(model.device)
-        self.static = StaticBatch(config, device)
-        self.builder = BatchBuilder(device)
+        num_groups = len(kv_windows(model))
+        self.static = StaticBatch(config, device, num_groups)
+        self.builder = BatchBuilder(device, num_groups)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
         self._capture(device)
 
@@ -229,7 +248,7 @@ class CudaGraphRunner:
         if (bucket is not None and block_size == config.block_size and all(len(t) == 1 for t in token_ids)
                 and (logits_per_request is None or all(k == 1 for k in logits_per_request))
                 and max(num_computed) < config.max_seq_len
-                and max(len(b) for b in block_ids) <= config.max_blocks_per_request):
+                and max(len(b) for b in block_ids) // self.static.num_groups <= config.max_blocks_per_request):
             return self.static.write(token_ids, num_computed, block_ids, block_size, bucket)
         return self.builder.build(token_ids, num_computed, block_ids, block_size, logits_per_request)
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from optc.runtime.kv_cache_manager import KVCacheManager
+from optc.runtime.model import kv_windows
 from optc.runtime.request import Request
 from optc.runtime.verifier import target_probs
 
@@ -42,7 +43,8 @@ class DraftProposer:
         """`runner`: the draft model's ModelRunner, its caches of `num_blocks` blocks."""
         self.runner = runner
         self.model = runner.model
-        self.kv_manager = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.kv_manager = KVCacheManager(num_blocks, runner.block_size, enable_prefix_caching=False,
+                                         windows=kv_windows(self.model))
         self._states: dict[str, _DraftRequest] = {}
 
     def propose(

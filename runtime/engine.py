@@ -27,6 +27,7 @@ from optc.core.settings import SpeculativeConfig
 from optc.runtime.config import EngineConfig
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
+from optc.runtime.model import kv_windows
 from optc.runtime.model_runner import ModelRunner
 from optc.runtime.outputs import Completion, EngineStats
 from optc.runtime.request import FinishReason, Request, fit_max_tokens
@@ -54,8 +55,11 @@ class Engine:
         num_blocks = config.num_blocks or num_kv_blocks(models, config, self.max_model_len)
         if group is not None:  # every rank allocates the smallest pool any rank holds
             num_blocks = group.agree_num_blocks(num_blocks)
-        self._kv_bytes_per_token = sum(m.kv_bytes_per_block(config.block_size) for m in models) / config.block_size
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a token in every KV-cache group of every model (a pool block holds a group's layers)
+        self._kv_bytes_per_token = sum(m.kv_bytes_per_block(config.block_size) * len(kv_windows(m))
+                                       for m in models) / config.block_size
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                         kv_windows(model), config.max_num_batched_tokens)
         self.runner = ModelRunner(model, config, num_blocks, self.max_model_len,
                                   make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len),
                                   group=group)

@@ -4,7 +4,10 @@ profiling one full-budget step, or (on the CPU) from what the configured request
 One budget serves every model the engine runs: with a speculative draft model, the target's and
 the draft's pools hold the same number of blocks (a request's blocks in both), so a block costs
 the sum of the models' bytes per block and the two pools together stay within the budget. The pool
-always has the null block (block 0) on top of the budget's blocks. Not here: allocating the caches
+always has the null block (block 0) on top of the budget's blocks. A block holds one layer per slot
+of a model's KV-cache groups (optc/core/kv_cache.py), and a request holds blocks in every group: a
+full-attention group one per `block_size` tokens, a sliding-window group at most its window and one
+step's tokens (what the CPU default counts per request). Not here: allocating the caches
 (the model does, from its KV spec) or handing blocks out (the BlockPool does).
 """
 
@@ -17,6 +20,8 @@ import torch
 
 from optc.core.errors import UserError
 from optc.runtime.batch import ForwardBatch
+from optc.runtime.kv_cache_manager import max_request_blocks
+from optc.runtime.model import kv_windows
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # upper bound of the CPU default pool, bytes
 
@@ -34,7 +39,8 @@ def num_kv_blocks(models: Sequence[Any], config: Any, max_model_len: int) -> int
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * config.gpu_memory_utilization) - (total - free) - activation_bytes
     else:
-        blocks_per_request = -(-max_model_len // config.block_size)
+        blocks_per_request = max(max_request_blocks(kv_windows(m), -(-max_model_len // config.block_size),
+                                                    config.block_size, config.max_num_batched_tokens) for m in models)
         wanted = config.max_num_seqs * blocks_per_request * bytes_per_block
         budget = min(DEFAULT_CPU_KV_CACHE_MEMORY, wanted)
     num_blocks = budget // bytes_per_block + 1
@@ -53,7 +59,9 @@ def profile_activation_bytes(model: Any, config: Any, max_model_len: int) -> int
     num_tokens = min(config.max_num_batched_tokens, max_model_len)
     size = config.block_size
     caches = model.allocate_kv_caches(1, size)
-    batch = ForwardBatch.build([[0] * num_tokens], [0], [[0] * -(-num_tokens // size)], size)
+    num_groups = len(kv_windows(model))
+    batch = ForwardBatch.build([[0] * num_tokens], [0], [[0] * (-(-num_tokens // size) * num_groups)], size,
+                               num_groups=num_groups)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

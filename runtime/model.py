@@ -4,18 +4,24 @@ It owns the weights, the rope table and the KV spec (from the manifest), not the
 caller allocates the per-layer caches (`allocate_kv_caches`, a `KVCache` per layer) and passes them
 to every `forward`. A tensor-parallel rank's model holds the rank's graph (its heads, its weight
 slices, the collectives) and the process group its collectives run over.
+
+KV-cache groups (optc/core/kv_cache.py): a model with sliding-window layers has several, each with its
+own block table; its KV-touching nodes get their group as a `kv_group` attr here (once, at load), and
+its batches carry a block table and slot mapping per group (`BatchBuilder(device, num_groups)`).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
 from optc.core.execute import Executor, Impl, Step, bind_params
 from optc.core.formats import DTYPES
-from optc.core.ir import Graph
-from optc.core.kv_cache import KVCache, KVCacheSpec
+from optc.core.ir import Graph, Node
+from optc.core.kv_cache import KVCache, KVCacheGroup, KVCacheSpec, kv_cache_groups
+from optc.core.ops import OPS
 from optc.core.rope import cos_sin_tables
 from optc.core.store import TensorStore
 from optc.runtime.batch import ForwardBatch
@@ -33,6 +39,11 @@ class Model:
         use_references: bool = False,  # every node runs its op's reference, whatever kernel it is bound to
     ):
         c = graph.config
+        self.kv_groups = kv_cache_groups(c)
+        self.kv_windows = tuple(g.window for g in self.kv_groups)  # what the KV manager needs of them
+        self._num_group_tables = len(self.kv_groups) if len(self.kv_groups) > 1 else 0
+        if self._num_group_tables:
+            graph = _with_kv_groups(graph, self.kv_groups)
         self.graph = graph
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
@@ -58,5 +69,22 @@ class Model:
         """float32 logits (len(batch.logits_indices), vocab) for the batch's selected rows."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
+        if len(batch.group_tables) != self._num_group_tables:
+            raise ValueError(f"the batch has {len(batch.group_tables) or 1} KV-cache group(s), this model "
+                             f"{len(self.kv_groups)}: build it with num_groups={len(self.kv_groups)}")
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
         return self.executor.run(batch.input_ids, step)["logits"]
+
+
+def kv_windows(model: Any) -> tuple[int | None, ...]:
+    """The window of each of a model's KV-cache groups (None: full attention); one full-attention group
+    for a model object that does not say (the tests' and benchmarks' stand-ins)."""
+    return getattr(model, "kv_windows", (None,))
+
+
+def _with_kv_groups(graph: Graph, groups: tuple[KVCacheGroup, ...]) -> Graph:
+    """The graph with each KV-touching node's group index as its `kv_group` attr."""
+    group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    return replace(graph, nodes=[
+        Node(n.name, n.op, n.inputs, n.outputs, {**n.attrs, "kv_group": group_of[n.attrs["layer"]]}, n.params)
+        if OPS[n.op].touches_kv_cache else n for n in graph.nodes])

@@ -28,6 +28,7 @@ import torch
 from optc.runtime import logprobs
 from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
+from optc.runtime.model import kv_windows
 from optc.runtime.rank_stats import RankStats
 from optc.runtime.sampler import Logprobs, compute_logprobs, sample
 from optc.runtime.scheduler import SchedulerOutput
@@ -55,11 +56,13 @@ class ModelRunner:
         self.device = torch.device(model.device)
         self.block_size = config.block_size
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
+        # the pool's tensors, once each (KV-cache groups share them): what a block copy copies
+        self._pool_caches = list({id(c): c for c in self.kv_caches}.values())
         self.graph_runner = make_runner(  # None on the CPU, with enforce_eager or without a plan: eager steps
             model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
             max_num_seqs=max_num_requests or config.max_num_seqs, max_seq_len=max_model_len,
             block_size=config.block_size)
-        self.batch_builder = BatchBuilder(self.device)
+        self.batch_builder = BatchBuilder(self.device, len(kv_windows(model)))
         self.speculator = speculator
         self.num_blocks = num_blocks
         self.num_forwards = 0  # what tensor-parallel ranks compare: each runs every forward of rank 0
@@ -98,7 +101,7 @@ class ModelRunner:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         for source, destination in copies:
-            for cache in self.kv_caches:
+            for cache in self._pool_caches:
                 cache.copy_block(source, destination)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

@@ -46,7 +46,7 @@ class SchedulerConfig:
 class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per scheduled request
-    block_ids: list[list[int]] = field(default_factory=list)  # per scheduled request, all its blocks
+    block_ids: list[list[int]] = field(default_factory=list)  # per request: all its blocks, group after group
     preempted_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination): before the step
 

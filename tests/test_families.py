@@ -16,8 +16,14 @@ import pytest
 import torch
 
 from optc.runtime import Engine, SamplingParams
-from optc.runtime.batch import ForwardBatch
-from optc.testing import assert_close, build_artifact, random_hf_model
+from optc.testing import (
+    assert_close,
+    build_artifact,
+    hf_cached_greedy,
+    hf_cached_greedy_logits,
+    prefill_logits,
+    random_hf_model,
+)
 
 PRESETS = ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-tiny"]
 FUSED = "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, kv_layout]"
@@ -40,22 +46,9 @@ def family(request, tmp_path_factory):
     fused = build_artifact(out / "fused", None, "dtype=float32", FUSED, model=f"random:{preset}")
     hf = random_hf_model(preset)
     prompts = _prompts(preset)
-    return preset, hf, plain, fused, prompts, [_hf_cached_greedy(hf, ids)[0] for ids in prompts]
+    return preset, hf, plain, fused, prompts, [hf_cached_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
 
 
-def _hf_cached_greedy(hf, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """NEW_TOKENS greedy tokens of a transformers model and each step's float32 logits, one forward per
-    token over its KV cache."""
-    tokens, logits, cache = [], [], None
-    with torch.no_grad():
-        step = torch.tensor([ids])
-        for _ in range(NEW_TOKENS):
-            out = hf(step, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            logits.append(out.logits[0, -1].float())
-            tokens.append(int(logits[-1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
-    return tokens, logits
 
 
 @pytest.mark.parametrize("engine_config", list(ENGINES.values()), ids=list(ENGINES))
@@ -75,12 +68,9 @@ def test_every_prompt_position_logits_match_transformers(family):
     for artifact in (plain, fused):
         model = Engine.load(artifact).model
         for ids in prompts:
-            num_blocks = 1 + len(ids) // 16
-            caches = model.allocate_kv_caches(num_blocks + 1, 16)
-            batch = ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], 16, [len(ids)])
             with torch.no_grad():
                 expected = hf(torch.tensor([ids])).logits[0]
-            assert_close(model.forward(batch, caches), expected, rtol=1e-4,
+            assert_close(prefill_logits(model, ids, every_position=True), expected, rtol=1e-4,
                          what=f"{preset} {artifact.name}: logits of a {len(ids)}-token prompt")
 
 
@@ -93,7 +83,8 @@ def test_bf16_greedy_like_transformers(preset, tmp_path):
     prompts = _prompts(preset)
     completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
     for ids, c in zip(prompts, completions, strict=True):
-        expected, logits = _hf_cached_greedy(hf, ids)
+        logits = hf_cached_greedy_logits(hf, ids, NEW_TOKENS)
+        expected = [int(step.argmax()) for step in logits]
         t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
         if t is None:
             continue

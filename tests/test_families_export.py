@@ -15,9 +15,8 @@ from typer.testing import CliRunner
 from optc.cli import app
 from optc.commands.export import ExportFormat, ExportOptions, export
 from optc.core.artifact import read
-from optc.runtime.batch import ForwardBatch
 from optc.runtime.loader import load_model
-from optc.testing import assert_close, build_artifact
+from optc.testing import assert_close, build_artifact, prefill_logits
 
 ct = pytest.importorskip("compressed_tensors", reason="pip install 'optc[hf]'")
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
@@ -31,11 +30,7 @@ PROMPTS = [[5, 17, 200, 3, 9, 44, 81, 2, 70, 71, 72, 73, 74, 75, 76, 77], [120, 
 
 def _runtime_logits(artifact) -> torch.Tensor:
     model = load_model(read(artifact))
-    out = []
-    for ids in PROMPTS:
-        caches = model.allocate_kv_caches(3, 16)
-        out.append(model.forward(ForwardBatch.build([ids], [0], [[1, 2]], 16, [len(ids)]), caches))
-    return torch.stack(out)
+    return torch.stack([prefill_logits(model, ids, every_position=True) for ids in PROMPTS])
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["dense", "int4"])

@@ -77,7 +77,8 @@ def test_tensor_parallel_sizes_equal_one_rank(preset, tmp_path):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     one = Engine.load(artifact, max_num_batched_tokens=16)
     want = [c.token_ids for c in one.generate(prompts, params)]
-    logits_args = ([prompts[4][:20]], [0], [[1, 2]], [20])
+    num_groups = len(one.model.kv_groups)  # KV-cache groups: a block list each, one after the other
+    logits_args = ([prompts[4][:20]], [0], [list(range(1, 1 + 2 * num_groups))], [20])
     for size in TP_SIZES[preset][1:]:
         engine = Engine.load(artifact, tensor_parallel_size=size, max_num_batched_tokens=16)
         try:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from optc.runtime import Engine, SamplingParams
-from optc.testing import assert_close, build_artifact, serve_process
+from optc.testing import assert_close, build_artifact, prefill_logits, serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -72,16 +72,7 @@ def test_greedy_tokens_and_logits_match_transformers(artifact, hf):
                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
         assert c.token_ids == out.sequences[0, len(ids):].tolist(), f"{len(ids)}-token prompt {text[:40]!r}"
-        assert_close(_first_logits(engine, ids), out.logits[0][0], rtol=1e-4, what=f"logits of {text[:40]!r}")
-
-
-def _first_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """The logits after the prompt, through the paged runtime on fresh blocks."""
-    from optc.runtime.batch import ForwardBatch
-
-    num_blocks = 1 + len(ids) // 16
-    caches = engine.model.allocate_kv_caches(num_blocks + 1, 16)
-    return engine.model.forward(ForwardBatch.build([ids], [0], [list(range(1, num_blocks + 1))], 16), caches)[-1]
+        assert_close(prefill_logits(engine.model, ids), out.logits[0][0], rtol=1e-4, what=f"logits of {text[:40]!r}")
 
 
 def test_optc_run_answers_and_chat_needs_a_template(artifact, tmp_path):

@@ -80,7 +80,8 @@ def _check(tmp: Path, case: str, device: str) -> None:
 def assert_same_logits(engine: Engine, reference: Engine, ids: list[int], block_size: int, rtol: float, what: str):
     """Teacher-forced logits of `ids` (one request in blocks 1, 2, ...) within `rtol` of the largest of the
     reference's, and the same argmax wherever the reference's top two are further apart than twice that."""
-    args = ([ids], [0], [list(range(1, 1 + -(-len(ids) // block_size)))], [len(ids)])
+    num_blocks = -(-len(ids) // block_size) * len(engine.model.kv_groups)  # a block list per KV-cache group
+    args = ([ids], [0], [list(range(1, 1 + num_blocks))], [len(ids)])
     expected = reference.runner.forward(*args).clone()
     got = engine.runner.forward(*args)
     assert_close(got, expected, rtol=rtol, what=f"{what} logits, {len(ids)} tokens")

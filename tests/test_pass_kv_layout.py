@@ -104,3 +104,12 @@ def test_kv_layout_quantized_kv_logits_within_bound_on_random_tiny(dtype, bound)
     after = run_dense(Executor(laid.graph, bind_params(laid.graph, laid.store)), ids)
     diff = (after - before).abs().max().item() / before.abs().max().item()
     assert 0 < diff < bound, diff  # quantized (not equal), within the format's bound
+
+
+def test_kv_layout_lists_the_kv_cache_groups_of_a_model_with_sliding_layers():
+    graph = load_source("random:gemma3-tiny").graph  # sliding, sliding, full; window 12; 1 KV head x 32
+    stats = make_pass("kv_layout", {"block_size": 16}).run(graph, None, PassContext(dtype="float32")).stats
+    assert stats["groups"] == [{"window": None, "layers": [2]}, {"window": 12, "layers": [0]},
+                               {"window": 12, "layers": [1]}]
+    assert stats["bytes_per_block"] == 2 * 16 * 1 * 32 * 4  # one layer per block: the groups share the pool
+    assert stats["bytes_per_token"] == 3 * 2 * 1 * 32 * 4  # a token held by every layer

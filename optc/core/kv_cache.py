@@ -11,6 +11,16 @@ holds (runtime/kv_cache_manager.py) or how many blocks fit in memory (runtime/kv
 
 Layout of `data`, per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V.
 
+KV-cache groups (`kv_cache_groups`). Layers are grouped by attention kind (full; sliding with its
+window), and each kind's layers are cut into groups of `slots` layers, `slots` being the layer count
+of the smallest kind (a kind whose count is not a multiple of it has a last group with fewer layers).
+The layers of a group share one block table: a request holds, per group, a list of blocks, and a
+sliding group lets go of the blocks wholly before its window (runtime/kv_cache_manager.py). Every
+group takes its blocks from one pool, so a block is the memory of `slots` layers whatever group
+holds it: `allocate` makes `slots` cache tensors and layer `group.layers[i]` of every group reads and
+writes tensor i. A model without sliding layers has one group of every layer: the layout (one tensor
+per layer) and the bytes per block are those of a single block table.
+
 Quantized caches (`int8`, `fp8_e4m3`) hold one fp32 scale per (token, KV head), for K and for V,
 in `scales`: (num_blocks, 2, block_size, H_kv), indexed by the same block id as the data, so a
 block carries its own scales (prefix caching, copy-on-write, preemption and speculative rollback
@@ -49,6 +59,34 @@ class KVScales(StrEnum):
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers whose caches share one block table (one per request): one attention kind."""
+
+    window: int | None  # None: full attention; else the sliding window of every layer of the group
+    layers: tuple[int, ...]  # layer layers[i] lives in the pool's cache tensor i (its slot)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"window": self.window, "layers": list(self.layers)}
+
+
+def kv_cache_groups(config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """The model's KV-cache groups: full-attention layers first, then sliding layers by window, each
+    kind cut into groups of `num_kv_slots(config)` layers in layer order."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer in range(config.num_layers):
+        kinds.setdefault(config.window(layer), []).append(layer)
+    slots = min(len(layers) for layers in kinds.values())
+    order = sorted(kinds, key=lambda w: -1 if w is None else w)
+    return tuple(KVCacheGroup(w, tuple(kinds[w][i: i + slots])) for w in order
+                 for i in range(0, len(kinds[w]), slots))
+
+
+def num_kv_slots(config: ModelConfig) -> int:
+    """Layers one pool block holds the memory of (the largest group's layer count)."""
+    return max(len(g.layers) for g in kv_cache_groups(config))
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float32"
@@ -83,14 +121,18 @@ class KVCacheSpec:
         return (2, self.block_size, config.num_kv_heads) if self.is_quantized else ()
 
     def bytes_per_block(self, config: ModelConfig) -> int:
-        """Bytes of one block over every layer, its scales included."""
-        data = math.prod(self.block_shape(config)) * self.torch_dtype.itemsize
-        scales = math.prod(self.scale_shape(config)) * SCALE_DTYPE.itemsize if self.is_quantized else 0
-        return config.num_layers * (data + scales)
+        """Bytes of one pool block, its scales included: one layer's block in each of the
+        `num_kv_slots` cache tensors (every layer, for a model without sliding layers)."""
+        return num_kv_slots(config) * self._layer_block_bytes(config)
 
     def bytes_per_token(self, config: ModelConfig) -> float:
-        """KV bytes one token costs over every layer (scales included)."""
-        return self.bytes_per_block(config) / self.block_size
+        """KV bytes one token costs over every layer (scales included), when every layer holds it."""
+        return config.num_layers * self._layer_block_bytes(config) / self.block_size
+
+    def _layer_block_bytes(self, config: ModelConfig) -> int:
+        data = math.prod(self.block_shape(config)) * self.torch_dtype.itemsize
+        scales = math.prod(self.scale_shape(config)) * SCALE_DTYPE.itemsize if self.is_quantized else 0
+        return data + scales
 
     def allocate_layer(self, config: ModelConfig, num_blocks: int, device: torch.device | str) -> KVCache:
         """One layer's zeroed cache of `num_blocks` blocks."""
@@ -101,8 +143,11 @@ class KVCacheSpec:
         return KVCache(data, scales, QMAX.get(self.dtype, 0.0))
 
     def allocate(self, config: ModelConfig, num_blocks: int, device: torch.device | str) -> list[KVCache]:
-        """Every layer's cache."""
-        return [self.allocate_layer(config, num_blocks, device) for _ in range(config.num_layers)]
+        """Every layer's cache: `num_kv_slots` tensors, layer i of each group on tensor i (layers of
+        different groups share a tensor; a model without sliding layers has one per layer)."""
+        slots = [self.allocate_layer(config, num_blocks, device) for _ in range(num_kv_slots(config))]
+        slot_of = {layer: slot for group in kv_cache_groups(config) for slot, layer in enumerate(group.layers)}
+        return [slots[slot_of[layer]] for layer in range(config.num_layers)]
 
     def node_attrs(self) -> dict[str, Any]:
         """What kv_layout records on every node that touches the cache."""

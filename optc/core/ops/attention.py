@@ -209,16 +209,19 @@ def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _attention_call(fn, node, inputs, params, step):
-    # attention(q, k, v) {layer, heads, scale, softcap?, window?} -> out;  {kv_stored}: attention(q) reads the cache
+    # attention(q, k, v) {layer, heads, scale, softcap?, window?, kv_group?} -> out;  {kv_stored}: attention(q)
+    # reads the cache
     a, b = node.attrs, step.batch
     cache = step.kv_cache(a["layer"])
+    group = a.get("kv_group")  # a model with several KV-cache groups: the block table of the node's
+    block_tables, slot_mapping = (b.block_tables, b.slot_mapping) if group is None else b.group_tables[group]
     k = v = None
     if not a.get("kv_stored", False):
         k, v = (heads(t, a["num_kv_heads"], a["head_dim"]) for t in inputs[1:3])
     q = heads(inputs[0], a["num_heads"], a["head_dim"])
     # Python ints when the batch carries them (the runtime's ForwardBatch); a CUDA-graph capture
     # passes its capacity as max_seq_len
-    out = fn(q, k, v, cache, b.slot_mapping, b.block_tables, b.seq_lens, b.query_start_loc, a["scale"],
+    out = fn(q, k, v, cache, slot_mapping, block_tables, b.seq_lens, b.query_start_loc, a["scale"],
              max_query_len=getattr(b, "max_query_len", None), max_seq_len=getattr(b, "max_seq_len", None),
              **attention_kwargs(node))
     return [out.flatten(1)]

@@ -71,7 +71,9 @@ def _rope_kv_store_call(fn, node, inputs, params, step):
     q = heads(inputs[0], a["num_heads"], a["head_dim"])
     k, v = (heads(t, a["num_kv_heads"], a["head_dim"]) for t in inputs[1:3])
     cache = step.kv_cache(a["layer"])
-    return [fn(q, k, v, step.positions, rope_table(node, step), cache, step.batch.slot_mapping).flatten(1)]
+    group = a.get("kv_group")  # a model with several KV-cache groups: the slot mapping of the node's
+    slot_mapping = step.batch.slot_mapping if group is None else step.batch.group_tables[group][1]
+    return [fn(q, k, v, step.positions, rope_table(node, step), cache, slot_mapping).flatten(1)]
 
 
 ROPE = OpSpec(3, 2, ("num_heads", "num_kv_heads", "head_dim"), (), no_params, rope_ref, _rope_call)
