@@ -47,9 +47,11 @@ def _rotate(x_ptr, offs_h, offs_d, mask, partner, cos, sin, stride_h, ROTATE: tl
 def _quantize(x, scale_ptrs, mask_h, qmax, IS_INT: tl.constexpr):
     # x: (BLOCK_H, BLOCK_D) fp32 rows of each head (masked columns 0) -> stored values (fp32 holding
     # them exactly); the row's scale amax / qmax goes to scale_ptrs (BLOCK_H,)
+    # IEEE divisions (div_rn), as torch's: a compiled `/` is an approximate division, whose last bit can move
+    # a value across an int8 rounding boundary
     amax = tl.max(tl.abs(x), axis=1)
-    tl.store(scale_ptrs, amax / qmax, mask=mask_h)
-    inv = tl.where(amax > 0, qmax / tl.where(amax > 0, amax, 1.0), 0.0)[:, None]  # a zero row stays zero
+    tl.store(scale_ptrs, tl.math.div_rn(amax, qmax), mask=mask_h)
+    inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 0.0)[:, None]
     y = tl.minimum(tl.maximum(x * inv, -qmax), qmax)
     if IS_INT:  # round half up; the cast to int8 then truncates an integer
         y = tl.floor(y + 0.5)
@@ -200,6 +202,6 @@ def _launch(q, k, v, q_out, positions, cos_sin, cache: KVCache | None, slot_mapp
         BLOCK_HQ=triton.next_power_of_2(max(h_q, 1)), BLOCK_HKV=triton.next_power_of_2(max(h_kv, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         # no fused multiply-add: x * cos and pair * sin round apart, as the reference's torch ops do, so a
-        # quantized store lands on the reference's int8 / fp8 values exactly
+        # quantized store lands on the reference's int8 / fp8 values exactly (with the IEEE divisions above)
         enable_fp_fusion=False,
     )

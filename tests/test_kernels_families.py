@@ -89,6 +89,7 @@ def test_family_triton_bound_build_matches_reference_on_cuda(tmp_path, preset, d
     rtol = RTOL if dtype == "float32" else 2e-2
     for ids in _prompts(lengths):
         ids = ids + ids  # longer than the windows
-        args = ([ids], [0], [list(range(1, 1 + -(-len(ids) // 16)))], [len(ids)])
+        num_blocks = -(-len(ids) // 16) * len(cuda.model.kv_groups)  # a block list per KV-cache group
+        args = ([ids], [0], [list(range(1, 1 + num_blocks))], [len(ids)])
         expected = reference.runner.forward(*args).float().clone()
         assert_close(cuda.runner.forward(*args).float(), expected, rtol=rtol, what=f"{preset} {dtype} logits")
