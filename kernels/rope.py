@@ -44,14 +44,16 @@ def _rotate(x_ptr, offs_h, offs_d, mask, partner, cos, sin, stride_h, ROTATE: tl
 
 
 @triton.jit
-def _quantize(x, scale_ptrs, mask_h, qmax, IS_INT: tl.constexpr):
+def _quantize(x, scale_ptrs, mask_h, qmax, inv_qmax, IS_INT: tl.constexpr):
     # x: (BLOCK_H, BLOCK_D) fp32 rows of each head (masked columns 0) -> stored values (fp32 holding
     # them exactly); the row's scale amax / qmax goes to scale_ptrs (BLOCK_H,)
-    # IEEE divisions (div_rn), as torch's: a compiled `/` is an approximate division, whose last bit can move
-    # a value across an int8 rounding boundary
+    # the reference's products (optc.core.kv_cache.quantize): the scale is amax * (1 / qmax), the inverse an IEEE
+    # reciprocal (div_rn: a compiled `/` is approximate, and its last bit can move a value across an int8
+    # rounding boundary) times qmax
     amax = tl.max(tl.abs(x), axis=1)
-    tl.store(scale_ptrs, tl.math.div_rn(amax, qmax), mask=mask_h)
-    inv = tl.where(amax > 0, tl.math.div_rn(qmax, tl.where(amax > 0, amax, 1.0)), 0.0)[:, None]
+    tl.store(scale_ptrs, amax * inv_qmax, mask=mask_h)
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe) * qmax, 0.0)[:, None]
     y = tl.minimum(tl.maximum(x * inv, -qmax), qmax)
     if IS_INT:  # round half up; the cast to int8 then truncates an integer
         y = tl.floor(y + 0.5)
@@ -62,8 +64,9 @@ def _quantize(x, scale_ptrs, mask_h, qmax, IS_INT: tl.constexpr):
 def _rope_kv_store_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, q_out_ptr, positions_ptr, cos_sin_ptr, cache_ptr, scale_ptr, slot_ptr,
-    # sizes: D the head dim, HALF half the rotary width; qmax: a scaled cache's largest stored magnitude
-    H_Q, H_KV, D, HALF, block_size, qmax,
+    # sizes: D the head dim, HALF half the rotary width; qmax: a scaled cache's largest stored magnitude,
+    # inv_qmax its reciprocal (rounded to fp32 as torch rounds a Python scalar)
+    H_Q, H_KV, D, HALF, block_size, qmax, inv_qmax,
     # strides: q, k, v, q_out (token, head); cos_sin (position); cache (block, k|v, offset, head);
     # scales (block, k|v, offset, head)
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -105,8 +108,8 @@ def _rope_kv_store_kernel(
         if HAS_SCALES:
             mask_h = offs_h < num_stored
             scales = scale_ptr + block * stride_sb + offset * stride_so + offs_h * stride_sh
-            k = _quantize(k.to(tl.float32), scales, mask_h, qmax, IS_INT)
-            v = _quantize(v, scales + stride_skv, mask_h, qmax, IS_INT)
+            k = _quantize(k.to(tl.float32), scales, mask_h, qmax, inv_qmax, IS_INT)
+            v = _quantize(v, scales + stride_skv, mask_h, qmax, inv_qmax, IS_INT)
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -187,6 +190,7 @@ def _launch(q, k, v, q_out, positions, cos_sin, cache: KVCache | None, slot_mapp
     cs = kv_cache.stride() if has_kv else (0,) * 5
     ss = scales.stride() if scales is not None else (0,) * 4
     h_q, h_kv = (q.shape[1] if q is not None else 0), (k.shape[1] if has_kv else 0)
+    qmax = cache.qmax if has_kv else 0.0
     grid = lambda meta: (num_tokens,)
     _rope_kv_store_kernel[grid](
         q if q is not None else dummy, k if has_kv else dummy, v if has_kv else dummy,
@@ -194,7 +198,7 @@ def _launch(q, k, v, q_out, positions, cos_sin, cache: KVCache | None, slot_mapp
         cos_sin if cos_sin is not None else dummy, kv_cache if has_kv else dummy,
         scales if scales is not None else dummy, slot_mapping if has_kv else positions,
         h_q, h_kv, head_dim, (cos_sin.shape[1] if cos_sin is not None else head_dim) // 2,
-        kv_cache.shape[2] if has_kv else 1, cache.qmax if has_kv else 0.0,
+        kv_cache.shape[2] if has_kv else 1, qmax, 1.0 / qmax if qmax else 0.0,
         *qs, *ks, *vs, *os_,
         cos_sin.stride(0) if cos_sin is not None else 0, cs[0], cs[1], cs[2], cs[3], *ss,
         HAS_Q=q is not None, HAS_KV=has_kv, ROTATE_K=rotate_k, HAS_SCALES=scales is not None,

@@ -215,8 +215,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> tuple[torch.Te
     kernels (optc.kernels.rope) compute the same expressions in the same order."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = amax / qmax
-    inv = torch.where(amax > 0, qmax / amax, 0.0)
+    # products with IEEE reciprocals, the same bits on every device: torch divides a tensor by a scalar as
+    # a quotient on the CPU and as a product with the scalar's reciprocal on CUDA
+    scale = amax * (1.0 / qmax)
+    inv = torch.where(amax > 0, amax.reciprocal() * qmax, 0.0)
     y = (xf * inv[..., None]).clamp(-qmax, qmax)
     if not dtype.is_floating_point:
         y = torch.floor(y + 0.5)  # round half up: the kernels' rounding, not torch.round's half to even
