@@ -1,5 +1,6 @@
-"""Output tokens/s of SmolLM2 as f32, bf16, int8, RTN int4, AWQ int4 and GPTQ int4 artifacts and as
-transformers bf16, at batch 1 and 8, on the same prompts, on the CPU.
+"""Output tokens/s of SmolLM2 (or any artifacts given with --artifact) as f32, bf16, int8, RTN int4, AWQ int4 and
+GPTQ int4 artifacts and as transformers bf16, at batch 1 and 8, on the same prompts, on the CPU; the table
+names the model and the CPU capability torch runs (AVX2 or AVX512).
 
 Artifacts come from the repository's recipes (`recipes/smollm2-*.yaml`; f32 is smollm2-bf16.yaml with
 dtype=float32), built into `--work` unless already there (`--artifact NAME=PATH` uses another). Every
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from optc.core.artifact import read_manifest
 from optc.runtime import Engine, SamplingParams
 from optc.testing import build_artifact
 
@@ -138,7 +140,10 @@ def main() -> None:
             loads.append((before, os.getloadavg()[0]))
             print(f"round {r + 1} batch {b}: load {before:.2f} -> {loads[-1][1]:.2f}; "
                   + ", ".join(f"{n} {v[-1][0]:.1f} ({v[-1][1]:.1f} cpu)" for n, v in results[b].items()), flush=True)
-    print(f"\nSmolLM2-135M, CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    source = read_manifest(next(iter(paths.values()))).source
+    model = source.get("id") or Path(source.get("path", "?")).name
+    print(f"\n{model}, CPU ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, "
           f"{args.input_len} prompt + {args.output_len} output tokens per request, {args.rounds} rounds, "
           f"load average {min(x for x, _ in loads):.2f}-{max(y for _, y in loads):.2f}")
     print("| config | " + " | ".join(f"batch {b} tok/s | vs bf16 | CPU tok/s | vs bf16" for b in batches) + " |")
