@@ -70,6 +70,8 @@ class ToyModel:
 
 
 class ToyTokenizer:
+    chat_template = "[0] content [0]"  # what apply_chat_template below does (a base model's tokenizer has none)
+
     def __call__(self, text: str) -> dict:
         return {"input_ids": [1 + ord(c) % 60 for c in text]}
 
