@@ -62,7 +62,10 @@ FORMATS = [Format(), Format(dtype="bfloat16"), Format(FormatKind.INT8_WO, dtype=
 def test_every_kind_has_a_scheme():
     assert set(SCHEMES) == set(FormatKind)
     assert [k for k, s in SCHEMES.items() if s.is_quantized] == [FormatKind.INT8_WO, FormatKind.INT4_G,
-                                                                 FormatKind.FP8_E4M3]
+                                                                 FormatKind.FP8_E4M3, FormatKind.INT4_GF,
+                                                                 FormatKind.INT8_GF]
+    # the quantization passes write the first three; the GGUF kinds are imported (kind_for_bits never picks them)
+    assert [k for k, s in SCHEMES.items() if s.bits is not None] == [FormatKind.INT8_WO, FormatKind.INT4_G]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.kind.value}-{f.dtype}-zp{f.zero_point}-ao{f.act_order}")

@@ -3,7 +3,8 @@
 A logical weight of shape (N, K) (out features, in features) is stored as one or more parts. A
 `Format` is the data (a kind and its fields, in `graph.json`); the kind's `Scheme` (in this package,
 one module per kind: `scheme.py` holds the base and `dense`, then `int8_wo.py`, `int4_g.py`,
-`fp8_e4m3.py`) is the behaviour: the parts and their shapes, the reference dequantization and linear
+`fp8_e4m3.py`, `float_groups.py` for the GGUF kinds)
+is the behaviour: the parts and their shapes, the reference dequantization and linear
 (with the per-token activation quantization of W8A8 formats), the rounding
 primitives the quantizers share, the fusion and cast rules and the export hooks. `SCHEMES` maps each
 kind to its scheme; a new kind is a new scheme module plus its line here.
@@ -20,6 +21,7 @@ from enum import StrEnum
 import torch
 
 from optc.core.errors import InputError
+from optc.core.formats.float_groups import GF_GROUP_SIZES, Int4Gf, Int8Gf
 from optc.core.formats.fp8_e4m3 import Fp8E4M3
 from optc.core.formats.int4_g import INT4_GROUP_SIZES, INT4_PACKING, Int4G, pack_int4, unpack_int4
 from optc.core.formats.int8_wo import Int8Wo
@@ -28,8 +30,8 @@ from optc.core.formats.scheme import Activations, Dense, Scheme
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 __all__ = [
-    "Activations", "DENSE_F32", "DTYPES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format", "FormatKind",
-    "Scheme",
+    "Activations", "DENSE_F32", "DTYPES", "GF_GROUP_SIZES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format",
+    "FormatKind", "Scheme",
     "dequantize", "linear_ref", "pack_int4", "part_name", "quantized_format", "kind_for_bits", "unpack_int4",
 ]
 
@@ -39,6 +41,8 @@ class FormatKind(StrEnum):
     INT8_WO = "int8_wo"
     INT4_G = "int4_g"
     FP8_E4M3 = "fp8_e4m3"
+    INT4_GF = "int4_gf"  # GGUF blocks kept as they are: float32 scales (and minimums) per group
+    INT8_GF = "int8_gf"
 
 
 SCHEMES: dict[FormatKind, Scheme] = {
@@ -46,13 +50,15 @@ SCHEMES: dict[FormatKind, Scheme] = {
     FormatKind.INT8_WO: Int8Wo(),
     FormatKind.INT4_G: Int4G(),
     FormatKind.FP8_E4M3: Fp8E4M3(),
+    FormatKind.INT4_GF: Int4Gf(),
+    FormatKind.INT8_GF: Int8Gf(),
 }
 
 
 @dataclass(frozen=True)
 class Format:
     kind: FormatKind = FormatKind.DENSE
-    dtype: str = "float32"  # the dense dtype, or the dtype of the scales
+    dtype: str = "float32"  # the dense dtype, or the dtype of the scales (*_gf: float32 scales; the dequantized dtype)
     bits: int | None = None
     group_size: int | None = None
     zero_point: bool = False

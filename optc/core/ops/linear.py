@@ -56,15 +56,25 @@ def exact_top_logits(logits: torch.Tensor, x: torch.Tensor, parts: dict[str, tor
     return logits.scatter_(-1, top, exact)
 
 
+def embedding_ref(ids: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """Rows `ids` (T,) of the weight -> (T, K) in the format's dtype. A quantized weight (a GGUF embedding kept
+    as it is) dequantizes only the rows it reads: every part of its formats is indexed by row."""
+    if not fmt.is_quantized:
+        return F.embedding(ids, dequantize(parts, fmt))
+    flat = ids.reshape(-1)
+    return dequantize({r: p.index_select(0, flat) for r, p in parts.items()}, fmt).reshape(*ids.shape, -1)
+
+
 def _embedding_call(fn, node, inputs, params, step):
     # embedding(input_ids) {vocab_start?, scale?} [weight] -> hidden
-    w = params["weight"].dense()
+    w = params["weight"]
     if "vocab_start" not in node.attrs:
-        out = fn(inputs[0], w)
+        out = fn(inputs[0], w.parts, w.format)
     else:  # a vocab-parallel shard holds rows vocab_start ..: ids outside it give 0 (summed over ranks later)
+        rows = next(iter(w.parts.values())).shape[0]
         ids = inputs[0] - node.attrs["vocab_start"]
-        inside = (ids >= 0) & (ids < w.shape[0])
-        out = torch.where(inside[:, None], fn(ids.clamp(0, w.shape[0] - 1), w), 0)
+        inside = (ids >= 0) & (ids < rows)
+        out = torch.where(inside[:, None], fn(ids.clamp(0, rows - 1), w.parts, w.format), 0)
     scale = node.attrs.get("scale")
     return [out if scale is None else out * torch.tensor(scale, dtype=out.dtype)]
 
@@ -100,7 +110,7 @@ def _linear_shapes(node: Node, cfg: ModelConfig) -> dict:
     return {"weight": (n, k), "bias": (n,)}
 
 
-EMBEDDING = OpSpec(1, 1, (), ("weight",), vocab_weight, F.embedding, _embedding_call)
+EMBEDDING = OpSpec(1, 1, (), ("weight",), vocab_weight, embedding_ref, _embedding_call)
 LINEAR = OpSpec(1, None, ("in_features", "out_features"), ("weight",), _linear_shapes, linear_ref, _linear_call,
                 optional_params=("bias",))
 LM_HEAD = OpSpec(1, 1, (), ("weight",), vocab_weight, logits_ref, _lm_head_call, rows=_lm_head_rows)
