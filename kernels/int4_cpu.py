@@ -1,10 +1,11 @@
-"""int4_g linear on the CPU through torch's packed int4 matmul (`aten._weight_int4pack_mm_for_cpu`).
+"""int4_g and int4_gf linears on the CPU through torch's packed int4 matmul (`aten._weight_int4pack_mm_for_cpu`).
 
 `prepare_int4pack` repacks a node's int4_g weight once, when the loaded model first runs the node:
 the k8_lsb nibbles unpacked to (N, K) int32 and handed to `aten._convert_weight_to_int4pack_for_cpu`,
 and the scales and zero points turned into the kernel's (K / G, N, 2) table in the activation dtype.
 The kernel computes w = (q - 8) * s + b per group, so our w = (q - z) * s has b = (8 - z) * s (b = 0
-when symmetric). The launcher `int4pack_linear` has linear_ref's signature and reads those prepared
+when symmetric); int4_gf's w = s * u + m (a GGUF Q4_1 / Q4_K block) has b = 8 * s + m, and its symmetric
+w = s * (u - 8) (Q4_0) b = 0. The launcher `int4pack_linear` has linear_ref's signature and reads those prepared
 parts; the artifact keeps the format's own parts, which the reference reads. `int4pack_logits` is the
 lm_head's: its prepared weight keeps the stored parts beside the packed ones, for the fp32 recompute of
 each row's best logits (optc.core.ops.linear.exact_top_logits).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from optc.core.formats import Format, unpack_int4
+from optc.core.formats import Format, FormatKind, unpack_int4
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
 
@@ -38,10 +39,14 @@ def prepare_int4pack(params: dict[str, Param]) -> dict[str, Param]:
 
 def scales_and_zeros(parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """The packed int4 matmuls' (K / G, N, 2) table of (s, b) per group, w = (q - 8) * s + b, in the
-    activation dtype: b = (8 - z) * s (0 when symmetric). torch's CPU and CUDA kernels read the same table."""
+    activation dtype: b = (8 - z) * s (0 when symmetric); int4_gf's float minimum m: b = 8 * s + m. torch's
+    CPU and CUDA kernels read the same table."""
     s = parts["scales"].float()  # (N, K / G)
-    z = parts["zeros"].float() if fmt.zero_point else torch.full_like(s, 8.0)
-    return torch.stack([s, (8 - z) * s], -1).transpose(0, 1).contiguous().to(fmt.torch_dtype)
+    if fmt.kind is FormatKind.INT4_GF:
+        b = 8 * s + parts["mins"].float() if fmt.zero_point else torch.zeros_like(s)
+    else:
+        b = (8 - (parts["zeros"].float() if fmt.zero_point else torch.full_like(s, 8.0))) * s
+    return torch.stack([s, b], -1).transpose(0, 1).contiguous().to(fmt.torch_dtype)
 
 
 def int4pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
@@ -64,7 +69,7 @@ def packed_linear(mm, x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Form
     return y.reshape(*x.shape[:-1], n)
 
 
-STORED = ("qweight", "scales", "zeros")  # the int4_g parts an lm_head's prepared weight keeps (no act_order)
+STORED = ("qweight", "scales", "zeros", "mins")  # the int4_g / int4_gf parts a prepared lm_head keeps (no act_order)
 
 
 def prepare_int4pack_logits(params: dict[str, Param]) -> dict[str, Param]:

@@ -208,8 +208,20 @@ def _w4a16_ok(q: KernelQuery) -> bool:
 
 def _int4pack_cpu_ok(q: KernelQuery) -> bool:
     w = q.weight
-    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+    return (_dtype_ok(q) and w is not None and w.kind in (FormatKind.INT4_G, FormatKind.INT4_GF) and not w.act_order
             and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
+def _int8gf_int4x2_ok(q: KernelQuery) -> bool:
+    # torch's int4 kernel: groups of 32 or more (not Q6_K's 16), whole tiles of 16 output rows
+    w = q.weight
+    return (_dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_GF and w.group_size >= 32
+            and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
+def _widened_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return _dtype_ok(q) and w is not None and w.kind in (FormatKind.INT4_GF, FormatKind.INT8_GF)
 
 
 def _int4pack_cuda_ok(q: KernelQuery) -> bool:
@@ -284,6 +296,16 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
                prepare="int4_cpu:prepare_int4pack_logits", layout="int4pack_cpu(inner_k_tiles=2) + stored parts"),
     KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu",
                prepare="int8_cpu:prepare_int8pack"),
+    # the GGUF kinds (source_quantization: keep): int8_gf as two int4 packs, or either kind dequantized once
+    KernelSpec("cpu.int8gf_int4x2", "linear", _int8gf_int4x2_ok, "gf_cpu:int8gf_int4x2_linear", target="cpu",
+               prepare="gf_cpu:prepare_int8gf_int4x2", layout="int4pack_cpu x2 (high, low nibbles of q + 128)"),
+    KernelSpec("cpu.int8gf_int4x2_logits", "lm_head", _int8gf_int4x2_ok, "gf_cpu:int8gf_int4x2_logits",
+               target="cpu", prepare="gf_cpu:prepare_int8gf_int4x2",
+               layout="int4pack_cpu x2 (high, low nibbles of q + 128) + stored parts"),
+    KernelSpec("cpu.widened", "linear", _widened_ok, "gf_cpu:widened_linear", target="cpu",
+               prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
+    KernelSpec("cpu.widened_logits", "lm_head", _widened_ok, "gf_cpu:widened_logits", target="cpu",
+               prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
     # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
