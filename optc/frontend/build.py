@@ -27,7 +27,7 @@ from optc.core.ops import verify
 from optc.core.ops.sharding import ShardError, plan_shards
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, PassManager
-from optc.frontend.recipe import Recipe, RecipeError, load_recipe
+from optc.frontend.recipe import Recipe, RecipeError, SourceQuantization, load_recipe
 from optc.frontend.sources import load_source
 from optc.kernels.registry import KERNELS, KernelSpec
 
@@ -76,7 +76,7 @@ def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
     say = (lambda m: None) if options.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     say(f"loading {recipe.model}")
-    source = load_source(recipe.model)
+    source = load_source(recipe.model, keep_quantization=recipe.source_quantization is SourceQuantization.KEEP)
     passes = [(p.name, p.options) for p in recipe.passes]
     if "cast" not in {n for n, _ in passes}:
         passes.insert(0, ("cast", {"dtype": None}))  # the recipe's dtype always applies

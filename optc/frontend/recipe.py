@@ -30,6 +30,13 @@ class Target(StrEnum):
     CUDA = "cuda"
 
 
+class SourceQuantization(StrEnum):
+    """What a .gguf model's block-quantized tensors become."""
+
+    DEQUANTIZE = "dequantize"  # float32, as transformers loads them: quantization passes may round them again
+    KEEP = "keep"  # their codes as they are (int4_gf / int8_gf): llama.cpp's weights bit for bit
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Text the quantization passes calibrate on."""
@@ -58,6 +65,9 @@ class Recipe:
     )
     dtype: str = field(default="bfloat16", metadata={"choices": DTYPE_CHOICES, "help": "model dtype"})
     target: Target = field(default=Target.CPU, metadata={"help": "device kind the artifact is built for"})
+    source_quantization: SourceQuantization = field(default=SourceQuantization.DEQUANTIZE, metadata={
+        "help": "a .gguf model's quantized tensors: dequantize (float32, as transformers loads them) or keep (their "
+                "codes and scales exactly, in int4_gf / int8_gf; docs/FORMATS.md)"})
     calibration: Calibration = field(default_factory=Calibration)
     passes: tuple[Any, ...] = field(default=(), metadata={"help": "ordered passes: a name, or {name: {options}}"})
     eval: bool = field(default=False, metadata={"help": "measure quality after the build (optc eval)"})
@@ -66,6 +76,10 @@ class Recipe:
     def to_json(self) -> dict:
         d = asdict(self)
         d["target"] = self.target.value
+        if self.source_quantization is SourceQuantization.DEQUANTIZE:  # recipes from before the key hash as they did
+            del d["source_quantization"]
+        else:
+            d["source_quantization"] = self.source_quantization.value
         d["passes"] = [{p.name: p.options} for p in self.passes]
         return d
 

