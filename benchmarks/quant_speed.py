@@ -1,6 +1,6 @@
-"""Output tokens/s of SmolLM2 (or any artifacts given with --artifact) as f32, bf16, int8, RTN int4, AWQ int4 and
-GPTQ int4 artifacts and as transformers bf16, at batch 1 and 8, on the same prompts, on the CPU; the table
-names the model and the CPU capability torch runs (AVX2 or AVX512).
+"""Output tokens/s of SmolLM2 (or any artifacts given with --artifact) as f32, bf16, int8, RTN int4, AWQ int4,
+GPTQ int4 and kept-GGUF (`source_quantization: keep`) artifacts and as transformers bf16, at batch 1 and 8, on the
+same prompts, on the CPU; the table names the model and the CPU capability torch runs (AVX2 or AVX512).
 
 Artifacts come from the repository's recipes (`recipes/smollm2-*.yaml`; f32 is smollm2-bf16.yaml with
 dtype=float32), built into `--work` unless already there (`--artifact NAME=PATH` uses another). Every
@@ -44,6 +44,7 @@ CONFIGS = {  # name -> (recipe, overrides)
     "rtn-int4": ("smollm2-rtn.yaml", ()),
     "awq-int4": ("smollm2-awq.yaml", ()),
     "gptq-int4": ("smollm2-gptq.yaml", ()),
+    "gguf-keep": ("smollm2-gguf.yaml", ()),  # the GGUF's own Q4_1 / Q8_0 blocks, not requantized
 }
 HF = "transformers-bf16"
 

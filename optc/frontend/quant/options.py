@@ -56,10 +56,12 @@ class WeightQuantOptions:
     def refuse_requantizing(self, graph: Graph, pass_name: str) -> None:
         """A linear already quantized to another format is an error; one in this format is left as it is
         (so a second run of the same pass changes nothing)."""
+        kind = self.format().kind  # a GGUF kind kept with the same bits and groups is still another format
         want = (self.bits, self.stored_group_size, self.has_zero_point, self.format().activations)
         for name in dict.fromkeys(n.params["weight"] for n in graph.nodes if n.op == "linear"):
             fmt = graph.tensors[name].format
-            if fmt.is_quantized and (fmt.bits, fmt.group_size, fmt.zero_point, fmt.activations) != want:
+            if fmt.is_quantized and (fmt.kind != kind
+                                     or (fmt.bits, fmt.group_size, fmt.zero_point, fmt.activations) != want):
                 have = (f"{fmt.kind.value} bits={fmt.bits} group_size={fmt.group_size} zero_point={fmt.zero_point}"
                         f" activations={fmt.activations.value}")
                 raise InputError(f"{name} is already quantized ({have}); {pass_name} would quantize it again to bits="
