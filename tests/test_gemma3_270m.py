@@ -100,3 +100,24 @@ def test_optc_serve_answers(artifact):
                                                            "messages": [{"role": "user", "content": "Hi"}]},
                        timeout=120)
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+
+
+def test_kept_quantization_is_transformers_loaded_weights_bit_for_bit(gguf, hf):
+    """`source_quantization: keep` (recipes/gemma3-270m-gguf.yaml): the Q4_K_M file's Q5_0, Q4_K, Q8_0 and Q6_K
+    tensors as int4_gf / int8_gf dequantize to exactly the weights transformers runs (its names, Gemma's
+    `norm - 1` on the float norms), so a kept float32 build is the model the parity test above checks
+    (tests/test_gguf_keep.py builds SmolLM2's and compares its greedy tokens)."""
+    from optc.core.formats import FormatKind, dequantize, part_name
+    from optc.frontend.gguf import read_gguf
+
+    model, _ = hf
+    table, store, counts = read_gguf(gguf, model.config)
+    assert counts == {"F32": 109, "Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}
+    kinds = {n: i.format.kind for n, i in table.items()}
+    assert kinds["model.layers.0.mlp.down_proj.weight"] is FormatKind.INT8_GF  # Q6_K, groups of 16
+    assert kinds["model.layers.0.self_attn.o_proj.weight"] is FormatKind.INT4_GF  # Q4_K
+    state = model.state_dict()
+    assert set(table) == set(state) - {"lm_head.weight"}  # tied to the embedding
+    for name, info in table.items():
+        parts = {r: store.get(part_name(name, r, info.format)) for r in info.format.part_shapes(info.shape)}
+        assert torch.equal(dequantize(parts, info.format, torch.float32), state[name]), name
