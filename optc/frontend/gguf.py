@@ -1,6 +1,6 @@
 """A `.gguf` file's tensors with their quantization kept: each block type -> an optc format holding its codes.
 
-`read_gguf(path, cfg)` maps every tensor of the file the way transformers' GGUF loader does (its name map,
+`read_gguf(path, hf_config)` maps every tensor of the file the way transformers' GGUF loader does (its name map,
 built on a meta-device model, and its architecture's tensor processor: Llama's q/k row permutation, Gemma's
 `norm - 1`) and returns a table of (shape, Format) and a lazy TensorStore. Float tensors (F32, F16, BF16)
 become dense float32 weights, as transformers loads them. A block-quantized tensor becomes int4_gf or
@@ -10,7 +10,8 @@ the specification, tests/test_gguf_keep.py checks every type bit for bit). A pro
 rows (Llama's q/k) permutes the rows of every part; one that changes a quantized tensor's values is refused
 by name, as is a block type without an exact format here.
 
-This module does not dequantize (transformers does that for `source_quantization: dequantize`).
+This module does not dequantize a quantized tensor (transformers does that for `source_quantization:
+dequantize`). `read_header` parses the file's header itself: gguf-py's reader parses every metadata array.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def read_gguf(path: Path, hf_config) -> tuple[dict[str, TensorInfo], TensorStore
                             f"types: {', '.join(BLOCKS)}; float: {', '.join(FLOAT_TYPES)}); build with "
                             f"`source_quantization: dequantize`")
     names, processor = _name_map(hf_config, arch)
-    table, entries = {}, {}
+    table, entries, last = {}, {}, {}  # last: the one tensor whose parts are decoded, shared by its entries
     for t in tensors:
         if t.qtype in FLOAT_TYPES:
             weights = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType[t.qtype])
@@ -146,7 +147,7 @@ def read_gguf(path: Path, hf_config) -> tuple[dict[str, TensorInfo], TensorStore
             continue
         fmt = BLOCKS[t.qtype].format()
         fmt.check_shape(t.shape, f"{path}: tensor {t.name}")
-        decode = _Decoded(t.data, t.qtype, t.shape, rows)
+        decode = _Decoded(t.data, t.qtype, t.shape, rows, last)
         table[name] = TensorInfo(t.shape, fmt)
         for role, (pshape, dtype) in fmt.part_shapes(t.shape).items():
             entries[part_name(name, role, fmt)] = Entry(pshape, dtype, lambda d=decode, r=role: d.part(r))
@@ -196,23 +197,21 @@ def _value(f, vtype: int):
 
 
 class _Decoded:
-    """One tensor's parts, decoded on the first part asked for and kept until another tensor's are asked
-    (the artifact writer asks for a tensor's parts one after another)."""
+    """One tensor's parts, decoded on the first part asked for and kept in `last` (shared by one file's
+    tensors) until another tensor's are asked: the artifact writer asks for a tensor's parts one after another."""
 
-    _last: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def __init__(self, data: np.ndarray, qtype: str, shape: tuple[int, ...], rows: torch.Tensor | None):
-        self.data, self.qtype, self.shape, self.rows = data, qtype, shape, rows
+    def __init__(self, data: np.ndarray, qtype: str, shape: tuple[int, ...], rows: torch.Tensor | None,
+                 last: dict):
+        self.data, self.qtype, self.shape, self.rows, self.last = data, qtype, shape, rows, last
 
     def part(self, role: str) -> torch.Tensor:
-        last = _Decoded._last
-        if last is None or last[0] != id(self):
+        if self.last.get("owner") is not self:
             raw = torch.from_numpy(np.array(self.data, dtype=np.uint8, copy=True))  # the file is mapped read-only
             parts = decode_blocks(raw, self.qtype, self.shape)
             if self.rows is not None:  # whole rows permuted: every part's rows, the codes unchanged
                 parts = {r: p.index_select(0, self.rows).contiguous() for r, p in parts.items()}
-            _Decoded._last = last = (id(self), parts)
-        return last[1][role]
+            self.last.update(owner=self, parts=parts)
+        return self.last["parts"][role]
 
 
 def _name_map(hf_config, arch: str):
