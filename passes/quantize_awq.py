@@ -20,7 +20,7 @@ from optc.frontend.quant.blocks import (
     linear_groups,
 )
 from optc.frontend.quant.calibrated import Calibration, run_calibrated
-from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
+from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized, refuse_experts
 from optc.frontend.quant.rtn import quantize_weight
 
 ROPE_OPS = ("rope", "rope_kv_store")
@@ -39,6 +39,7 @@ class QuantizeAwq(Pass):
             "min": 1, "help": "calibration windows the scale search runs the block on (statistics use all)"})
 
     def requires(self, graph: Graph) -> None:
+        refuse_experts(graph, self.name, "awq")
         self.options.refuse_requantizing(graph, self.name)
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:

@@ -25,7 +25,7 @@ from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
 from optc.frontend.quant.gptq import GptqOptions, Rounding, quantize_block
-from optc.frontend.quant.options import ensure_quantized, round_linears
+from optc.frontend.quant.options import ensure_quantized, refuse_experts, round_linears
 
 
 class QuantizeFp8(Pass):
@@ -72,6 +72,8 @@ class QuantizeFp8(Pass):
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
         if o.method is Rounding.GPTQ:
+            refuse_experts(graph, self.name, "gptq")
+
             def format_of(name: str) -> Format:
                 return o.format(graph.tensors[name].format.dtype)
 

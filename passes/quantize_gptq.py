@@ -11,7 +11,7 @@ from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
 from optc.frontend.quant.gptq import GptqOptions, quantize_block
-from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
+from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized, refuse_experts
 
 
 class QuantizeGptq(Pass):
@@ -22,6 +22,7 @@ class QuantizeGptq(Pass):
         pass
 
     def requires(self, graph: Graph) -> None:
+        refuse_experts(graph, self.name, "gptq")
         self.options.refuse_requantizing(graph, self.name)
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:

@@ -52,12 +52,21 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power; None: head_dim's
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of Experts: 0 experts is a dense model; else every layer's MLP is a `moe` block of
+    # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token, but the
+    # `dense_layers` (Qwen3-MoE's mlp_only_layers and decoder_sparse_step), whose MLP is dense of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1 (Mixtral always)
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -70,6 +79,17 @@ class ModelConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(HIDDEN_ACTS)}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ValueError(f"a MoE model needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                             f"num_experts ({self.num_experts}) and moe_intermediate_size >= 1 "
+                             f"({self.moe_intermediate_size})")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers {list(self.dense_layers)} name layers outside 0..{self.num_layers - 1}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether a layer's MLP is a `moe` block (a MoE model's layer not in `dense_layers`)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
@@ -86,6 +106,7 @@ class ModelConfig:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["dense_layers"] = list(self.dense_layers)
         return d
 
     @staticmethod

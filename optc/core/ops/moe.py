@@ -1,0 +1,99 @@
+"""The Mixture-of-Experts block: `moe` {num_experts, intermediate_size, top_k, scoring, renormalize, act,
+round_weights?}.
+
+    router_logits = x @ router^T                       router (E, H), in x's dtype
+    p = softmax(router_logits in fp32)                 (T, E)
+    w, ids = top_k(p)                                  (T, k): Mixtral and Qwen3-MoE score softmax-then-top-k
+    w = w / sum(w)          when `renormalize`         (Mixtral always; Qwen3-MoE when norm_topk_prob)
+    w = w in x's dtype      when `round_weights`       (Qwen3-MoE; Mixtral multiplies by the fp32 weight)
+    y[t] = sum_j w[t, j] * down[e] @ act(gate[e] @ x[t]) * (up[e] @ x[t]),  e = ids[t, j]
+
+The experts are stacked, one tensor per projection with a leading expert axis, as transformers 5 holds
+them: gate_up (E, 2I, H) = [gate | up] rows per expert, down (E, H, I). A quantized expert tensor stores
+each expert's parts stacked the same way (`Format.part_shapes` of a 3-D shape); `expert_parts` is one
+expert's 2-D weight as its format's scheme reads it, so every format's reference linear serves the experts.
+
+The reference is transformers' computation: tokens indexed by expert, a loop over the experts that
+received tokens (in expert order), each one's gate/up and down matmuls on its tokens only, weighted and
+added into the output with index_add. It reads the expert counts on the host (a CUDA graph cannot
+capture it). The router is float: a quantized router is refused by `check` (verify names it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from optc.core.formats import Format, linear_ref
+from optc.core.ir import ModelConfig, Node
+from optc.core.ops.elementwise import ACTIVATIONS
+from optc.core.ops.spec import OpSpec
+
+SCORINGS = ("softmax",)  # softmax over all experts, then top-k (Mixtral, Qwen3-MoE)
+
+
+def moe_ref(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Tensor], gate_up_format: Format,
+            down: dict[str, torch.Tensor], down_format: Format, top_k: int, renormalize: bool, act: str = "silu",
+            round_weights: bool = False) -> torch.Tensor:
+    """x (T, H) -> (T, H): the experts' weighted sum of the `top_k` experts the router picks per token."""
+    weights, ids = route(x, router, top_k, renormalize, round_weights)  # (T, k) each
+    out = torch.zeros_like(x)
+    flat = ids.flatten()  # (T * k,): row r is token r // k's choice r % k
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()  # host sync: which experts run
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        rows = order[start:start + n]
+        start += n
+        tokens = rows // top_k
+        gate, up = linear_ref(x[tokens], expert_parts(gate_up, e), gate_up_format).chunk(2, dim=-1)
+        y = linear_ref(ACTIVATIONS[act](gate) * up, expert_parts(down, e), down_format)
+        out.index_add_(0, tokens, (y * weights.flatten()[rows, None]).to(out.dtype))
+    return out
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+          round_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of each token: (weights (T, k), expert ids (T, k)); weights fp32 unless `round_weights`."""
+    probs = F.softmax(F.linear(x, router.to(x.dtype)).float(), dim=-1)  # (T, E)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(x.dtype) if round_weights else weights), ids
+
+
+def expert_parts(parts: dict[str, torch.Tensor], expert: int) -> dict[str, torch.Tensor]:
+    """One expert's stored parts (each part's slice of the leading expert axis): a 2-D weight's parts."""
+    return {role: p[expert] for role, p in parts.items()}
+
+
+def check_moe(node: Node, formats: dict[str, Format]) -> str | None:
+    """Why a moe node cannot run (its router quantized, an unknown scoring), or None."""
+    if formats["router"].is_quantized:
+        return (f"router {node.params['router']} is {formats['router'].kind.value}: the moe router stays float "
+                "(quantization passes keep it dense)")
+    if node.attrs["scoring"] not in SCORINGS:
+        return f"scoring {node.attrs['scoring']!r} is not supported; supported: {', '.join(SCORINGS)}"
+    if node.attrs["act"] not in ACTIVATIONS:
+        return f"act {node.attrs['act']!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+    return None
+
+
+def _moe_call(fn, node, inputs, params, step):
+    # moe(x) {num_experts, intermediate_size, top_k, scoring, renormalize, act, round_weights?}
+    #   [router, gate_up, down] -> y
+    a, gate_up, down = node.attrs, params["gate_up"], params["down"]
+    return [fn(inputs[0], params["router"].dense(), gate_up.parts, gate_up.format, down.parts, down.format,
+               a["top_k"], a["renormalize"], a["act"], a.get("round_weights", False))]
+
+
+def _moe_shapes(node: Node, cfg: ModelConfig) -> dict:
+    e, i, h = node.attrs["num_experts"], node.attrs["intermediate_size"], cfg.hidden_size
+    return {"router": (e, h), "gate_up": (e, 2 * i, h), "down": (e, h, i)}
+
+
+MOE = OpSpec(1, 1, ("num_experts", "intermediate_size", "top_k", "scoring", "renormalize", "act"),
+             ("router", "gate_up", "down"), _moe_shapes, moe_ref, _moe_call, reference_syncs_host=True,
+             check=check_moe)

@@ -1,0 +1,219 @@
+"""The Mixture-of-Experts families (Mixtral, Qwen3-MoE) against transformers, float32, on their random presets
+(`random:mixtral-tiny`: 4 experts, top-2, renormalized; `random:qwen3-moe-tiny`: 8 experts, top-3, not
+renormalized, layer 1 dense through `mlp_only_layers`).
+
+Greedy tokens equal transformers' (stepped over its own KV cache) batched and one at a time, with chunked
+prefill, preemption, and prefix caching with n-gram speculation, decoding across block boundaries; every
+prompt position's logits within 1e-4 relative, plain and fused builds. The moe reference (a loop over the
+experts that received tokens) equals the dense formula over every expert. int8 and int4 RTN builds run and
+stay within a KL bound of float32; the router stays float; calibrated methods are refused by name; a
+tensor-parallel engine at every size the shapes allow gives the one-rank engine's tokens and logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optc.commands.eval import evaluate, load_model
+from optc.core.artifact import read
+from optc.core.ops.sharding import allowed_sizes
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.speculative import SpeculativeConfig
+from optc.testing import assert_close, build_artifact, hf_cached_greedy, prefill_logits, random_hf_model
+
+PRESETS = ["mixtral-tiny", "qwen3-moe-tiny"]
+FUSED = "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, kv_layout]"
+NEW_TOKENS = 20
+ENGINES = {"plain": {}, "preempt-chunked8": {"num_blocks": 12, "max_num_batched_tokens": 8, "max_num_seqs": 4}}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 23, 40)]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def family(request, tmp_path_factory):
+    preset = request.param
+    out = tmp_path_factory.mktemp(preset)
+    plain = build_artifact(out / "plain", None, "dtype=float32", "passes=[]", model=f"random:{preset}")
+    fused = build_artifact(out / "fused", None, "dtype=float32", FUSED, model=f"random:{preset}")
+    hf = random_hf_model(preset)
+    prompts = _prompts()
+    return preset, hf, plain, fused, prompts, [hf_cached_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
+
+
+@pytest.mark.parametrize("engine_config", list(ENGINES.values()), ids=list(ENGINES))
+def test_greedy_tokens_match_transformers(family, engine_config):
+    preset, _, plain, fused, prompts, expected = family
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for artifact in (plain, fused):
+        engine = Engine.load(artifact, **engine_config)
+        batched = [c.token_ids for c in engine.generate(prompts, params)]
+        single = [engine.generate([p], params)[0].token_ids for p in prompts]
+        assert batched == expected, f"{preset} {artifact.name}: batched"
+        assert single == expected, f"{preset} {artifact.name}: one at a time"
+
+
+def test_prefix_caching_and_speculation_unchanged(family):
+    # the engine serves a MoE model as any other: a shared prefix hits the cache, n-gram drafts are verified
+    preset, _, _, fused, prompts, expected = family
+    engine = Engine.load(fused, max_num_batched_tokens=16, speculative=SpeculativeConfig("ngram", 3))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == expected, preset
+    assert engine.generate([prompts[3]], params)[0].token_ids == expected[3], f"{preset}: the cached prefix"
+    stats = engine.stats()
+    assert stats.num_drafts > 0, f"{preset}: no n-gram drafts were proposed"
+
+
+def test_every_prompt_position_logits_match_transformers(family):
+    preset, hf, plain, fused, prompts, _ = family
+    for artifact in (plain, fused):
+        model = Engine.load(artifact).model
+        for ids in prompts[1:]:
+            with torch.no_grad():
+                expected = hf(torch.tensor([ids])).logits[0]
+            assert_close(prefill_logits(model, ids, every_position=True), expected, rtol=1e-4,
+                         what=f"{preset} {artifact.name}: logits of a {len(ids)}-token prompt")
+
+
+def test_qwen3_moe_dense_layers_keep_a_dense_mlp():
+    from optc.frontend.sources import load_source
+
+    graph = load_source("random:qwen3-moe-tiny").graph
+    moe_layers = [n.attrs["layer"] for n in graph.nodes if n.op == "moe"]
+    dense_layers = sorted({n.attrs["layer"] for n in graph.nodes if n.op == "gated_act"})
+    assert (moe_layers, dense_layers, graph.config.dense_layers) == ([0, 2], [1], (1,))
+    assert graph.node("model.layers.1.mlp.down_proj").attrs["in_features"] == 128  # the dense intermediate_size
+
+
+@pytest.mark.parametrize("renormalize, round_weights", [(True, False), (False, True)])
+def test_moe_reference_equals_every_expert_dense(renormalize, round_weights):
+    """The reference runs only the experts tokens chose; the dense formula runs every expert on every token
+    and weighs the unchosen by 0."""
+    from optc.core.formats import DENSE_F32
+    from optc.core.ops.moe import moe_ref
+
+    g = torch.Generator().manual_seed(0)
+    e, k, h, i, t = 6, 2, 16, 8, 11
+    x, router = torch.randn(t, h, generator=g), torch.randn(e, h, generator=g)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=g) / 4, torch.randn(e, h, i, generator=g) / 3
+    got = moe_ref(x, router, {"weight": gate_up}, DENSE_F32, {"weight": down}, DENSE_F32, k, renormalize,
+                  round_weights=round_weights)
+    probs = F.softmax(x @ router.T, dim=-1)
+    top = probs.topk(k, dim=-1)
+    weights = torch.zeros_like(probs).scatter(-1, top.indices, top.values)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    gate, up = torch.einsum("th,enh->etn", x, gate_up).chunk(2, dim=-1)  # (E, T, I) each
+    every = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)  # (E, T, H)
+    assert_close(got, torch.einsum("te,eth->th", weights, every), atol=1e-5, what="moe reference vs dense")
+    assert (top.indices[:, 0] != top.indices[0, 0]).any(), "every token chose the same expert"
+
+
+def test_a_quantized_router_is_refused_by_name():
+    from dataclasses import replace
+
+    from optc.core.formats import quantized_format
+    from optc.core.ir import TensorInfo
+    from optc.core.ops import VerifyError, verify
+    from optc.frontend.sources import load_source
+
+    graph = load_source("random:mixtral-tiny").graph
+    router = "model.layers.0.mlp.gate.weight"
+    graph.tensors[router] = replace(graph.tensors[router], format=quantized_format(8))
+    assert isinstance(graph.tensors[router], TensorInfo)
+    with pytest.raises(VerifyError, match=f"node 'model.layers.0.mlp' \\(moe\\): router {router} is int8_wo: the "
+                                          "moe router stays float"):
+        verify(graph)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "mixtral", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; supported: silu"),
+    ({"model_type": "qwen3_moe", "decoder_sparse_step": 0}, "decoder_sparse_step 0"),
+    ({"model_type": "qwen3_moe", "num_experts": 0}, "num_experts 0"),
+], ids=["mixtral-gelu", "qwen3-moe-step", "qwen3-moe-no-experts"])
+def test_unsupported_moe_configs_are_user_errors_naming_what(config, message):
+    from optc.core.errors import UnsupportedModelError
+    from optc.frontend.models import config_from_hf
+
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 256, "num_experts_per_tok": 2}
+    with pytest.raises(UnsupportedModelError, match="x/config.json: .*" + message):
+        config_from_hf({**base, **config}, "x/config.json")
+
+
+CALIBRATION = "calibration={source: 'builtin:pydoc', samples: 8, seq_len: 64, seed: 0}"
+METHODS = {  # method -> (its pass, the expert format, the KL bound vs float32: measured 0.0003, 0.010, 0.0012-0.002)
+    "int8": ("{quantize_rtn: {bits: 8}}", "int8_wo", 0.002),
+    "int4-rtn": ("{quantize_rtn: {bits: 4, group_size: 32}}", "int4_g", 0.06),
+    "fp8": ("{quantize_fp8: {}}", "fp8_e4m3", 0.01),
+}
+TP_SIZES = {"mixtral-tiny": [1, 2, 4], "qwen3-moe-tiny": [1, 2, 4]}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rtn_builds_quantize_every_expert_and_stay_within_kl_of_float32(preset, tmp_path):
+    f32 = load_model(str(build_artifact(tmp_path / "f32", None, "dtype=float32", "passes=[]",
+                                        model=f"random:{preset}")))
+    for method, (passes, kind, bound) in METHODS.items():
+        artifact = build_artifact(tmp_path / method, None, "dtype=float32", CALIBRATION,
+                                  f"passes=[fuse_qkv, fuse_gate_up, {passes}, fuse_add_rmsnorm, fuse_rope_kv, "
+                                  "kv_layout]", model=f"random:{preset}")
+        graph = read(artifact).graph
+        for node in (n for n in graph.nodes if n.op == "moe"):
+            kinds = {role: graph.tensors[t].format.kind.value for role, t in node.params.items()}
+            assert kinds == {"router": "dense", "gate_up": kind, "down": kind}, f"{preset} {method} {node.name}"
+        tokens = Engine.load(artifact).generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert len(tokens[0].token_ids) == 4
+        kl = evaluate(load_model(str(artifact)), f32, max_tokens=512, window=128)["kld"]
+        assert 0 < kl < bound, f"{preset} {method}: KL {kl:.5f} not in (0, {bound})"
+
+
+def test_a_quantized_expert_is_each_expert_rounded_alone():
+    """Expert e of the stacked int4 parts dequantizes to RTN of expert e's matrix alone (its own scales)."""
+    from optc.core.formats import dequantize
+    from optc.core.ops.moe import expert_parts
+    from optc.frontend.quant.options import _per_expert
+    from optc.frontend.quant.rtn import make_format, quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 16, 64, generator=g) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
+    fmt = make_format(4, 32, True)
+    parts = _per_expert(quantize_weight, w, fmt, "experts")
+    assert {r: tuple(p.shape) for r, p in parts.items()} == {r: s for r, (s, _) in fmt.part_shapes(w.shape).items()}
+    for e in range(3):
+        assert torch.equal(dequantize(expert_parts(parts, e), fmt), dequantize(quantize_weight(w[e], fmt), fmt))
+
+
+@pytest.mark.parametrize("passes", ["{quantize_gptq: {bits: 4, group_size: 32}}",
+                                    "{quantize_awq: {bits: 4, group_size: 32}}",
+                                    "{quantize_fp8: {method: gptq}}"], ids=["gptq", "awq", "fp8-gptq"])
+def test_calibrated_methods_refuse_experts_by_name(passes, tmp_path):
+    from optc.core.errors import UserError
+
+    with pytest.raises(UserError, match="does not quantize a moe block's experts \\(node model.layers.0.mlp"):
+        build_artifact(tmp_path / "a", None, "dtype=float32", CALIBRATION, f"passes=[{passes}]",
+                       model="random:mixtral-tiny")
+
+
+@pytest.mark.parametrize("preset, sizes", [("mixtral-tiny", [2]), ("qwen3-moe-tiny", [4])])
+def test_tensor_parallel_sizes_equal_one_rank(preset, sizes, tmp_path):
+    # each allowed size is started for one preset only: a rank group costs seconds of process start-up
+    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", FUSED, model=f"random:{preset}")
+    assert allowed_sizes(read(artifact).graph) == TP_SIZES[preset]
+    prompts = [[(5 * i + 3 * j) % 256 for j in range(2 + 9 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    one = Engine.load(artifact, max_num_batched_tokens=16)
+    want = [c.token_ids for c in one.generate(prompts, params)]
+    logits_args = ([prompts[3][:20]], [0], [[1, 2]], [20])
+    for size in sizes:
+        engine = Engine.load(artifact, tensor_parallel_size=size, max_num_batched_tokens=16)
+        try:
+            assert [c.token_ids for c in engine.generate(prompts, params)] == want, f"{preset} at N = {size}"
+            assert_close(engine.runner.forward(*logits_args), one.runner.forward(*logits_args), atol=1e-4,
+                         what=f"{preset} logits at N = {size}")
+        finally:
+            engine.close()
