@@ -217,3 +217,50 @@ def test_tensor_parallel_sizes_equal_one_rank(preset, sizes, tmp_path):
                          what=f"{preset} logits at N = {size}")
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_saved_checkpoint_imports_with_its_experts_stacked(preset, tmp_path):
+    """transformers 5 saves each expert apart (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, Qwen3-MoE's
+    mlp.experts.{e}.gate_proj/up_proj/down_proj): the build from the folder holds the random build's weights."""
+    random_hf_model(preset).save_pretrained(tmp_path / "hf")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith("experts.gate_up_proj") for k in f.keys()), "the checkpoint is saved stacked"
+    ours = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
+    want = build_artifact(tmp_path / "b", None, "dtype=float32", "passes=[]", model=f"random:{preset}")
+    first, second = read(ours), read(want)
+    assert first.graph.used_tensors() == second.graph.used_tensors()
+    for name in second.graph.used_tensors():
+        assert torch.equal(first.store.get(name), second.store.get(name)), name
+
+
+def test_exports_of_a_moe_model(tmp_path):
+    """HF: the dense build loads in transformers (experts under its stacked names) with the runtime's logits
+    and builds back to the same weights; quantized experts and ONNX are refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from optc.commands.export import ExportFormat, ExportOptions, export
+    from optc.core.errors import UserError
+
+    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", FUSED, model="random:mixtral-tiny")
+    folder = export(ExportOptions(artifact, tmp_path / "hf", format=ExportFormat.HF, quiet=True)).out
+    model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    ids = _prompts()[3]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    assert_close(prefill_logits(Engine.load(artifact).model, ids, every_position=True), expected, rtol=1e-4,
+                 what="mixtral export: transformers vs optc")
+    again = build_artifact(tmp_path / "again", None, "dtype=float32", FUSED, model=str(folder))
+    for name in read(artifact).graph.used_tensors():
+        assert torch.equal(read(artifact).store.get(name), read(again).store.get(name)), name
+    int8 = build_artifact(tmp_path / "int8", None, "dtype=float32", "passes=[{quantize_rtn: {bits: 8}}]",
+                          model="random:mixtral-tiny")
+    with pytest.raises(UserError, match="tensor model.layers.0.mlp.experts.gate_up_proj is the int8_wo experts of "
+                                        "moe node model.layers.0.mlp"):
+        export(ExportOptions(int8, tmp_path / "hf8", format=ExportFormat.HF, quiet=True))
+    pytest.importorskip("onnx")
+    with pytest.raises(UserError, match="node model.layers.0.mlp \\(moe\\) of a MixtralForCausalLM graph has no "
+                                        "ONNX lowering"):
+        export(ExportOptions(artifact, tmp_path / "onnx", quiet=True))

@@ -174,7 +174,7 @@ def _hf_source(path: Path, record: dict) -> Source:
         parts = {part_name(t, r, i.format) for t, i in quantized.items() for r in i.format.part_shapes(i.shape)}
         table = {**tensor_table(store.keep([n for n in store.names() if n not in parts])), **quantized}
         return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
-    store = TensorStore.from_safetensors(files)
+    store = models.from_checkpoint(config, TensorStore.from_safetensors(files))
     return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
 
 

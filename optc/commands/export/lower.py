@@ -52,6 +52,9 @@ PRESENT_VALUE = "present.{}.value"
 def check_lowerable(graph: Graph) -> None:
     """Raise a UserError naming the first node whose attributes the ONNX export cannot lower."""
     for node in graph.nodes:
+        if node.op == "moe":
+            raise UserError(f"node {node.name} (moe) of a {graph.config.architecture} graph has no ONNX lowering "
+                            "(a Mixture-of-Experts block); export it with --format hf instead")
         attrs = [a for a in UNLOWERED_ATTRS.get(node.op, ()) if node.attrs.get(a)]
         if node.op == "gated_act" and node.attrs["act"] != "silu":
             attrs.append("act")

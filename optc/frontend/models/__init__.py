@@ -26,6 +26,7 @@ from optc.core.store import TensorStore
 from optc.frontend.models import decoder, gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "UnsupportedModelError", "architecture_of", "config_from_hf", "family",
+           "from_checkpoint",
            "graph_for", "hf_config", "hf_linear_modules", "hf_model_from_artifact", "hf_params", "param_shapes"]
 
 _MODULES = (llama, qwen3, gemma, phi3, mixtral, qwen3_moe)
@@ -72,6 +73,12 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
     """The unoptimized graph of `config`'s family over a checkpoint's tensor table."""
     return decoder.graph_for(config, tensors, family(config.architecture).LAYOUTS[config.architecture])
+
+
+def from_checkpoint(config: ModelConfig, store: TensorStore) -> TensorStore:
+    """A transformers checkpoint's store under the names the graph reads (a MoE checkpoint's per-expert
+    weights stacked: `decoder.stack_checkpoint_experts`)."""
+    return decoder.stack_checkpoint_experts(config, family(config.architecture).LAYOUTS[config.architecture], store)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

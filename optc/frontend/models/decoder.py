@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from optc.core.errors import UnsupportedModelError
 from optc.core.ir import FULL_ATTENTION, SLIDING_ATTENTION, Graph, ModelConfig, Node, TensorInfo
 from optc.core.rope import LOCAL, SUPPORTED_ROPE_TYPES
+from optc.core.store import Entry, TensorStore
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class Layout:
     fused_qkv: bool = False  # the checkpoint holds self_attn.qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
     round_route_weights: bool = False  # moe: routing weights rounded to the activation dtype (Qwen3-MoE)
+    # moe: how a saved checkpoint names each expert (transformers 5 stacks them on load and unstacks them on
+    # save): `{layer}.{block}.experts.{e}.{gate|up|down}.weight`, the router `{layer}.{block}.gate.weight`
+    checkpoint_experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layout) -> Graph:
@@ -244,3 +250,34 @@ def hf_rope(config: ModelConfig) -> dict:
     if config.rotary_dim is not None:
         rope["partial_rotary_factor"] = config.rotary_dim / config.head_dim
     return rope
+
+
+def stack_checkpoint_experts(config: ModelConfig, layout: Layout, store: TensorStore) -> TensorStore:
+    """A checkpoint store whose per-expert weights (as saved: `layout.checkpoint_experts`) become the stacked
+    tensors the graph reads, lazily: gate_up (E, 2I, H) = each expert's [gate | up], down (E, H, I). A
+    store that holds them stacked already, or a dense model's, is returned as it is."""
+    block, gate, up, down = layout.checkpoint_experts
+    entries, removed = {}, []
+    for i in (i for i in range(config.num_layers) if config.is_moe(i)):
+        p = f"model.layers.{i}"
+        expert = f"{p}.{block}.experts.{{}}.{{}}.weight"
+        if expert.format(0, gate) not in store:
+            continue
+        names = {proj: [expert.format(e, proj) for e in range(config.num_experts)] for proj in (gate, up, down)}
+        missing = [n for ns in names.values() for n in ns if n not in store]
+        if missing:
+            raise UnsupportedModelError(f"layer {i} has {config.num_experts} experts but the checkpoint lacks "
+                                        f"{missing[:3]}")
+        first, d = store.entry(names[gate][0]), store.entry(names[down][0])
+        e = config.num_experts
+        entries[f"{p}.mlp.experts.gate_up_proj"] = Entry(
+            (e, 2 * first.shape[0], first.shape[1]), first.dtype,
+            lambda g=names[gate], u=names[up]: torch.stack([torch.cat([store.get(a), store.get(b)])
+                                                            for a, b in zip(g, u, strict=True)]))
+        entries[f"{p}.mlp.experts.down_proj"] = Entry(
+            (e, *d.shape), d.dtype, lambda n=names[down]: torch.stack([store.get(x) for x in n]))
+        if block != "mlp":
+            entries[f"{p}.mlp.gate.weight"] = store.entry(f"{p}.{block}.gate.weight")
+            removed.append(f"{p}.{block}.gate.weight")
+        removed += [n for ns in names.values() for n in ns]
+    return store.with_entries(entries, remove=removed) if entries else store

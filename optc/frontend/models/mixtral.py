@@ -9,7 +9,7 @@ from optc.core.ir import SLIDING_ATTENTION, ModelConfig
 from optc.frontend.models.decoder import Layout, base_config, hf_fields, hf_rope
 
 MODEL_TYPES = {"mixtral": "MixtralForCausalLM"}
-LAYOUTS = {"MixtralForCausalLM": Layout()}
+LAYOUTS = {"MixtralForCausalLM": Layout(checkpoint_experts=("block_sparse_moe", "w1", "w3", "w2"))}
 
 
 def config_from_hf(cfg: dict, arch: str, where: str) -> ModelConfig:
