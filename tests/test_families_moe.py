@@ -204,6 +204,12 @@ def test_tensor_parallel_sizes_equal_one_rank(preset, sizes, tmp_path):
     # each allowed size is started for one preset only: a rank group costs seconds of process start-up
     artifact = build_artifact(tmp_path / "a", None, "dtype=float32", FUSED, model=f"random:{preset}")
     assert allowed_sizes(read(artifact).graph) == TP_SIZES[preset]
+    from optc.commands.inspect import render, summarize
+
+    shown = render(summarize(artifact, 2))
+    assert "model.layers.0.mlp.experts.gate_up_proj          expert rows" in shown
+    if preset == "qwen3-moe-tiny":
+        assert "moe        8 experts of intermediate 32, top-3, in layers 0, 2 (dense MLP: 1)" in shown
     prompts = [[(5 * i + 3 * j) % 256 for j in range(2 + 9 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     one = Engine.load(artifact, max_num_batched_tokens=16)
