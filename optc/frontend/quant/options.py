@@ -135,6 +135,8 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
     targets = dense_linear_weights(graph) + expert_weights(graph)
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
+    num_experts = len(expert_weights(graph))
+    experts = {"expert_tensors": num_experts} if num_experts else {}  # of them, stacked experts (E, N, K)
     new = graph.copy()
     entries: dict[str, Entry] = {}
     last = LastParts(partial(_per_expert, quantize))
@@ -145,7 +147,7 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
         new.tensors[name] = TensorInfo(info.shape, fmt)
         entries.update(lazy_entries(name, info.shape, store.entry(part_name(name, "weight", info.format)), fmt, last))
     return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                      stats={"quantized": len(targets), "experts": len(expert_weights(graph)), "method": "rtn"},
+                      stats={"quantized": len(targets), "method": "rtn", **experts},
                       manifest={"quantization": {"method": "rtn", **record}})
 
 
