@@ -44,7 +44,7 @@ class KernelQuery:
     op: str
     dtype: str  # activation dtype name
     weight: Format | None = None  # linear: the weight's format
-    weight_shape: tuple[int, ...] = ()  # linear: (N, K)
+    weight_shape: tuple[int, ...] = ()  # linear: (N, K); moe: its experts' gate_up (E, 2I, H)
     hidden_size: int = 0  # norms
     num_heads: int = 0  # rope, attention
     num_kv_heads: int = 0
@@ -252,6 +252,20 @@ def _w8a8_ok(kind: FormatKind, multiple: int) -> Callable[[KernelQuery], bool]:
     return ok
 
 
+def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
+    # experts (E, 2I, H) in one quantized format, as the linear kernels take each expert's gate_up (2I, H) and
+    # down (H, I): int8pack K % 16; int4pack with 16-bit x only (float32 int4pack loses to the reference), N % 16
+    w = q.weight
+    if q.op != "moe" or w is None or len(q.weight_shape) != 3 or not _dtype_ok(q):
+        return False
+    _, two_i, h = q.weight_shape
+    i = two_i // 2
+    if w.kind is FormatKind.INT8_WO:
+        return w.activations is Activations.NONE and h % 16 == 0 and i % 16 == 0
+    return (w.kind is FormatKind.INT4_G and not w.act_order and q.dtype != "float32" and two_i % 16 == 0
+            and h % 16 == 0 and h % w.group_size == 0 and i % w.group_size == 0)
+
+
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rms_norm", "rms_norm", _norm_ok, "norm:rms_norm"),
     KernelSpec("triton.add_rms_norm", "add_rms_norm", _norm_ok, "norm:add_rms_norm"),
@@ -288,4 +302,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
                by_default=False),
+    # quantized experts: the routed tokens of each expert through the packed matmuls above (not measured per M:
+    # an expert's M is its share of the step's tokens)
+    KernelSpec("cpu.moe_packed", "moe", _moe_packed_cpu_ok, "moe_cpu:moe_packed", target="cpu",
+               prepare="moe_cpu:prepare_moe_packed", layout="per-expert int8pack / int4pack_cpu(inner_k_tiles=2)"),
 )}

@@ -21,6 +21,8 @@ capture it). The router is float: a quantized router is refused by `check` (veri
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -37,10 +39,22 @@ def moe_ref(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Tens
             round_weights: bool = False) -> torch.Tensor:
     """x (T, H) -> (T, H): the experts' weighted sum of the `top_k` experts the router picks per token."""
     weights, ids = route(x, router, top_k, renormalize, round_weights)  # (T, k) each
+    return run_experts(x, weights, ids, router.shape[0], act,
+                       lambda e, h: linear_ref(h, expert_parts(gate_up, e), gate_up_format),
+                       lambda e, h: linear_ref(h, expert_parts(down, e), down_format))
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, act: str,
+                gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+                down: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The routed tokens through their experts: each expert that received tokens runs `gate_up(e, x_e)`
+    (T_e, 2I) and `down(e, h_e)` (T_e, H) on its tokens only, in expert order; outputs weighted and
+    index_added (a kernel passes its own per-expert matmuls)."""
     out = torch.zeros_like(x)
+    top_k = ids.shape[-1]
     flat = ids.flatten()  # (T * k,): row r is token r // k's choice r % k
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()  # host sync: which experts run
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # host sync: which experts run
     start = 0
     for e, n in enumerate(counts):
         if not n:
@@ -48,8 +62,8 @@ def moe_ref(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Tens
         rows = order[start:start + n]
         start += n
         tokens = rows // top_k
-        gate, up = linear_ref(x[tokens], expert_parts(gate_up, e), gate_up_format).chunk(2, dim=-1)
-        y = linear_ref(ACTIVATIONS[act](gate) * up, expert_parts(down, e), down_format)
+        g, u = gate_up(e, x[tokens]).chunk(2, dim=-1)
+        y = down(e, ACTIVATIONS[act](g) * u)
         out.index_add_(0, tokens, (y * weights.flatten()[rows, None]).to(out.dtype))
     return out
 
