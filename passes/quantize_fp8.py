@@ -24,8 +24,9 @@ from optc.core.ir import Graph
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
+from optc.frontend.quant.experts import ExpertStats
 from optc.frontend.quant.gptq import GptqOptions, Rounding, quantize_block
-from optc.frontend.quant.options import ensure_quantized, refuse_experts, round_linears
+from optc.frontend.quant.options import ensure_quantized, round_linears
 
 
 class QuantizeFp8(Pass):
@@ -72,13 +73,13 @@ class QuantizeFp8(Pass):
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
         if o.method is Rounding.GPTQ:
-            refuse_experts(graph, self.name, "gptq")
-
             def format_of(name: str) -> Format:
                 return o.format(graph.tensors[name].format.dtype)
 
+            experts = ExpertStats()
             return run_calibrated(self.name, o.method.value, graph, store, ctx,
-                                  partial(quantize_block, options=o, format_of=format_of), o.record())
+                                  partial(quantize_block, options=o, format_of=format_of, experts=experts),
+                                  o.record(), experts.to_json)
         return self._round_to_nearest(graph, store)
 
     def ensures(self, graph: Graph) -> None:
