@@ -115,6 +115,53 @@ def test_moe_reference_equals_every_expert_dense(renormalize, round_weights):
     assert (top.indices[:, 0] != top.indices[0, 0]).any(), "every token chose the same expert"
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_moe_block_is_transformers_eager_experts_bit_for_bit(preset):
+    """In bfloat16 the routing weights' dtype shows: Mixtral multiplies by fp32 weights, Qwen3-MoE by weights
+    rounded to bf16 (`round_weights`). With the family's choice the reference equals transformers' eager
+    experts exactly; with the other it does not. (transformers' default grouped_mm rounds otherwise.)"""
+    from optc.core.formats import Format
+    from optc.core.ops.moe import moe_ref
+    from optc.frontend.sources import load_source
+
+    hf = random_hf_model(preset, torch.bfloat16)
+    hf.set_experts_implementation("eager")
+    node = load_source(f"random:{preset}").graph.node("model.layers.0.mlp")
+    block, fmt = hf.model.layers[0].mlp, Format(dtype="bfloat16")
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = block(x[None])[0]
+    a = node.attrs
+    out = {rounded: moe_ref(x, block.gate.weight.data, {"weight": block.experts.gate_up_proj.data}, fmt,
+                            {"weight": block.experts.down_proj.data}, fmt, a["top_k"], a["renormalize"], a["act"],
+                            rounded) for rounded in (False, True)}
+    family = a.get("round_weights", False)
+    assert torch.equal(out[family], expected), f"{preset}: round_weights={family}"
+    assert not torch.equal(out[not family], expected), f"{preset}: round_weights={not family} also matches"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bf16_greedy_like_transformers(preset, tmp_path):
+    """tests/test_families.py's bf16 rule: tokens equal up to the first difference, and there transformers' own
+    bfloat16 logits of both tokens are at most one bfloat16 step apart."""
+    from optc.testing import hf_cached_greedy_logits
+
+    hf = random_hf_model(preset, torch.bfloat16)
+    artifact = build_artifact(tmp_path / "a", None, "dtype=bfloat16", FUSED, model=f"random:{preset}")
+    prompts = _prompts()[2:]
+    completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    for ids, c in zip(prompts, completions, strict=True):
+        logits = hf_cached_greedy_logits(hf, ids, 16)
+        expected = [int(step.argmax()) for step in logits]
+        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
+        if t is None:
+            continue
+        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
+        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
+        assert theirs - ours <= step, f"{preset}, {len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
+                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
+
+
 def test_a_quantized_router_is_refused_by_name():
     from dataclasses import replace
 
@@ -198,13 +245,13 @@ def test_a_quantized_expert_is_each_expert_rounded_alone():
     """Expert e of the stacked int4 parts dequantizes to RTN of expert e's matrix alone (its own scales)."""
     from optc.core.formats import dequantize
     from optc.core.ops.moe import expert_parts
-    from optc.frontend.quant.options import _per_expert
+    from optc.frontend.quant.options import per_expert
     from optc.frontend.quant.rtn import make_format, quantize_weight
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 16, 64, generator=g) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
     fmt = make_format(4, 32, True)
-    parts = _per_expert(quantize_weight, w, fmt, "experts")
+    parts = per_expert(quantize_weight, w, fmt, "experts")
     assert {r: tuple(p.shape) for r, p in parts.items()} == {r: s for r, (s, _) in fmt.part_shapes(w.shape).items()}
     for e in range(3):
         assert torch.equal(dequantize(expert_parts(parts, e), fmt), dequantize(quantize_weight(w[e], fmt), fmt))
@@ -259,6 +306,20 @@ def test_a_saved_checkpoint_imports_with_its_experts_stacked(preset, tmp_path):
     assert first.graph.used_tensors() == second.graph.used_tensors()
     for name in second.graph.used_tensors():
         assert torch.equal(first.store.get(name), second.store.get(name)), name
+
+
+def test_a_pre_quantized_moe_checkpoint_is_refused_by_name(tmp_path):
+    import json
+
+    from optc.frontend.sources import SourceError
+
+    random_hf_model("mixtral-tiny").save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SourceError, match="a pre-quantized Mixture-of-Experts checkpoint \\(MixtralForCausalLM\\) "
+                                          "is not read"):
+        build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
 
 
 def test_exports_of_a_moe_model(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from optc.core.formats import DENSE_F32
 from optc.core.ops import Param
 from optc.core.ops.moe import moe_ref
-from optc.frontend.quant.options import _per_expert
+from optc.frontend.quant.options import per_expert
 from optc.frontend.quant.rtn import make_format, quantize_weight
 from optc.kernels.moe_cpu import moe_packed, prepare_moe_packed
 from optc.kernels.registry import KernelQuery, candidates
@@ -28,7 +28,7 @@ def _experts(fmt, dtype):
     router[E - 1] = 0.0
     router[E - 1, 0] = -100.0  # expert 5 scores -300 for every token: no token chooses it
     w = {"gate_up": torch.randn(E, 2 * N, H, generator=g) / 8, "down": torch.randn(E, H, N, generator=g) / 6}
-    params = {name: Param(_per_expert(quantize_weight, t, fmt, name), fmt) for name, t in w.items()}
+    params = {name: Param(per_expert(quantize_weight, t, fmt, name), fmt) for name, t in w.items()}
     return x.to(dtype), router.to(dtype), params
 
 

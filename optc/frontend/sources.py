@@ -166,6 +166,10 @@ def _hf_source(path: Path, record: dict) -> Source:
             if (path / f).is_file():
                 (out / f).write_bytes((path / f).read_bytes())
 
+    if "quantization_config" in cfg and config.num_experts:
+        raise SourceError(f"{path}: a pre-quantized Mixture-of-Experts checkpoint ({config.architecture}) is not read "
+                          "(its experts are quantized one by one); build from the float checkpoint and quantize "
+                          "with quantize_rtn or quantize_gptq")
     if "quantization_config" in cfg:  # AutoAWQ / GPTQ layouts -> our formats, the integers unchanged
         try:
             store, quantized, quantization = import_quantized(path, cfg, files)

@@ -88,6 +88,9 @@ def check_moe(node: Node, formats: dict[str, Format]) -> str | None:
     if formats["router"].is_quantized:
         return (f"router {node.params['router']} is {formats['router'].kind.value}: the moe router stays float "
                 "(quantization passes keep it dense)")
+    a = node.attrs
+    if not 1 <= a["top_k"] <= a["num_experts"]:
+        return f"top_k {a['top_k']} must be in 1..num_experts ({a['num_experts']})"
     if node.attrs["scoring"] not in SCORINGS:
         return f"scoring {node.attrs['scoring']!r} is not supported; supported: {', '.join(SCORINGS)}"
     if node.attrs["act"] not in ACTIVATIONS:

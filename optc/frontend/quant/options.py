@@ -139,7 +139,7 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
     experts = {"expert_tensors": num_experts} if num_experts else {}  # of them, stacked experts (E, N, K)
     new = graph.copy()
     entries: dict[str, Entry] = {}
-    last = LastParts(partial(_per_expert, quantize))
+    last = LastParts(partial(per_expert, quantize))
     for name in targets:
         info = graph.tensors[name]
         fmt = format_of(info.format.dtype)
@@ -151,7 +151,7 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
                       manifest={"quantization": {"method": "rtn", **record}})
 
 
-def _per_expert(quantize: Callable[[Any, Format, str], dict], w: Any, fmt: Format, name: str) -> dict:
+def per_expert(quantize: Callable[[Any, Format, str], dict], w: Any, fmt: Format, name: str) -> dict:
     """`quantize` of a matrix; of a stack of experts' matrices (E, N, K), each expert's parts stacked."""
     if w.dim() != 3:
         return quantize(w, fmt, name)
