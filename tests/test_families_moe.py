@@ -257,6 +257,31 @@ def test_a_quantized_expert_is_each_expert_rounded_alone():
         assert torch.equal(dequantize(expert_parts(parts, e), fmt), dequantize(quantize_weight(w[e], fmt), fmt))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_experts_shard_along_their_matrix_axes(bits):
+    """Format.part_slices of a stacked (E, N, K) weight: every expert's rows (gate and up halves) or columns, its
+    parts sliced where they run, the expert axis whole; the expert axis itself is never cut."""
+    from optc.core.formats import dequantize
+    from optc.core.ops.moe import expert_parts
+    from optc.core.ops.sharding import _take
+    from optc.frontend.quant.options import per_expert
+    from optc.frontend.quant.rtn import make_format, quantize_weight
+
+    fmt = make_format(bits, 32, bits == 4)
+    w = torch.randn(3, 64, 128, generator=torch.Generator().manual_seed(0))
+    parts = per_expert(quantize_weight, w, fmt, "experts")
+    full = torch.stack([dequantize(expert_parts(parts, e), fmt) for e in range(3)])
+    for axis, ranges in ((1, ((16, 32), (48, 64))), (2, ((64, 128),))):
+        sliced = dict(parts)
+        for role, (part_axis, part_ranges) in fmt.part_slices(w.shape, axis, ranges).items():
+            assert part_axis >= 1, role
+            sliced[role] = _take(parts[role], part_axis, part_ranges)
+        got = torch.stack([dequantize(expert_parts(sliced, e), fmt) for e in range(3)])
+        assert torch.equal(got, _take(full, axis, ranges)), f"int{bits} axis {axis}"
+    with pytest.raises(ValueError, match="the expert axis is not sliced"):
+        fmt.part_slices(w.shape, 0, ((0, 1),))
+
+
 def test_awq_refuses_experts_by_name(tmp_path):
     from optc.core.errors import UserError
 
@@ -350,3 +375,15 @@ def test_exports_of_a_moe_model(tmp_path):
     with pytest.raises(UserError, match="node model.layers.0.mlp \\(moe\\) of a MixtralForCausalLM graph has no "
                                         "ONNX lowering"):
         export(ExportOptions(artifact, tmp_path / "onnx", quiet=True))
+
+
+def test_cuda_graphs_says_a_moe_model_runs_eager():
+    from optc.frontend.passmanager import PassContext, make_pass
+    from optc.frontend.sources import load_source
+
+    said = []
+    graph = load_source("random:mixtral-tiny").graph
+    result = make_pass("cuda_graphs", {"batch_sizes": [1]}).run(graph, None, PassContext(target="cuda",
+                                                                                         progress=said.append))
+    assert result.stats["num_eager_only_nodes"] == 2 + 2  # the unbound attentions and the moe nodes
+    assert len(said) == 1 and "2 moe node(s) (first: model.layers.0.mlp) have no CUDA kernel" in said[0], said
