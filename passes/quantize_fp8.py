@@ -76,7 +76,7 @@ class QuantizeFp8(Pass):
             def format_of(name: str) -> Format:
                 return o.format(graph.tensors[name].format.dtype)
 
-            experts = ExpertStats()
+            experts = ExpertStats("gptq")
             return run_calibrated(self.name, o.method.value, graph, store, ctx,
                                   partial(quantize_block, options=o, format_of=format_of, experts=experts),
                                   o.record(), experts.to_json)

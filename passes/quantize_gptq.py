@@ -31,7 +31,7 @@ class QuantizeGptq(Pass):
         def format_of(name: str) -> Format:
             return o.format(graph.tensors[name].format.dtype)
 
-        experts = ExpertStats()
+        experts = ExpertStats("gptq")
         step = partial(quantize_block, options=o, format_of=format_of, experts=experts)
         return run_calibrated(self.name, "gptq", graph, store, ctx, step, {**o.record(), **o.gptq_record()},
                               experts.to_json)

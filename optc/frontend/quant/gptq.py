@@ -42,7 +42,7 @@ from optc.core.ir import Node
 from optc.core.ops import Param
 from optc.frontend.quant.blocks import linear_groups
 from optc.frontend.quant.calibrated import Calibration
-from optc.frontend.quant.experts import ExpertStats, quantize_experts
+from optc.frontend.quant.experts import ExpertStats, gptq_expert, quantize_experts
 from optc.frontend.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
 
 
@@ -185,8 +185,8 @@ def quantize_block(run: Calibration, nodes: list[Node], params: dict[str, Param]
             fmt = format_of(name)
             run.keep(name, fmt, gptq.quantize(fmt, options.damp, options.block_size, options.act_order), params)
     for node in (n for n in nodes if n.op == "moe"):
-        quantize_experts(run, nodes, node, params, partial(_gptq_parts, options=options), format_of,
-                         experts if experts is not None else ExpertStats())
+        quantize_experts(run, nodes, node, params, partial(gptq_expert, partial(_gptq_parts, options=options)),
+                         format_of, experts if experts is not None else ExpertStats("gptq"))
 
 
 def _gptq_parts(weight: torch.Tensor, x: torch.Tensor, fmt: Format, name: str,

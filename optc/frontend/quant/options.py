@@ -79,15 +79,6 @@ def expert_weights(graph: Graph) -> list[str]:
     return [t for t in dict.fromkeys(names) if not graph.tensors[t].format.is_quantized]
 
 
-def refuse_experts(graph: Graph, pass_name: str, method: str) -> None:
-    """A method that does not quantize experts (AWQ: its scales would have to fold into the norm the router
-    reads too): an error naming the first moe node, so no expert is left dense or rounded otherwise silently."""
-    moe = next((n for n in graph.nodes if n.op == "moe"), None)
-    if moe is not None:
-        raise InputError(f"{pass_name}: {method} does not quantize a moe block's experts (node {moe.name}: per-expert "
-                         f"{method} is not implemented); quantize this model with quantize_rtn or quantize_gptq")
-
-
 def dense_linear_weights(graph: Graph) -> list[str]:
     """Weights of `linear` nodes still stored dense, in node order (embedding and lm_head excluded)."""
     names = [n.params["weight"] for n in graph.nodes if n.op == "linear"]
