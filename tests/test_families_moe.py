@@ -26,7 +26,7 @@ from optc.testing import assert_close, build_artifact, hf_cached_greedy, prefill
 
 PRESETS = ["mixtral-tiny", "qwen3-moe-tiny"]
 FUSED = "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, kv_layout]"
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 # engine config -> the build it serves (both builds' logits are checked below; one engine each keeps the suite short)
 ENGINES = {"plain": ({}, "plain"),
            "preempt-chunked8": ({"num_blocks": 12, "max_num_batched_tokens": 8, "max_num_seqs": 4}, "fused")}
@@ -140,7 +140,7 @@ def test_bf16_moe_block_is_transformers_eager_experts_bit_for_bit(preset):
     assert not torch.equal(out[not family], expected), f"{preset}: round_weights={not family} also matches"
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny"])  # Mixtral's bf16 block: the bit-for-bit test above
 def test_bf16_greedy_like_transformers(preset, tmp_path):
     """tests/test_families.py's bf16 rule: tokens equal up to the first difference, and there transformers' own
     bfloat16 logits of both tokens are at most one bfloat16 step apart."""
@@ -203,6 +203,10 @@ METHODS = {
     "int4-awq": ("{quantize_awq: {bits: 4, group_size: 32}}", "int4_g", 0.05),  # measured 0.0060-0.0089
     "fp8-gptq": ("{quantize_fp8: {method: gptq}}", "fp8_e4m3", 0.01),  # measured 0.0005-0.0010
 }
+# each calibrated method on one preset (the suite's time): AWQ on Mixtral's 4 renormalized experts, GPTQ on
+# Qwen3-MoE's 8 experts and its dense layer
+PRESET_METHODS = {"mixtral-tiny": ("int8", "int4-rtn", "int4-awq"),
+                  "qwen3-moe-tiny": ("int8", "int4-rtn", "int4-gptq", "fp8-gptq")}
 TP_SIZES = {"mixtral-tiny": [1, 2, 4], "qwen3-moe-tiny": [1, 2, 4]}
 
 
@@ -211,7 +215,8 @@ def test_quantized_builds_quantize_every_expert_and_stay_within_kl_of_float32(pr
     f32 = load_model(str(build_artifact(tmp_path / "f32", None, "dtype=float32", "passes=[]",
                                         model=f"random:{preset}")))
     kls = {}
-    for method, (passes, kind, bound) in METHODS.items():
+    for method in PRESET_METHODS[preset]:
+        passes, kind, bound = METHODS[method]
         artifact = build_artifact(tmp_path / method, None, "dtype=float32", CALIBRATION,
                                   f"passes=[fuse_qkv, fuse_gate_up, {passes}, fuse_add_rmsnorm, fuse_rope_kv, "
                                   "kv_layout]", model=f"random:{preset}")
@@ -221,9 +226,9 @@ def test_quantized_builds_quantize_every_expert_and_stay_within_kl_of_float32(pr
             assert kinds == {"router": "dense", "gate_up": kind, "down": kind}, f"{preset} {method} {node.name}"
         tokens = Engine.load(artifact).generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert len(tokens[0].token_ids) == 4
-        kl = kls[method] = evaluate(load_model(str(artifact)), f32, max_tokens=512, window=128)["kld"]
+        kl = kls[method] = evaluate(load_model(str(artifact)), f32, max_tokens=256, window=128)["kld"]
         assert 0 < kl < bound, f"{preset} {method}: KL {kl:.5f} not in (0, {bound})"
-    for calibrated in ("int4-gptq", "int4-awq"):
+    for calibrated in {"int4-gptq", "int4-awq"} & set(kls):
         assert kls[calibrated] < kls["int4-rtn"], f"{preset}: {calibrated}'s KL {kls[calibrated]:.5f} >= RTN's"
 
 
