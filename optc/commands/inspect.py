@@ -53,7 +53,7 @@ def tensor_parallel(graph, size: int) -> dict:
         "size": size,
         "rank_weight_bytes": [rank_weight_bytes(p.graph) for p in plans],
         "slices": {name: [{"axis": p.slices[name][0], "ranges": [list(r) for r in p.slices[name][1]],
-                           "experts": len(graph.tensors[name].shape) == 3} for p in plans]
+                           **({"experts": True} if len(graph.tensors[name].shape) == 3 else {})} for p in plans]
                    for name in plans[0].slices},
     }
 
