@@ -347,7 +347,8 @@ def test_a_pre_quantized_moe_checkpoint_is_refused_by_name(tmp_path):
 
 def test_exports_of_a_moe_model(tmp_path):
     """HF: the dense build loads in transformers (experts under its stacked names) with the runtime's logits
-    and builds back to the same weights; quantized experts and ONNX are refused by name."""
+    and builds back to the same weights, and --compare-hf rebuilds the same model; quantized experts and ONNX
+    are refused by name."""
     from transformers import AutoModelForCausalLM
 
     from optc.commands.export import ExportFormat, ExportOptions, export
@@ -361,6 +362,11 @@ def test_exports_of_a_moe_model(tmp_path):
         expected = model(torch.tensor([ids])).logits[0]
     assert_close(prefill_logits(Engine.load(artifact).model, ids, every_position=True), expected, rtol=1e-4,
                  what="mixtral export: transformers vs optc")
+    from optc.frontend.models import hf_model_from_artifact  # --compare-hf's peer, from the artifact's tensors
+
+    rebuilt = hf_model_from_artifact(artifact, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        assert_close(rebuilt(torch.tensor([ids])).logits[0], expected, rtol=1e-5, what="rebuilt vs exported")
     again = build_artifact(tmp_path / "again", None, "dtype=float32", FUSED, model=str(folder))
     for name in read(artifact).graph.used_tensors():
         assert torch.equal(read(artifact).store.get(name), read(again).store.get(name)), name
