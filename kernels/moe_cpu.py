@@ -42,11 +42,11 @@ def prepare_moe_packed(params: dict[str, Param]) -> dict[str, Param]:
 
 def moe_packed(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Tensor], gate_up_format: Format,
                down: dict[str, torch.Tensor], down_format: Format, top_k: int, renormalize: bool, act: str = "silu",
-               round_weights: bool = False) -> torch.Tensor:
-    """moe_ref over experts prepared by `prepare_moe_packed`: x (T, H) -> (T, H)."""
+               round_weights: bool = False, **routing) -> torch.Tensor:
+    """moe_ref over experts prepared by `prepare_moe_packed`: x (T, H) -> (T, H) (`routing`: moe_ref's)."""
     assert gate_up_format.kind is down_format.kind, f"gate_up is {gate_up_format.kind}, down {down_format.kind}"
     linear = _PACKED[gate_up_format.kind][1]
-    weights, ids = route(x, router, top_k, renormalize, round_weights)
+    weights, ids = route(x, router, top_k, renormalize, round_weights, **routing)
     gate_up_roles, down_roles = _roles(gate_up), _roles(down)
     return run_experts(x, weights, ids, router.shape[0], act,
                        lambda e, h: linear(h, {r: gate_up[f"{r}.{e}"] for r in gate_up_roles}, gate_up_format),

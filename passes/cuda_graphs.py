@@ -45,6 +45,10 @@ class CudaGraphs(Pass):
         # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
         eager_only = [n.name for n in host_syncing_nodes(graph)]
         moe = [n.name for n in graph.nodes if n.op == "moe"]  # no CUDA moe kernel yet: its reference syncs
+        mla = [n.name for n in graph.nodes if n.op == "mla_attention"]  # no CUDA MLA kernel: the reference syncs
+        if mla:
+            ctx.progress(f"cuda_graphs: {len(mla)} mla_attention node(s) (first: {mla[0]}) have no CUDA kernel and "
+                         "run on their reference, which reads the batch's lengths on the host: the runtime runs eager")
         if moe:
             ctx.progress(f"cuda_graphs: {len(moe)} moe node(s) (first: {moe[0]}) have no CUDA kernel and run on "
                          "their reference, which reads the expert counts on the host: the runtime runs eager")

@@ -74,6 +74,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "qwen3-moe-tiny": ("qwen3_moe", dict(_TINY, num_hidden_layers=3, head_dim=32, rms_norm_eps=1e-6, num_experts=8,
                                          num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
                                          norm_topk_prob=False)),
+    # DeepSeek-V2: MLA with small ranks (q_lora_rank set), 8 routed experts in 4 groups (the best 2 kept), top-3,
+    # 2 shared experts, a dense first layer, routed weights scaled
+    "deepseek-v2-tiny": ("deepseek_v2", dict(_TINY, num_hidden_layers=3, num_key_value_heads=4, rms_norm_eps=1e-6,
+                                             kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                             num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=1.5, first_k_dense_replace=1)),
 }
 RANDOM_SEED = 0
 # the real models' packages: how to install them (package: sources name the first word)

@@ -2,7 +2,7 @@
 traits, the torch reference and the one node -> arguments adapter), plus `verify(graph, store)`.
 
 The references live beside their specs, one module per family (elementwise, norm, rope, attention,
-linear, moe); they are pure torch, so the IR, the frontend, the passes and a CPU runtime never import
+linear, moe, mla); they are pure torch, so the IR, the frontend, the passes and a CPU runtime never import
 Triton. The Triton launchers (optc.kernels) share the references' signatures and plug into the
 same adapters (`OPS[op].bind(launcher)`). Values between nodes are 2-D: (T, features).
 """
@@ -15,6 +15,7 @@ from optc.core.ops.attention import ATTENTION
 from optc.core.ops.collective import ALL_GATHER, ALL_REDUCE
 from optc.core.ops.elementwise import ADD, GATED_ACT
 from optc.core.ops.linear import EMBEDDING, LINEAR, LM_HEAD
+from optc.core.ops.mla import MLA_ATTENTION
 from optc.core.ops.moe import MOE
 from optc.core.ops.norm import ADD_RMS_NORM, RMS_NORM
 from optc.core.ops.rope import ROPE, ROPE_KV_STORE
@@ -36,6 +37,7 @@ OPS: dict[str, OpSpec] = {
     "gated_act": GATED_ACT,
     "lm_head": LM_HEAD,
     "moe": MOE,
+    "mla_attention": MLA_ATTENTION,
     "all_reduce": ALL_REDUCE,
     "all_gather": ALL_GATHER,
 }

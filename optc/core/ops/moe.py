@@ -1,10 +1,13 @@
 """The Mixture-of-Experts block: `moe` {num_experts, intermediate_size, top_k, scoring, renormalize, act,
-round_weights?}.
+round_weights?, routed_scale?, num_groups?, topk_groups?, float_router?}.
 
-    router_logits = x @ router^T                       router (E, H), in x's dtype
+    router_logits = x @ router^T                       router (E, H), in x's dtype (fp32 when `float_router`)
     p = softmax(router_logits in fp32)                 (T, E)
-    w, ids = top_k(p)                                  (T, k): Mixtral and Qwen3-MoE score softmax-then-top-k
+    p = 0 outside the top `topk_groups` groups         when num_groups > 1 (DeepSeek-V2's group_limited_greedy:
+                                                       E experts in num_groups groups, a group scored by its best p)
+    w, ids = top_k(p)                                  (T, k): softmax-then-top-k
     w = w / sum(w)          when `renormalize`         (Mixtral always; Qwen3-MoE when norm_topk_prob)
+    w = w * routed_scale                               (DeepSeek-V2's routed_scaling_factor; default 1)
     w = w in x's dtype      when `round_weights`       (Qwen3-MoE; Mixtral multiplies by the fp32 weight)
     y[t] = sum_j w[t, j] * down[e] @ act(gate[e] @ x[t]) * (up[e] @ x[t]),  e = ids[t, j]
 
@@ -17,6 +20,8 @@ The reference is transformers' computation: tokens indexed by expert, a loop ove
 received tokens (in expert order), each one's gate/up and down matmuls on its tokens only, weighted and
 added into the output with index_add. It reads the expert counts on the host (a CUDA graph cannot
 capture it). The router is float: a quantized router is refused by `check` (verify names it).
+DeepSeek-V2's shared experts are not here: they are a dense MLP beside the node (ordinary linear and gated_act
+nodes, so every pass, kernel and TP split that takes a dense MLP takes them), added to its output.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from optc.core.ir import ModelConfig, Node
 from optc.core.ops.elementwise import ACTIVATIONS
 from optc.core.ops.spec import OpSpec
 
-SCORINGS = ("softmax",)  # softmax over all experts, then top-k (Mixtral, Qwen3-MoE)
+SCORINGS = ("softmax",)  # softmax over all experts, then top-k (Mixtral, Qwen3-MoE, DeepSeek-V2)
+ROUTING_ATTRS = ("routed_scale", "num_groups", "topk_groups", "float_router")
 
 
 def moe_ref(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Tensor], gate_up_format: Format,
             down: dict[str, torch.Tensor], down_format: Format, top_k: int, renormalize: bool, act: str = "silu",
-            round_weights: bool = False) -> torch.Tensor:
-    """x (T, H) -> (T, H): the experts' weighted sum of the `top_k` experts the router picks per token."""
-    weights, ids = route(x, router, top_k, renormalize, round_weights)  # (T, k) each
+            round_weights: bool = False, **routing) -> torch.Tensor:
+    """x (T, H) -> (T, H): the experts' weighted sum of the `top_k` experts the router picks per token
+    (`routing`: the optional routing attrs, `routing_kwargs`)."""
+    weights, ids = route(x, router, top_k, renormalize, round_weights, **routing)  # (T, k) each
     return run_experts(x, weights, ids, router.shape[0], act,
                        lambda e, h: linear_ref(h, expert_parts(gate_up, e), gate_up_format),
                        lambda e, h: linear_ref(h, expert_parts(down, e), down_format))
@@ -68,14 +75,28 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_e
     return out
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
-          round_weights: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool, round_weights: bool = False,
+          routed_scale: float = 1.0, num_groups: int = 1, topk_groups: int = 1,
+          float_router: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing of each token: (weights (T, k), expert ids (T, k)); weights fp32 unless `round_weights`."""
-    probs = F.softmax(F.linear(x, router.to(x.dtype)).float(), dim=-1)  # (T, E)
+    logits = F.linear(x.float(), router.float()) if float_router else F.linear(x, router.to(x.dtype))
+    probs = F.softmax(logits.float(), dim=-1)  # (T, E)
+    if num_groups > 1:  # group-limited: only the experts of the topk_groups best groups (by their best expert)
+        grouped = probs.view(probs.shape[0], num_groups, -1)  # (T, G, E / G)
+        best = grouped.amax(-1).topk(topk_groups, dim=-1).indices  # (T, topk_groups)
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (T, G)
+        probs = grouped.masked_fill(~keep[..., None], 0.0).view_as(probs)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routed_scale != 1.0:
+        weights = weights * routed_scale
     return (weights.to(x.dtype) if round_weights else weights), ids
+
+
+def routing_kwargs(attrs: dict) -> dict:
+    """The optional routing attrs a moe node passes `route` (none for softmax-then-top-k over all experts)."""
+    return {a: attrs[a] for a in ROUTING_ATTRS if a in attrs}
 
 
 def expert_parts(parts: dict[str, torch.Tensor], expert: int) -> dict[str, torch.Tensor]:
@@ -93,17 +114,21 @@ def check_moe(node: Node, formats: dict[str, Format]) -> str | None:
         return f"top_k {a['top_k']} must be in 1..num_experts ({a['num_experts']})"
     if node.attrs["scoring"] not in SCORINGS:
         return f"scoring {node.attrs['scoring']!r} is not supported; supported: {', '.join(SCORINGS)}"
+    groups, topk_groups = a.get("num_groups", 1), a.get("topk_groups", 1)
+    if a["num_experts"] % groups or not 1 <= topk_groups <= groups:
+        return f"num_groups {groups} must divide num_experts ({a['num_experts']}) and 1 <= topk_groups " \
+               f"({topk_groups}) <= num_groups"
     if node.attrs["act"] not in ACTIVATIONS:
         return f"act {node.attrs['act']!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
     return None
 
 
 def _moe_call(fn, node, inputs, params, step):
-    # moe(x) {num_experts, intermediate_size, top_k, scoring, renormalize, act, round_weights?}
-    #   [router, gate_up, down] -> y
+    # moe(x) {num_experts, intermediate_size, top_k, scoring, renormalize, act, round_weights?, routed_scale?,
+    #   num_groups?, topk_groups?, float_router?} [router, gate_up, down] -> y
     a, gate_up, down = node.attrs, params["gate_up"], params["down"]
     return [fn(inputs[0], params["router"].dense(), gate_up.parts, gate_up.format, down.parts, down.format,
-               a["top_k"], a["renormalize"], a["act"], a.get("round_weights", False))]
+               a["top_k"], a["renormalize"], a["act"], a.get("round_weights", False), **routing_kwargs(a))]
 
 
 def _moe_shapes(node: Node, cfg: ModelConfig) -> dict:

@@ -1,6 +1,7 @@
 """Model families: which module knows an architecture, and what every family shares through it.
 
-A family module (one file: `llama.py`, `qwen3.py`, `gemma.py`, `phi3.py`, `mixtral.py`, `qwen3_moe.py`)
+A family module (one file: `llama.py`, `qwen3.py`, `gemma.py`, `phi3.py`, `mixtral.py`, `qwen3_moe.py`,
+`deepseek_v2.py`)
 names its transformers model types and architectures (`MODEL_TYPES`), lays out its decoder block
 (`LAYOUTS`: a `Layout` per architecture, the data optc/frontend/models/decoder.py's one graph template
 reads), reads a transformers config into a `ModelConfig` (`config_from_hf`) and writes one back
@@ -23,13 +24,13 @@ import torch
 from optc.core.errors import InputError, UnsupportedModelError
 from optc.core.ir import Graph, ModelConfig, TensorInfo
 from optc.core.store import TensorStore
-from optc.frontend.models import decoder, gemma, llama, mixtral, phi3, qwen3, qwen3_moe
+from optc.frontend.models import decoder, deepseek_v2, gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "UnsupportedModelError", "architecture_of", "config_from_hf", "family",
            "from_checkpoint",
            "graph_for", "hf_config", "hf_linear_modules", "hf_model_from_artifact", "hf_params", "param_shapes"]
 
-_MODULES = (llama, qwen3, gemma, phi3, mixtral, qwen3_moe)
+_MODULES = (llama, qwen3, gemma, phi3, mixtral, qwen3_moe, deepseek_v2)
 FAMILIES: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.MODEL_TYPES.values()}
 MODEL_TYPES: dict[str, str] = {t: arch for m in _MODULES for t, arch in m.MODEL_TYPES.items()}  # model_type -> arch
 

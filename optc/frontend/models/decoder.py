@@ -46,9 +46,13 @@ class Layout:
     fused_qkv: bool = False  # the checkpoint holds self_attn.qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint holds mlp.gate_up_proj (Phi-3)
     round_route_weights: bool = False  # moe: routing weights rounded to the activation dtype (Qwen3-MoE)
+    float_router: bool = False  # moe: router logits from fp32 x and weight (DeepSeek-V2's TopkRouter)
     # moe: how a saved checkpoint names each expert (transformers 5 stacks them on load and unstacks them on
     # save): `{layer}.{block}.experts.{e}.{gate|up|down}.weight`, the router `{layer}.{block}.gate.weight`
     checkpoint_experts: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+MLA_NORM_EPS = 1e-6  # DeepSeek-V2's q_a_layernorm and kv_a_layernorm: transformers' default eps, not rms_norm_eps
 
 
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layout) -> Graph:
@@ -76,35 +80,17 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layou
     embed = {"scale": c.hidden_size**0.5} if layout.embedding_scale else {}
     add("model.embed_tokens", "embedding", ["input_ids"], ["h.0"], embed, {"weight": "model.embed_tokens.weight"})
     h = "h.0"
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_size = c.num_heads * c.head_dim
     for i in range(c.num_layers):
         first, p = len(nodes), f"model.layers.{i}"
         a = f"{p}.self_attn"
         x = norm(f"{p}.input_layernorm", h, f"{p}.attn_in")
-        bias = c.attention_bias or f"{a}.q_proj.bias" in tensors or f"{a}.qkv_proj.bias" in tensors
-        projections = [(f"{a}.q_proj", q_size), (f"{a}.k_proj", kv_size), (f"{a}.v_proj", kv_size)]
-        if layout.fused_qkv:
-            q, k, v = linear(f"{a}.qkv_proj", x, c.hidden_size, projections, bias)
+        if c.is_mla:
+            attn_out, attn_width = _mla(c, a, p, x, tensors, norm, linear, add), c.num_heads * c.v_head_dim
         else:
-            q, k, v = (linear(name, x, c.hidden_size, [(name, n)], bias)[0] for name, n in projections)
-        if layout.qk_norm:
-            q = norm(f"{a}.q_norm", q, f"{p}.q_normed", head_dim=c.head_dim)
-            k = norm(f"{a}.k_norm", k, f"{p}.k_normed", head_dim=c.head_dim)
-        heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
-        rope = dict(heads)
-        if c.local_rope_theta is not None and c.layer_type(i) == SLIDING_ATTENTION:
-            rope["rope_table"] = LOCAL
-        if c.rotary_dim is not None and c.rotary_dim != c.head_dim:
-            rope["rotary_dim"] = c.rotary_dim
-        add(f"{a}.rope", "rope", [q, k, "positions"], [f"{p}.q_rot", f"{p}.k_rot"], rope)
-        attn = {"layer": i, **heads, "scale": c.attention_scale}
-        if c.attn_logit_softcap:
-            attn["softcap"] = c.attn_logit_softcap
-        if c.window(i) is not None:
-            attn["window"] = c.window(i)
-        add(f"{a}.attention", "attention", [f"{p}.q_rot", f"{p}.k_rot", v], [f"{p}.attn"], attn)
+            attn_out, attn_width = _attention(c, layout, i, a, p, x, tensors, norm, linear, add), q_size
         o_bias = f"{a}.o_proj.bias" in tensors
-        (o,) = linear(f"{a}.o_proj", f"{p}.attn", q_size, [(f"{a}.o_proj", c.hidden_size)], o_bias)
+        (o,) = linear(f"{a}.o_proj", attn_out, attn_width, [(f"{a}.o_proj", c.hidden_size)], o_bias)
         if layout.sandwich_norms:
             o = norm(f"{p}.post_attention_layernorm", o, f"{p}.attn_normed")
         add(f"{p}.attn_residual", "add", [h, o], [f"{p}.h_attn"])
@@ -115,9 +101,17 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layou
             add(m, "moe", [x], [d], {"num_experts": c.num_experts, "intermediate_size": c.moe_intermediate_size,
                                      "top_k": c.num_experts_per_tok, "scoring": "softmax",
                                      "renormalize": c.norm_topk_prob, "act": c.hidden_act,
-                                     **({"round_weights": True} if layout.round_route_weights else {})},
+                                     **_routing_attrs(c, layout)},
                 {"router": f"{m}.gate.weight", "gate_up": f"{m}.experts.gate_up_proj",
                  "down": f"{m}.experts.down_proj"})
+            if c.shared_expert_intermediate_size:  # DeepSeek-V2: a dense MLP every token runs, added
+                n, s = c.shared_expert_intermediate_size, f"{m}.shared_experts"
+                g, u = (linear(name, x, c.hidden_size, [(name, n)], False)[0]
+                        for name in (f"{s}.gate_proj", f"{s}.up_proj"))
+                add(f"{s}.act", "gated_act", [g, u], [f"{p}.shared_act"], {"act": c.hidden_act})
+                (sd,) = linear(f"{s}.down_proj", f"{p}.shared_act", n, [(f"{s}.down_proj", c.hidden_size)], False)
+                add(f"{s}.add", "add", [d, sd], [f"{p}.mlp_sum"])
+                d = f"{p}.mlp_sum"
         else:
             halves = [(f"{m}.gate_proj", c.intermediate_size), (f"{m}.up_proj", c.intermediate_size)]
             if layout.fused_gate_up:
@@ -140,6 +134,67 @@ def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo], layout: Layou
     return Graph(config=config, nodes=nodes, tensors=tensors)
 
 
+def _routing_attrs(c: ModelConfig, layout: Layout) -> dict:
+    """A moe node's optional routing attrs (optc/core/ops/moe.py) from its family's config and layout."""
+    attrs = {"round_weights": True} if layout.round_route_weights else {}
+    if c.routed_scaling_factor != 1.0:
+        attrs["routed_scale"] = c.routed_scaling_factor
+    if c.num_expert_groups > 1:
+        attrs |= {"num_groups": c.num_expert_groups, "topk_groups": c.topk_groups}
+    return attrs | ({"float_router": True} if layout.float_router else {})
+
+
+def _attention(c: ModelConfig, layout: Layout, i: int, a: str, p: str, x: str, tensors: dict, norm, linear,
+               add) -> str:
+    """Layer i's q, k, v projections, q/k norms, rope and paged attention; returns the attention's output."""
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    bias = c.attention_bias or f"{a}.q_proj.bias" in tensors or f"{a}.qkv_proj.bias" in tensors
+    projections = [(f"{a}.q_proj", q_size), (f"{a}.k_proj", kv_size), (f"{a}.v_proj", kv_size)]
+    if layout.fused_qkv:
+        q, k, v = linear(f"{a}.qkv_proj", x, c.hidden_size, projections, bias)
+    else:
+        q, k, v = (linear(name, x, c.hidden_size, [(name, n)], bias)[0] for name, n in projections)
+    if layout.qk_norm:
+        q = norm(f"{a}.q_norm", q, f"{p}.q_normed", head_dim=c.head_dim)
+        k = norm(f"{a}.k_norm", k, f"{p}.k_normed", head_dim=c.head_dim)
+    heads = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim}
+    rope = dict(heads)
+    if c.local_rope_theta is not None and c.layer_type(i) == SLIDING_ATTENTION:
+        rope["rope_table"] = LOCAL
+    if c.rotary_dim is not None and c.rotary_dim != c.head_dim:
+        rope["rotary_dim"] = c.rotary_dim
+    add(f"{a}.rope", "rope", [q, k, "positions"], [f"{p}.q_rot", f"{p}.k_rot"], rope)
+    attn = {"layer": i, **heads, "scale": c.attention_scale}
+    if c.attn_logit_softcap:
+        attn["softcap"] = c.attn_logit_softcap
+    if c.window(i) is not None:
+        attn["window"] = c.window(i)
+    add(f"{a}.attention", "attention", [f"{p}.q_rot", f"{p}.k_rot", v], [f"{p}.attn"], attn)
+    return f"{p}.attn"
+
+
+def _mla(c: ModelConfig, a: str, p: str, x: str, tensors: dict, norm, linear, add) -> str:
+    """Layer's Multi-head Latent Attention (transformers' DeepseekV2Attention): the q path (q_proj, or q_a_proj,
+    q_a_layernorm and q_b_proj), the joint down-projection kv_a_proj_with_mqa, and one mla_attention node (the
+    latent's norm, rope, the latent cache and kv_b_proj's up-projections, optc/core/ops/mla.py)."""
+    q_width = c.num_heads * (c.qk_nope_head_dim + c.head_dim)
+    if c.q_lora_rank:
+        q_a = f"{a}.q_a_proj"
+        (q,) = linear(q_a, x, c.hidden_size, [(q_a, c.q_lora_rank)], c.attention_bias or f"{q_a}.bias" in tensors)
+        # one row of q_lora_rank (the norm's `head_dim`: its weight's width, not the hidden size)
+        q = norm(f"{a}.q_a_layernorm", q, f"{p}.q_a_normed", eps=MLA_NORM_EPS, head_dim=c.q_lora_rank)
+        (q,) = linear(f"{a}.q_b_proj", q, c.q_lora_rank, [(f"{a}.q_b_proj", q_width)], False)
+    else:
+        (q,) = linear(f"{a}.q_proj", x, c.hidden_size, [(f"{a}.q_proj", q_width)], False)
+    kv_a = f"{a}.kv_a_proj_with_mqa"
+    (kv,) = linear(kv_a, x, c.hidden_size, [(kv_a, c.latent_dim)], c.attention_bias or f"{kv_a}.bias" in tensors)
+    attrs = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+             "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim, "v_head_dim": c.v_head_dim,
+             "scale": c.attention_scale, "eps": MLA_NORM_EPS}
+    add(f"{a}.attention", "mla_attention", [q, kv, "positions"], [f"{p}.attn"], attrs,
+        {"kv_norm": f"{a}.kv_a_layernorm.weight", "kv_b": f"{a}.kv_b_proj.weight"})
+    return f"{p}.attn"
+
 def param_shapes(config: ModelConfig, layout: Layout) -> dict[str, tuple[int, ...]]:
     """The HF parameter names of a model of `config` laid out as `layout`, and their shapes (what
     `graph_for` reads; biases are read where the checkpoint has them)."""
@@ -155,19 +210,25 @@ def param_shapes(config: ModelConfig, layout: Layout) -> dict[str, tuple[int, ..
         p = f"model.layers.{i}"
         shapes.update({f"{p}.{n}.weight": (c.hidden_size,) for n in norms})
         a, m = f"{p}.self_attn", f"{p}.mlp"
-        if layout.fused_qkv:
+        if c.is_mla:
+            shapes.update(_mla_shapes(c, a))
+        elif layout.fused_qkv:
             shapes[f"{a}.qkv_proj.weight"] = (q_size + 2 * kv_size, c.hidden_size)
         else:
             shapes[f"{a}.q_proj.weight"] = (q_size, c.hidden_size)
             shapes[f"{a}.k_proj.weight"] = shapes[f"{a}.v_proj.weight"] = (kv_size, c.hidden_size)
         if layout.qk_norm:
             shapes[f"{a}.q_norm.weight"] = shapes[f"{a}.k_norm.weight"] = (c.head_dim,)
-        shapes[f"{a}.o_proj.weight"] = (c.hidden_size, q_size)
+        shapes[f"{a}.o_proj.weight"] = (c.hidden_size, c.num_heads * c.v_head_dim if c.is_mla else q_size)
         if c.is_moe(i):
             e, n = c.num_experts, c.moe_intermediate_size
             shapes[f"{m}.gate.weight"] = (e, c.hidden_size)
             shapes[f"{m}.experts.gate_up_proj"] = (e, 2 * n, c.hidden_size)
             shapes[f"{m}.experts.down_proj"] = (e, c.hidden_size, n)
+            if c.shared_expert_intermediate_size:
+                n, s = c.shared_expert_intermediate_size, f"{m}.shared_experts"
+                shapes[f"{s}.gate_proj.weight"] = shapes[f"{s}.up_proj.weight"] = (n, c.hidden_size)
+                shapes[f"{s}.down_proj.weight"] = (c.hidden_size, n)
             continue
         if layout.fused_gate_up:
             shapes[f"{m}.gate_up_proj.weight"] = (2 * c.intermediate_size, c.hidden_size)
@@ -175,6 +236,19 @@ def param_shapes(config: ModelConfig, layout: Layout) -> dict[str, tuple[int, ..
             shapes[f"{m}.gate_proj.weight"] = shapes[f"{m}.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[f"{m}.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
+
+
+def _mla_shapes(c: ModelConfig, a: str) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's attention parameters (transformers' DeepseekV2Attention), but o_proj."""
+    q_width = c.num_heads * (c.qk_nope_head_dim + c.head_dim)
+    shapes = {f"{a}.kv_a_proj_with_mqa.weight": (c.latent_dim, c.hidden_size),
+              f"{a}.kv_a_layernorm.weight": (c.kv_lora_rank,),
+              f"{a}.kv_b_proj.weight": (c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)}
+    if c.q_lora_rank:
+        return shapes | {f"{a}.q_a_proj.weight": (c.q_lora_rank, c.hidden_size),
+                         f"{a}.q_a_layernorm.weight": (c.q_lora_rank,),
+                         f"{a}.q_b_proj.weight": (q_width, c.q_lora_rank)}
+    return shapes | {f"{a}.q_proj.weight": (q_width, c.hidden_size)}
 
 
 def base_config(cfg: dict, arch: str, where: str, **family) -> ModelConfig:

@@ -25,7 +25,7 @@ from optc.core.formats import Format
 from optc.core.ir import Node
 from optc.core.ops import Param
 from optc.core.ops.elementwise import ACTIVATIONS
-from optc.core.ops.moe import route
+from optc.core.ops.moe import route, routing_kwargs
 from optc.frontend.quant.awq import fold_into_linear, input_mean, search_clip, search_scale
 from optc.frontend.quant.calibrated import Calibration
 from optc.frontend.quant.rtn import quantize_weight
@@ -66,7 +66,8 @@ def quantize_experts(run: Calibration, nodes: list[Node], node: Node, params: di
     x = run.runner.run(nodes, params, until=node.inputs[0])[node.inputs[0]]
     x = x.reshape(-1, x.shape[-1])  # (T, H)
     a = node.attrs
-    _, ids = route(x, params[node.params["router"]].dense(x.dtype), a["top_k"], a["renormalize"])
+    _, ids = route(x, params[node.params["router"]].dense(x.dtype), a["top_k"], a["renormalize"],
+                   **routing_kwargs(a))
     gate_up_w, down_w = params[gate_up_name].parts["weight"], params[down_name].parts["weight"]
     gate_up_fmt, down_fmt = format_of(gate_up_name), format_of(down_name)
     gate_up_parts, down_parts = [], []
