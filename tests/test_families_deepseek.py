@@ -199,10 +199,8 @@ def test_a_saved_checkpoint_imports_with_its_experts_stacked(tmp_path):
 @pytest.mark.parametrize("config, message", [
     ({"norm_topk_prob": True}, "norm_topk_prob=true is not supported"),
     ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
-    ({"rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                       "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}},
-     "rope scaling .* is not supported"),
-], ids=["norm-topk", "topk-method", "yarn"])
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope scaling .* is not supported"),
+], ids=["norm-topk", "topk-method", "dynamic-rope"])
 def test_unsupported_deepseek_configs_are_user_errors_naming_what(config, message):
     from optc.core.errors import UnsupportedModelError
     from optc.frontend.models import config_from_hf
@@ -210,6 +208,60 @@ def test_unsupported_deepseek_configs_are_user_errors_naming_what(config, messag
 
     with pytest.raises(UnsupportedModelError, match="x/config.json: .*" + message):
         config_from_hf({"model_type": "deepseek_v2", **PRESETS[PRESET][1], **config}, "x/config.json")
+
+
+# DeepSeek-V2-Lite's config.json (deepseek-ai/DeepSeek-V2-Lite), the fields optc reads
+LITE = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=2048,
+            intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+            num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0,
+            kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+            topk_method="greedy", n_group=1, topk_group=1, num_experts_per_tok=6, moe_layer_freq=1,
+            first_k_dense_replace=1, norm_topk_prob=False, max_position_embeddings=163840, rope_theta=10000,
+            rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                          "original_max_position_embeddings": 4096, "type": "yarn"},
+            vocab_size=102400, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False)
+
+
+def test_deepseek_v2_lite_config_reads_with_its_latent_cache_size():
+    import math
+
+    from optc.core.kv_cache import KVCacheSpec
+    from optc.frontend.models import config_from_hf
+
+    c = config_from_hf(LITE, "DeepSeek-V2-Lite/config.json")
+    assert (c.kv_lora_rank, c.q_lora_rank, c.head_dim, c.qk_nope_head_dim, c.v_head_dim) == (512, 0, 64, 128, 128)
+    assert (c.num_experts, c.num_experts_per_tok, c.dense_layers, c.shared_expert_intermediate_size,
+            c.num_expert_groups) == (64, 6, (0,), 2 * 1408, 1)
+    assert KVCacheSpec(16, "bfloat16").bytes_per_token(c) == 27 * (512 + 64) * 2  # docs/PERF.md: 31,104
+    mscale = 0.1 * 0.707 * math.log(40) + 1.0  # yarn's softmax correction, squared (transformers' yarn_apply_mscale)
+    assert c.attention_scale == pytest.approx(192**-0.5 * mscale**2, rel=1e-12)
+
+
+def test_yarn_rope_matches_transformers(tmp_path):
+    """A yarn table (attention factor from mscale / mscale_all_dim) and MLA's mscale-corrected softmax scale,
+    past the original context: logits within 1e-4 and greedy tokens equal transformers'."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    hf = random_hf_model(PRESET)
+    hf.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                                 "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}
+    hf.save_pretrained(tmp_path / "hf")
+    random = build_artifact(tmp_path / "r", None, "dtype=float32", "passes=[]", model=MODEL)
+    for f in (random / "tokenizer").iterdir():
+        shutil.copy(f, tmp_path / "hf" / f.name)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert model.model.rotary_emb.attention_scaling != 1.0
+    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
+    assert read(artifact).graph.config.rope_scaling["rope_type"] == "yarn"
+    ids = _prompts()[3]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    engine = Engine.load(artifact)
+    assert_close(prefill_logits(engine.model, ids, every_position=True), expected, rtol=1e-4, what="yarn logits")
+    got = engine.generate([ids], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    assert got == hf_cached_greedy(model, ids, NEW_TOKENS)
 
 
 def test_hf_export_loads_in_transformers_with_the_runtime_logits(family, tmp_path):

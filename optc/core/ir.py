@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -132,8 +133,13 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        if self.is_mla:  # a head's query/key: its no-rope and its rope dims
-            return (self.qk_nope_head_dim + self.head_dim) ** -0.5
+        if self.is_mla:  # a head's query/key: its no-rope and its rope dims; DeepSeek's yarn mscale squared
+            rs = self.rope_scaling or {}
+            scale = (self.qk_nope_head_dim + self.head_dim) ** -0.5
+            factor, mscale_all_dim = rs.get("factor", 1.0), rs.get("mscale_all_dim", 0)
+            if rs and mscale_all_dim and factor > 1:  # transformers' yarn_apply_mscale (yarn_mscale in core.rope)
+                scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def to_json(self) -> dict:

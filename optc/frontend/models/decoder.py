@@ -251,9 +251,11 @@ def _mla_shapes(c: ModelConfig, a: str) -> dict[str, tuple[int, ...]]:
     return shapes | {f"{a}.q_proj.weight": (q_width, c.hidden_size)}
 
 
-def base_config(cfg: dict, arch: str, where: str, **family) -> ModelConfig:
+def base_config(cfg: dict, arch: str, where: str, rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES,
+                **family) -> ModelConfig:
     """The ModelConfig fields every family reads alike from a transformers config dict (as its config
-    class writes it: `rope_parameters`, `layer_types`), plus the family's own `family` fields."""
+    class writes it: `rope_parameters`, `layer_types`), plus the family's own `family` fields; `rope_types`:
+    the rope scaling types the family accepts."""
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     layer_types = tuple(cfg.get("layer_types") or ())
@@ -282,10 +284,10 @@ def base_config(cfg: dict, arch: str, where: str, **family) -> ModelConfig:
         layer_types=layer_types,
         sliding_window=window,
     )
-    return ModelConfig(**{**fields, **rope_fields(cfg.get("rope_parameters") or {}, cfg, where), **family})
+    return ModelConfig(**{**fields, **rope_fields(cfg.get("rope_parameters") or {}, cfg, where, rope_types), **family})
 
 
-def rope_fields(rope: dict, cfg: dict, where: str) -> dict:
+def rope_fields(rope: dict, cfg: dict, where: str, rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> dict:
     """rope_theta, rope_scaling and rotary_dim from one table's transformers `rope_parameters` (theta,
     type and scaling keys, partial_rotary_factor); errors name a scaling type optc does not compute."""
     rope = dict(rope)
@@ -293,9 +295,9 @@ def rope_fields(rope: dict, cfg: dict, where: str) -> dict:
     factor = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     scaling = rope or cfg.get("rope_scaling")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
+    if kind not in rope_types:
         raise UnsupportedModelError(f"{where}: rope scaling {scaling} is not supported; supported: "
-                                    f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+                                    f"{', '.join(rope_types)}")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = int(head_dim * factor)
     return {"rope_theta": theta, "rope_scaling": None if kind == "default" else scaling,

@@ -6,13 +6,15 @@ shared experts (one dense MLP of n_shared_experts * moe_intermediate_size) added
 first `first_k_dense_replace` layers keep a dense MLP of `intermediate_size`.
 
 Refused by name: norm_topk_prob=true and moe_layer_freq != 1 (transformers' DeepseekV2 ignores both, the
-original code does not: optc will not pick one), rope scaling optc does not compute (yarn, DeepSeek-V2's own;
-its mscale would also scale the softmax), hidden_act other than silu."""
+original code does not: optc will not pick one), rope scaling other than default, linear, llama3, longrope
+and yarn (DeepSeek-V2's own: the table times its attention factor, the softmax scale times mscale_all_dim's
+mscale squared), hidden_act other than silu."""
 
 from __future__ import annotations
 
 from optc.core.errors import UnsupportedModelError
 from optc.core.ir import ModelConfig
+from optc.core.rope import SUPPORTED_ROPE_TYPES, YARN
 from optc.frontend.models.decoder import Layout, base_config, hf_fields, hf_rope
 
 MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM"}
@@ -48,7 +50,8 @@ def config_from_hf(cfg: dict, arch: str, where: str) -> ModelConfig:
         attention_bias=bool(cfg.get("attention_bias", False)),
     )
     # transformers' config sets head_dim to qk_rope_head_dim: the rope table's width, as optc's head_dim
-    return base_config({**cfg, "head_dim": cfg["qk_rope_head_dim"]}, arch, where, **family)
+    return base_config({**cfg, "head_dim": cfg["qk_rope_head_dim"]}, arch, where, (*SUPPORTED_ROPE_TYPES, YARN),
+                       **family)
 
 
 def hf_config(config: ModelConfig) -> dict:
