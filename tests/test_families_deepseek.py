@@ -3,8 +3,9 @@ experts in 4 groups of which the best 2 are kept, top-3, weights scaled by 1.5; 
 against transformers, float32.
 
 Greedy tokens equal transformers' (stepped over its own KV cache) batched and one at a time, with chunked
-prefill and preemption, decoding across block boundaries; every prompt position's logits within 1e-4, plain
-and fused builds. The latent cache holds kv_lora_rank + rope dims per token per layer (`bytes_per_block`);
+prefill and preemption, prefix caching and n-gram speculation, decoding across block boundaries; every prompt
+position's logits within 1e-4, plain and fused builds; yarn rope past the original context; bf16 within a
+bf16 step. The latent cache holds kv_lora_rank + rope dims per token per layer (`bytes_per_block`);
 the absorbed decode (W_UK in the query, W_UV after attention, reading only the latent cache) equals the
 expanded form; the group-limited router equals transformers'. int8 and int4 RTN builds run within a KL
 bound; tensor parallelism (heads split, latent replicated) equals one rank; what cannot run is refused by name.
@@ -51,6 +52,22 @@ def test_greedy_tokens_match_transformers(family, engine_config, build):
     engine = Engine.load(plain if build == "plain" else fused, **engine_config)
     assert [c.token_ids for c in engine.generate(prompts, params)] == expected, f"{build}: batched"
     assert [engine.generate([p], params)[0].token_ids for p in prompts] == expected, f"{build}: one at a time"
+
+
+def test_prefix_caching_and_speculation_over_the_latent_cache(family):
+    # the engine serves an MLA model as any other: a shared prefix hits the latent cache, n-gram drafts are verified
+    from optc.runtime.speculative import SpeculativeConfig
+
+    hf, _, fused, prompts, expected = family
+    periodic = [7, 8, 9, 10] * 6  # its last 3 tokens recur in it: the n-gram proposer drafts from the first step
+    engine = Engine.load(fused, max_num_batched_tokens=16, speculative=SpeculativeConfig("ngram", 3))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [c.token_ids for c in engine.generate([*prompts, periodic], params)]
+    assert got == [*expected, hf_cached_greedy(hf, periodic, NEW_TOKENS)]
+    assert engine.generate([prompts[3]], params)[0].token_ids == expected[3], "the cached prefix"
+    stats = engine.stats()
+    assert stats.num_drafts > 0, "no n-gram drafts were proposed"
+    assert stats.num_prefix_cache_hit_tokens >= 32, "the 40-token prompt's two full blocks were not reused"
 
 
 def test_every_prompt_position_logits_match_transformers(family):
@@ -306,3 +323,24 @@ def test_inspect_shows_the_latent_cache_and_the_routing(family):
             "these heads: 160); q_lora_rank 32, qk_nope 16, v 16") in shown
     assert ("moe        8 experts of intermediate 32, top-3, in layers 1, 2 (dense MLP: 0), the best 2 of 4 expert "
             "groups, weights x1.5; shared experts of intermediate 64") in shown
+
+
+def test_bf16_greedy_like_transformers(tmp_path):
+    """tests/test_families.py's bf16 rule: tokens equal up to the first difference, and there transformers' own
+    bfloat16 logits of both tokens are at most one bfloat16 step apart."""
+    from optc.testing import hf_cached_greedy_logits
+
+    hf = random_hf_model(PRESET, torch.bfloat16)
+    artifact = build_artifact(tmp_path / "a", None, "dtype=bfloat16", FUSED, model=MODEL)
+    prompts = _prompts()[2:]
+    completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    for ids, c in zip(prompts, completions, strict=True):
+        logits = hf_cached_greedy_logits(hf, ids, 16)
+        expected = [int(step.argmax()) for step in logits]
+        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
+        if t is None:
+            continue
+        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
+        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
+        assert theirs - ours <= step, f"{len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
+                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
