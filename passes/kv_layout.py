@@ -14,14 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from optc.core.ir import Graph, Node
-from optc.core.kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    KV_DTYPES,
-    KV_FLOAT_DTYPES,
-    KV_QUANT_DTYPES,
-    KVCacheSpec,
-    kv_cache_groups,
-)
+from optc.core.kv_cache import DEFAULT_BLOCK_SIZE, KV_DTYPES, KVCacheSpec, kv_cache_groups
 from optc.core.ops import OPS
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
@@ -75,9 +68,6 @@ class KvLayout(Pass):
         if dtype not in KV_DTYPES:
             raise ValueError(f"kv_layout: dtype {dtype!r} is not allowed; allowed: {', '.join(KV_DTYPES)}")
         c = graph.config
-        if c.is_mla and dtype in KV_QUANT_DTYPES:
-            raise ValueError(f"kv_layout: dtype {dtype}: a quantized latent (MLA) cache is not supported (its "
-                             f"quality is unmeasured); allowed for this model: {', '.join(KV_FLOAT_DTYPES)}")
         for n in graph.nodes:
             if not _touches_kv(n):
                 continue

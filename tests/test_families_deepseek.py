@@ -7,7 +7,8 @@ prefill and preemption, prefix caching and n-gram speculation, decoding across b
 position's logits within 1e-4, plain and fused builds; yarn rope past the original context; bf16 within a
 bf16 step. The latent cache holds kv_lora_rank + rope dims per token per layer (`bytes_per_block`);
 the absorbed decode (W_UK in the query, W_UV after attention, reading only the latent cache) equals the
-expanded form; the group-limited router equals transformers'. int8 and int4 RTN builds run within a KL
+expanded form; int8 and fp8 latent caches (one scale per token) stay within KL 0.01; the group-limited
+router equals transformers'. int8 and int4 RTN builds run within a KL
 bound; tensor parallelism (heads split, latent replicated) equals one rank; what cannot run is refused by name.
 """
 
@@ -93,8 +94,9 @@ def test_the_latent_cache_holds_one_latent_and_rope_key_per_token_per_layer():
     assert KVCacheSpec(16, "bfloat16").bytes_per_block(c) == 3 * 16 * 24 * 2
     # the same model's MHA cache would hold K (qk_nope + rope) and V per head: 4 * (24 + 16) values per token
     assert spec.allocate_layer(c, 5, "cpu").data.shape == (5, 1, 16, 1, 24)
-    with pytest.raises(ValueError, match="a quantized latent \\(MLA\\) cache is not supported"):
-        KVCacheSpec(16, "int8").bytes_per_block(c)
+    # int8 / fp8: one byte a value and one fp32 scale per token per layer (latent and rope key together)
+    assert KVCacheSpec(16, "int8").bytes_per_block(c) == 3 * 16 * (24 + 4)
+    assert KVCacheSpec(16, "fp8_e4m3").allocate_layer(c, 5, "cpu").scales.shape == (5, 1, 16, 1)
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 12]], ids=["decode", "mixed"])
@@ -185,6 +187,23 @@ def test_rtn_builds_run_and_stay_within_kl_of_float32(tmp_path):
         assert len(tokens[0].token_ids) == 4
         kl = evaluate(load_model(str(artifact)), f32, max_tokens=256, window=128)["kld"]
         assert 0 < kl < bound, f"{name}: KL {kl:.5f} not in (0, {bound})"
+
+
+# the issue's bar for a quantized latent cache: KL <= 0.01 against the float32 cache (256 tokens)
+KV_KL = {"int8": 0.01, "fp8_e4m3": 0.01}  # measured 0.00011 and 0.00052
+
+
+def test_a_quantized_latent_cache_stays_within_kl_of_float32(family, tmp_path):
+    _, plain, _, prompts, expected = family
+    f32 = load_model(str(plain))
+    for dtype, bound in KV_KL.items():
+        artifact = build_artifact(tmp_path / dtype, None, "dtype=float32",
+                                  f"passes=[{{kv_layout: {{dtype: {dtype}}}}}]", model=MODEL)
+        kl = evaluate(load_model(str(artifact)), f32, max_tokens=256, window=128)["kld"]
+        assert 0 < kl <= bound, f"{dtype} latent cache: KL {kl:.5f} not in (0, {bound}]"
+        engine = Engine.load(artifact, max_num_batched_tokens=8)  # chunked: later chunks read the scaled latents
+        got = engine.generate(prompts[2:], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert [c.token_ids for c in got] == [e[:4] for e in expected[2:]], dtype
 
 
 def test_tensor_parallel_splits_heads_and_equals_one_rank(family):
@@ -301,9 +320,6 @@ def test_what_mla_cannot_take_is_refused_by_name(tmp_path):
     from optc.frontend.passmanager import PassContext, make_pass
     from optc.frontend.sources import load_source
 
-    with pytest.raises(ValueError, match="kv_layout: dtype int8: a quantized latent \\(MLA\\) cache is not supported"):
-        build_artifact(tmp_path / "int8kv", None, "dtype=float32", "passes=[{kv_layout: {dtype: int8}}]",
-                       model=MODEL)
     said = []
     graph = load_source(MODEL).graph
     make_pass("cuda_graphs", {"batch_sizes": [1]}).run(graph, None, PassContext(target="cuda", progress=said.append))

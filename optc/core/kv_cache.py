@@ -122,10 +122,10 @@ class KVCacheSpec:
         return (2, self.block_size, config.num_kv_heads, config.head_dim)
 
     def scale_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        """One block's scales in one layer: (2, block_size, H_kv); () for a float cache."""
-        if config.is_mla and self.is_quantized:
-            raise ValueError(f"KV cache dtype {self.dtype}: a quantized latent (MLA) cache is not supported; "
-                             f"allowed: {', '.join(KV_FLOAT_DTYPES)}")
+        """One block's scales in one layer: (2, block_size, H_kv) (an MLA model's: (1, block_size, 1)); () for a
+        float cache."""
+        if config.is_mla:  # one scale per token over its latent row (latent and rope key together)
+            return (1, self.block_size, 1) if self.is_quantized else ()
         return (2, self.block_size, config.num_kv_heads) if self.is_quantized else ()
 
     def bytes_per_block(self, config: ModelConfig) -> int:

@@ -15,18 +15,20 @@ Dr is the model's `head_dim` (transformers' qk_rope_head_dim).
                          s[h] = (q_lat[h] . c + q_pe[h] . k_pe) * scale over the cached tokens
                          o[h] = (softmax(s[h]) @ c) @ W_UV[h]^T  attention in latent space, W_UV after it
 so a decode step reads only the latent cache. Both are the same function of the cache (tests hold them
-equal) and transformers' DeepseekV2Attention. Math is fp32, cast on store and on output.
+equal) and transformers' DeepseekV2Attention. Math is fp32, cast on store and on output. An int8 / fp8 cache
+stores the row through `KVCache.encode` with one absmax scale per token (latent and rope key together).
 
-Cache layout: `KVCacheSpec.block_shape` of an MLA model, (1, block_size, 1, R + Dr) per layer, slot s at block
-s // block_size, offset s % block_size (slot -1: padding, not stored). Not here: a quantized latent cache, a
-Triton kernel, tensor parallelism (each is refused by name where it would be asked for).
+Cache layout: `KVCacheSpec.block_shape` of an MLA model, (1, block_size, 1, R + Dr) per layer (scales
+(1, block_size, 1)), slot s at block s // block_size, offset s % block_size (slot -1: padding, not stored).
+Not here: a Triton kernel (the node runs this reference; CUDA graphs are not captured for it), the tensor-
+parallel split (optc/core/ops/sharding.py: heads split, latent replicated).
 """
 
 from __future__ import annotations
 
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import KVCache, dequantize
 from optc.core.ops.norm import rms_norm_ref
 from optc.core.ops.spec import OpSpec, heads
 from optc.core.rope import GLOBAL
@@ -83,7 +85,9 @@ def mla_attention_ref(
     block_size = kv_cache.block_size
     num_blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :num_blocks].long()
-    cached = kv_cache.data[table].float().reshape(num_requests, -1, rank + dr)  # (B, L, R + Dr)
+    scales = None if kv_cache.scales is None else kv_cache.scales[table]
+    # (B, L, R + Dr): the cached latents, a quantized cache's read back as value * scale
+    cached = dequantize(kv_cache.data[table], scales, torch.float32).reshape(num_requests, -1, rank + dr)
     c, kr = cached[..., :rank], cached[..., rank:]  # (B, L, R), (B, L, Dr)
     w = kv_b.float().view(num_heads, dn + v_head_dim, rank)
     w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, Dn, R), (H, Dv, R)
@@ -117,8 +121,11 @@ def _store(latent: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) 
     keep = slot_mapping >= 0
     if not bool(keep.all()):  # padding rows (slot -1) are not stored
         slot_mapping, latent = slot_mapping[keep], latent[keep]
-    values, _ = kv_cache.encode(latent)
-    kv_cache.data[slot_mapping // kv_cache.block_size, 0, slot_mapping % kv_cache.block_size, 0] = values
+    blocks, offsets = slot_mapping // kv_cache.block_size, slot_mapping % kv_cache.block_size
+    values, scales = kv_cache.encode(latent[:, None])  # (T, 1, R + Dr), a quantized cache's scales (T, 1)
+    kv_cache.data[blocks, 0, offsets] = values
+    if scales is not None:
+        kv_cache.scales[blocks, 0, offsets] = scales
 
 
 def _mla_call(fn, node, inputs, params, step):
@@ -142,9 +149,6 @@ def check_mla(node, formats) -> str | None:
     """Why an mla_attention node cannot run (its kv_b quantized: the absorbed form reads it per head), or None."""
     if formats["kv_b"].is_quantized:
         return f"kv_b {node.params['kv_b']} is {formats['kv_b'].kind.value}: MLA's kv_b_proj stays float"
-    if node.attrs.get("kv_dtype", "float32") not in ("float32", "float16", "bfloat16"):
-        return (f"kv_dtype {node.attrs['kv_dtype']}: a quantized latent KV cache is not supported "
-                "(float32, float16, bfloat16)")
     return None
 
 
