@@ -13,10 +13,13 @@ lm_head's `softcap`.
                   q, k, v = linear(x) ...                                  (one qkv_proj when fused)
                   q, k = rms_norm(q), rms_norm(k) {head_dim}               q_norm, k_norm (qk_norm)
                   q, k = rope(q, k) ;  a = attention(q, k, v) ;  o = linear(a)
+                   or q = linear(rms_norm(linear(x))) or linear(x)         MLA (DeepSeek-V2): q_a, q_b or q_proj
+                      kv = linear(x) ;  a = mla_attention(q, kv) ;  o = linear(a)   [kv_a_layernorm, kv_b_proj]
                   o = rms_norm(o)                                          post_attention_layernorm (sandwich)
                   h = add(h, o) ;  x = rms_norm(h)                         the MLP's input norm
                   m = linear(gated_act(linear(x), linear(x))) ...          (one gate_up_proj when fused)
                    or m = moe(x) [gate, experts.gate_up_proj, experts.down_proj]   (a MoE model's layer)
+                      m = add(m, shared MLP(x))                            shared_experts (DeepSeek-V2)
                   m = rms_norm(m)                                          post_feedforward_layernorm (sandwich)
                   h = add(h, m)
     logits = lm_head(rms_norm(h)) {softcap?}
