@@ -300,6 +300,39 @@ def test_yarn_rope_matches_transformers(tmp_path):
     assert got == hf_cached_greedy(model, ids, NEW_TOKENS)
 
 
+def test_the_plain_q_projection_without_q_lora_rank_matches_transformers(tmp_path):
+    """DeepSeek-V2-Lite's q path (q_lora_rank null: one q_proj), on the preset's other weights."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optc.frontend.models import hf_config
+    from optc.frontend.sources import load_source
+
+    src = load_source(MODEL)
+    fields = hf_config(src.graph.config) | {"q_lora_rank": None}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    g = torch.Generator().manual_seed(0)
+    state = {n: src.store.get(n) for n in src.store.names() if ".q_a_" not in n and ".q_b_" not in n}
+    for i in range(3):
+        state[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(4 * 24, 64, generator=g) / 8
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    hf.eval().save_pretrained(tmp_path / "hf")
+    for f in (build_artifact(tmp_path / "r", None, "dtype=float32", "passes=[]", model=MODEL) / "tokenizer").iterdir():
+        shutil.copy(f, tmp_path / "hf" / f.name)
+    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
+    graph = read(artifact).graph
+    assert graph.config.q_lora_rank == 0 and "model.layers.0.self_attn.q_proj.weight" in graph.tensors
+    ids = _prompts()[3]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    engine = Engine.load(artifact)
+    assert_close(prefill_logits(engine.model, ids, every_position=True), expected, rtol=1e-4, what="q_proj logits")
+    got = engine.generate([ids], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    assert got == hf_cached_greedy(hf, ids, NEW_TOKENS)
+
+
 def test_hf_export_loads_in_transformers_with_the_runtime_logits(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
