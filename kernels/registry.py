@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from optc.core.formats import DTYPES, Activations, Format, FormatKind
 from optc.core.ir import REFERENCE_KERNEL
-from optc.core.kv_cache import KV_DTYPES
+from optc.core.kv_cache import KV_DTYPES, KV_FLOAT_DTYPES
 from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
@@ -195,6 +195,11 @@ def _attention_ok(q: KernelQuery) -> bool:
             and q.num_heads // q.num_kv_heads <= MAX_GROUP)
 
 
+def _mla_decode_ok(q: KernelQuery) -> bool:
+    # the absorbed decode over a float latent cache (a quantized one, and prefill, run the reference in the launcher)
+    return _dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_FLOAT_DTYPES
+
+
 def _rope_kv_store_ok(q: KernelQuery) -> bool:
     return _rope_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES
 
@@ -273,6 +278,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rope", "rope", _rope_ok, "rope:rope"),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
+    # MLA's absorbed decode: checked under the interpreter and compiled for sm_90, not yet run on a GPU
+    KernelSpec("triton.mla_decode", "mla_attention", _mla_decode_ok, "mla_decode:mla_decode", by_default=False),
     # torch's tinygemm int4 matmul, ahead of w4a16 but off unless enabled: a candidate GPU sessions measure
     KernelSpec("torch.int4pack", "linear", _int4pack_cuda_ok, "int4_cuda:int4pack_cuda_linear",
                prepare="int4_cuda:prepare_int4pack_cuda", by_default=False,

@@ -72,10 +72,7 @@ def mla_attention_ref(
     num_tokens, num_heads, _ = q.shape
     dn, dr = qk_nope_head_dim, cos_sin.shape[-1]
     rank = kv_a.shape[-1] - dr
-    latent = rms_norm_ref(kv_a[:, :rank], kv_norm, eps)  # (T, R)
-    k_pe = rope_interleaved_ref(kv_a[:, None, rank:], positions, cos_sin)[:, 0]  # (T, Dr)
-    _store(torch.cat((latent, k_pe), dim=-1), kv_cache, slot_mapping)
-    q_nope, q_pe = q[..., :dn].float(), rope_interleaved_ref(q[..., dn:], positions, cos_sin).float()
+    q_nope, q_pe = store_latents(q, kv_a, positions, cos_sin, kv_norm, kv_cache, slot_mapping, eps, dn)
 
     num_requests = seq_lens.shape[0]
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
@@ -114,6 +111,20 @@ def mla_attention_ref(
         v = torch.einsum("blr,hvr->bhlv", c, w_uv)  # (B, H, L, Dv)
         out = (probs @ v).transpose(1, 2)  # (B, Lq, H, Dv)
     return out[request, row].flatten(1).to(q.dtype)
+
+
+def store_latents(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  kv_norm: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor, eps: float,
+                  qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens' [latent | rotated k_pe] into the cache; returns the queries' q_nope and rotated q_pe in fp32
+    (the step a kernel shares with the reference)."""
+    # q: (T, H, Dn + Dr), kv_a: (T, R + Dr) -> (T, H, Dn), (T, H, Dr)
+    dn, dr = qk_nope_head_dim, cos_sin.shape[-1]
+    rank = kv_a.shape[-1] - dr
+    latent = rms_norm_ref(kv_a[:, :rank], kv_norm, eps)  # (T, R)
+    k_pe = rope_interleaved_ref(kv_a[:, None, rank:], positions, cos_sin)[:, 0]  # (T, Dr)
+    _store(torch.cat((latent, k_pe), dim=-1), kv_cache, slot_mapping)
+    return q[..., :dn].float(), rope_interleaved_ref(q[..., dn:], positions, cos_sin).float()
 
 
 def _store(latent: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
