@@ -20,8 +20,8 @@ stores the row through `KVCache.encode` with one absmax scale per token (latent 
 
 Cache layout: `KVCacheSpec.block_shape` of an MLA model, (1, block_size, 1, R + Dr) per layer (scales
 (1, block_size, 1)), slot s at block s // block_size, offset s % block_size (slot -1: padding, not stored).
-Not here: a Triton kernel (the node runs this reference; CUDA graphs are not captured for it), the tensor-
-parallel split (optc/core/ops/sharding.py: heads split, latent replicated).
+This reference is the specification `triton.mla_decode` (kernels/mla_decode.py) is tested against. Not here:
+the tensor-parallel split (optc/core/ops/sharding.py: heads split, latent replicated).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def mla_attention_ref(
     qr = q_pe.new_zeros((num_requests, max_query, num_heads, dr))
     qn[request, row], qr[request, row] = q_nope, q_pe
     rope_scores = torch.einsum("bqhd,bld->bhql", qr, kr)  # (B, H, Lq, L)
-    if absorb if absorb is not None else max_query == 1:
+    absorbed = max_query == 1 if absorb is None else absorb
+    if absorbed:
         q_lat = torch.einsum("bqhd,hdr->bqhr", qn, w_uk)  # (B, Lq, H, R): W_UK folded into the query
         scores = torch.einsum("bqhr,blr->bhql", q_lat, c) + rope_scores
     else:
@@ -105,7 +106,7 @@ def mla_attention_ref(
     query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
     masked = torch.arange(c.shape[1], device=dev)[None, None, :] > query_pos[:, :, None]  # (B, Lq, L)
     probs = (scores * scale).masked_fill_(masked[:, None], float("-inf")).softmax(-1)
-    if absorb if absorb is not None else max_query == 1:
+    if absorbed:
         out = torch.einsum("bhqr,hvr->bqhv", probs @ c[:, None], w_uv)  # attention in latent space, then W_UV
     else:
         v = torch.einsum("blr,hvr->bhlv", c, w_uv)  # (B, H, L, Dv)
