@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from optc.core.formats import DTYPES, Activations, Format, FormatKind
 from optc.core.ir import REFERENCE_KERNEL
-from optc.core.kv_cache import KV_DTYPES
+from optc.core.kv_cache import KV_DTYPES, KV_FLOAT_DTYPES
 from optc.core.ops import OPS, Impl, Param
 
 TARGETS = ("cpu", "cuda")
@@ -44,7 +44,7 @@ class KernelQuery:
     op: str
     dtype: str  # activation dtype name
     weight: Format | None = None  # linear: the weight's format
-    weight_shape: tuple[int, ...] = ()  # linear: (N, K)
+    weight_shape: tuple[int, ...] = ()  # linear: (N, K); moe: its experts' gate_up (E, 2I, H)
     hidden_size: int = 0  # norms
     num_heads: int = 0  # rope, attention
     num_kv_heads: int = 0
@@ -195,6 +195,11 @@ def _attention_ok(q: KernelQuery) -> bool:
             and q.num_heads // q.num_kv_heads <= MAX_GROUP)
 
 
+def _mla_decode_ok(q: KernelQuery) -> bool:
+    # the absorbed decode over a float latent cache (a quantized one, and prefill, run the reference in the launcher)
+    return _dtype_ok(q) and (q.kv_dtype or q.dtype) in KV_FLOAT_DTYPES
+
+
 def _rope_kv_store_ok(q: KernelQuery) -> bool:
     return _rope_ok(q) and (q.kv_dtype or q.dtype) in KV_DTYPES
 
@@ -264,6 +269,20 @@ def _w8a8_ok(kind: FormatKind, multiple: int) -> Callable[[KernelQuery], bool]:
     return ok
 
 
+def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
+    # experts (E, 2I, H) in one quantized format, as the linear kernels take each expert's gate_up (2I, H) and
+    # down (H, I): int8pack K % 16; int4pack with 16-bit x only (float32 int4pack loses to the reference), N % 16
+    w = q.weight
+    if q.op != "moe" or w is None or len(q.weight_shape) != 3 or not _dtype_ok(q):
+        return False
+    _, two_i, h = q.weight_shape
+    i = two_i // 2
+    if w.kind is FormatKind.INT8_WO:
+        return w.activations is Activations.NONE and h % 16 == 0 and i % 16 == 0
+    return (w.kind is FormatKind.INT4_G and not w.act_order and q.dtype != "float32" and two_i % 16 == 0
+            and h % 16 == 0 and h % w.group_size == 0 and i % w.group_size == 0)
+
+
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rms_norm", "rms_norm", _norm_ok, "norm:rms_norm"),
     KernelSpec("triton.add_rms_norm", "add_rms_norm", _norm_ok, "norm:add_rms_norm"),
@@ -271,6 +290,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rope", "rope", _rope_ok, "rope:rope"),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
+    # MLA's absorbed decode: checked under the interpreter and compiled for sm_90, not yet run on a GPU
+    KernelSpec("triton.mla_decode", "mla_attention", _mla_decode_ok, "mla_decode:mla_decode", by_default=False),
     # torch's tinygemm int4 matmul, ahead of w4a16 but off unless enabled: a candidate GPU sessions measure
     KernelSpec("torch.int4pack", "linear", _int4pack_cuda_ok, "int4_cuda:int4pack_cuda_linear",
                prepare="int4_cuda:prepare_int4pack_cuda", by_default=False,
@@ -310,4 +331,8 @@ KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
                by_default=False),
+    # quantized experts: the routed tokens of each expert through the packed matmuls above (not measured per M:
+    # an expert's M is its share of the step's tokens)
+    KernelSpec("cpu.moe_packed", "moe", _moe_packed_cpu_ok, "moe_cpu:moe_packed", target="cpu",
+               prepare="moe_cpu:prepare_moe_packed", layout="per-expert int8pack / int4pack_cpu(inner_k_tiles=2)"),
 )}

@@ -44,7 +44,15 @@ class CudaGraphs(Pass):
         sizes = list(self.options.batch_sizes)
         # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
         eager_only = [n.name for n in host_syncing_nodes(graph)]
-        if eager_only:
+        moe = [n.name for n in graph.nodes if n.op == "moe"]  # no CUDA moe kernel yet: its reference syncs
+        mla = [n.name for n in graph.nodes if n.op == "mla_attention"]  # no CUDA MLA kernel: the reference syncs
+        if mla:
+            ctx.progress(f"cuda_graphs: {len(mla)} mla_attention node(s) (first: {mla[0]}) have no CUDA kernel and "
+                         "run on their reference, which reads the batch's lengths on the host: the runtime runs eager")
+        if moe:
+            ctx.progress(f"cuda_graphs: {len(moe)} moe node(s) (first: {moe[0]}) have no CUDA kernel and run on "
+                         "their reference, which reads the expert counts on the host: the runtime runs eager")
+        elif eager_only:
             ctx.progress(f"cuda_graphs: {len(eager_only)} KV node(s) run on torch references that sync "
                          f"(first: {eager_only[0]}); the runtime will not capture graphs "
                          "(add select_kernels before cuda_graphs)")

@@ -20,6 +20,7 @@ from optc.frontend.quant.blocks import (
     linear_groups,
 )
 from optc.frontend.quant.calibrated import Calibration, run_calibrated
+from optc.frontend.quant.experts import ExpertStats, awq_expert, quantize_experts
 from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
 from optc.frontend.quant.rtn import quantize_weight
 
@@ -44,12 +45,14 @@ class QuantizeAwq(Pass):
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
         alphas: list[float] = []
+        experts = ExpertStats("awq")
 
         def stats() -> dict:
             return {"scaled_groups": len(alphas),
-                    "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None}
+                    "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None, **experts.to_json()}
 
-        return run_calibrated(self.name, "awq", graph, store, ctx, partial(self._quantize_block, alphas=alphas),
+        return run_calibrated(self.name, "awq", graph, store, ctx,
+                              partial(self._quantize_block, alphas=alphas, experts=experts),
                               {**o.record(), "n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples},
                               stats)
 
@@ -57,7 +60,7 @@ class QuantizeAwq(Pass):
         ensure_quantized(graph, self.name)
 
     def _quantize_block(self, run: Calibration, nodes: list[Node], params: dict[str, Param],
-                        alphas: list[float]) -> None:
+                        alphas: list[float], experts: ExpertStats) -> None:
         o = self.options
         consumers = run.graph.consumers()
         groups = [g for g in linear_groups(nodes) if all(n.params["weight"] in run.targets for n in g)]
@@ -75,6 +78,9 @@ class QuantizeAwq(Pass):
                 feeds_rope = any(c.op in ROPE_OPS for v in n.outputs for c in consumers.get(v, []))
                 clip = search_clip(x, w, fmt, o.n_grid) if o.clip and not feeds_rope else None
                 run.keep(name, fmt, quantize_weight(w, fmt, name, clip=clip), params)
+        for node in (n for n in nodes if n.op == "moe"):  # 4. experts, each on its routed tokens
+            quantize_experts(run, nodes, node, params, partial(awq_expert, o.n_grid, o.clip),
+                             lambda name: o.format(run.graph.tensors[name].format.dtype), experts)
 
     def _scale_group(self, graph: Graph, nodes: list[Node], group: list[Node], runner: BlockRunner,
                      params: dict[str, Param], folded: dict[str, torch.Tensor]) -> float | None:

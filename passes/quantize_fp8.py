@@ -24,6 +24,7 @@ from optc.core.ir import Graph
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
+from optc.frontend.quant.experts import ExpertStats
 from optc.frontend.quant.gptq import GptqOptions, Rounding, quantize_block
 from optc.frontend.quant.options import ensure_quantized, round_linears
 
@@ -75,8 +76,10 @@ class QuantizeFp8(Pass):
             def format_of(name: str) -> Format:
                 return o.format(graph.tensors[name].format.dtype)
 
+            experts = ExpertStats("gptq")
             return run_calibrated(self.name, o.method.value, graph, store, ctx,
-                                  partial(quantize_block, options=o, format_of=format_of), o.record())
+                                  partial(quantize_block, options=o, format_of=format_of, experts=experts),
+                                  o.record(), experts.to_json)
         return self._round_to_nearest(graph, store)
 
     def ensures(self, graph: Graph) -> None:

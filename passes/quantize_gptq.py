@@ -10,6 +10,7 @@ from optc.core.ir import Graph
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.calibrated import run_calibrated
+from optc.frontend.quant.experts import ExpertStats
 from optc.frontend.quant.gptq import GptqOptions, quantize_block
 from optc.frontend.quant.options import WeightQuantOptions, ensure_quantized
 
@@ -30,8 +31,10 @@ class QuantizeGptq(Pass):
         def format_of(name: str) -> Format:
             return o.format(graph.tensors[name].format.dtype)
 
-        step = partial(quantize_block, options=o, format_of=format_of)
-        return run_calibrated(self.name, "gptq", graph, store, ctx, step, {**o.record(), **o.gptq_record()})
+        experts = ExpertStats("gptq")
+        step = partial(quantize_block, options=o, format_of=format_of, experts=experts)
+        return run_calibrated(self.name, "gptq", graph, store, ctx, step, {**o.record(), **o.gptq_record()},
+                              experts.to_json)
 
     def ensures(self, graph: Graph) -> None:
         ensure_quantized(graph, self.name)

@@ -78,7 +78,7 @@ class SelectKernels(Pass):
         specs = [s for s in candidates(query, target, self.options.enable) if s.name not in self.options.disable]
         if not specs:
             return {"kernel": REFERENCE_KERNEL}, None
-        if chooser is None or not query.weight_shape:
+        if chooser is None or len(query.weight_shape) != 2:  # measured: matmuls over one (N, K) weight
             return {"kernel": specs[0].name}, None
         bound = {node.attrs.get("kernel")} | {k for _, k in node.attrs.get("kernel_by_m", ())}
         if None not in bound and bound <= {s.name for s in specs} | {REFERENCE_KERNEL}:
@@ -140,7 +140,7 @@ def _shape_key(graph: Graph, node: Node) -> str:
 def _query(graph: Graph, node: Node) -> KernelQuery:
     """What the registry's predicates look at, read off the node, its params and the model config."""
     c, a = graph.config, node.attrs
-    weight = graph.tensors.get(node.params.get("weight", ""))
+    weight = graph.tensors.get(node.params.get("weight", node.params.get("gate_up", "")))  # moe: its experts
     return KernelQuery(
         op=node.op, dtype=c.dtype,
         weight=weight.format if weight else None, weight_shape=tuple(weight.shape) if weight else (),

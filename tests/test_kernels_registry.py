@@ -22,7 +22,7 @@ def test_registry_kernel_names_and_ops():
     prefixes = {"cuda": ("triton", "torch"), "cpu": ("cpu",)}
     assert all(name.split(".")[0] in prefixes[k.target] for name, k in KERNELS.items())
     assert {k.op for k in KERNELS.values()} == {"rms_norm", "add_rms_norm", "gated_act", "rope", "rope_kv_store",
-                                                "attention", "linear", "lm_head"}
+                                                "attention", "linear", "lm_head", "moe", "mla_attention"}
 
 
 def test_registry_selects_w4a16_only_when_groups_divide_k():

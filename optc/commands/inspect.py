@@ -32,6 +32,8 @@ def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict
         "formats": dict(sorted(formats.items())),
         "weight_bytes": weight_bytes,
         "total_bytes": sum(f["bytes"] for f in m["files"].values()),
+        "moe": _moe(graph.config),
+        "mla": _mla(graph.config),
         "num_nodes": len(graph.nodes),
         "ops": dict(sorted(Counter(n.op for n in graph.nodes).items())),
         "kernels": {n.name: n.kernel for n in graph.nodes},
@@ -51,7 +53,8 @@ def tensor_parallel(graph, size: int) -> dict:
     return {
         "size": size,
         "rank_weight_bytes": [rank_weight_bytes(p.graph) for p in plans],
-        "slices": {name: [{"axis": p.slices[name][0], "ranges": [list(r) for r in p.slices[name][1]]} for p in plans]
+        "slices": {name: [{"axis": p.slices[name][0], "ranges": [list(r) for r in p.slices[name][1]],
+                           **({"experts": True} if len(graph.tensors[name].shape) == 3 else {})} for p in plans]
                    for name in plans[0].slices},
     }
 
@@ -67,6 +70,15 @@ def render(s: dict) -> str:
         f"target     {s['target']['device']}   dtype {s['recipe']['dtype']}   kv {s['kv_layout']}",
         f"kv cache   {s['kv_bytes_per_token']:.0f} bytes per token over {model['num_layers']} layers"
         + (" (scales included)" if s["kv_layout"].get("scales", "none") != "none" else ""),
+        *([f"moe        {s['moe']['num_experts']} experts of intermediate {s['moe']['moe_intermediate_size']}, "
+           f"top-{s['moe']['top_k']}{' renormalized' if s['moe']['norm_topk_prob'] else ''}, in layers "
+           f"{_ranges(s['moe']['moe_layers'])}" + (f" (dense MLP: {_ranges(s['moe']['dense_layers'])})"
+                                                    if s['moe']['dense_layers'] else "") + _routing(s["moe"])]
+          if s.get("moe") else []),
+        *([f"mla        latent {s['mla']['kv_lora_rank']} + rope key {s['mla']['qk_rope_head_dim']} values per token "
+           f"per layer, one copy for all heads (an MHA cache of these heads: {s['mla']['mha_values']}); q_lora_rank "
+           f"{s['mla']['q_lora_rank'] or 'none'}, qk_nope {s['mla']['qk_nope_head_dim']}, v {s['mla']['v_head_dim']}"]
+          if s.get("mla") else []),
         f"size       weights {s['weight_bytes'] / 2**20:.1f} MiB, total {s['total_bytes'] / 2**20:.1f} MiB",
         f"formats    {', '.join(f'{k} x{v}' for k, v in s['formats'].items())}",
         f"quant      {s['quantization'] or 'none'}",
@@ -92,10 +104,50 @@ def render(s: dict) -> str:
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp["rank_weight_bytes"])
         lines.append(f"tensor parallel {tp['size']} ranks: weights per rank (MiB) {per_rank}; other tensors whole")
         for name, slices in tp["slices"].items():
-            axis = "rows" if slices[0]["axis"] == 0 else "columns"
+            axis = ("rows", "columns")[slices[0]["axis"] - slices[0].get("experts", False)]
+            axis = f"expert {axis}" if slices[0].get("experts") else axis
             ranks = " | ".join(",".join(f"{a}:{b}" for a, b in rank["ranges"]) for rank in slices)
             lines.append(f"  {name:<48} {axis:<8} {ranks}")
     return "\n".join(lines)
+
+
+def _moe(config) -> dict | None:
+    """A MoE model's experts: count, size, top-k, and which layers route (None for a dense model)."""
+    if not config.num_experts:
+        return None
+    return {"num_experts": config.num_experts, "top_k": config.num_experts_per_tok,
+            "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
+            "moe_layers": [i for i in range(config.num_layers) if config.is_moe(i)],
+            "dense_layers": list(config.dense_layers),
+            "shared_expert_intermediate_size": config.shared_expert_intermediate_size,
+            "routed_scaling_factor": config.routed_scaling_factor, "num_expert_groups": config.num_expert_groups,
+            "topk_groups": config.topk_groups}
+
+
+def _routing(moe: dict) -> str:
+    """DeepSeek-V2's routing and shared experts, when the model has them."""
+    out = ""
+    if moe.get("num_expert_groups", 1) > 1:
+        out += f", the best {moe['topk_groups']} of {moe['num_expert_groups']} expert groups"
+    if moe.get("routed_scaling_factor", 1.0) != 1.0:
+        out += f", weights x{moe['routed_scaling_factor']:g}"
+    if moe.get("shared_expert_intermediate_size"):
+        out += f"; shared experts of intermediate {moe['shared_expert_intermediate_size']}"
+    return out
+
+
+def _mla(config) -> dict | None:
+    """An MLA model's latent cache and ranks, and what an MHA cache of the same heads would hold (None: not MLA)."""
+    if not config.is_mla:
+        return None
+    return {"kv_lora_rank": config.kv_lora_rank, "qk_rope_head_dim": config.head_dim,
+            "q_lora_rank": config.q_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
+            "v_head_dim": config.v_head_dim,
+            "mha_values": config.num_heads * (config.qk_nope_head_dim + config.head_dim + config.v_head_dim)}
+
+
+def _ranges(layers: list[int]) -> str:
+    return ", ".join(map(str, layers))
 
 
 def _by_m(table: list) -> str:

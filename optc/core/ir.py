@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -52,12 +53,35 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scores scale by its -1/2 power; None: head_dim's
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of Experts: 0 experts is a dense model; else every layer's MLP is a `moe` block of
+    # `num_experts` experts of `moe_intermediate_size`, `num_experts_per_tok` of them per token, but the
+    # `dense_layers` (Qwen3-MoE's mlp_only_layers and decoder_sparse_step), whose MLP is dense of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k routing weights renormalized to sum to 1 (Mixtral always)
+    dense_layers: tuple[int, ...] = ()
+    # DeepSeek-V2's MoE: shared experts (a dense gated MLP of this width, 0: none) added to the routed output;
+    # routing weights times `routed_scaling_factor`; group-limited top-k when num_expert_groups > 1 (the top
+    # `topk_groups` groups by their best expert's score, then top-k among their experts); the router in fp32
+    shared_expert_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    # Multi-head Latent Attention (DeepSeek-V2): kv_lora_rank > 0 makes every layer's attention an `mla_attention`
+    # whose cache holds one latent (kv_lora_rank) + rope key (head_dim, transformers' qk_rope_head_dim) per token;
+    # q_lora_rank 0 is a plain q_proj; heads read qk_nope_head_dim + head_dim query/key dims and v_head_dim values
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
@@ -70,6 +94,35 @@ class ModelConfig:
             raise ValueError(f"rotary_dim {self.rotary_dim} must be even and in 2..head_dim ({self.head_dim})")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {', '.join(HIDDEN_ACTS)}")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ValueError(f"a MoE model needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                             f"num_experts ({self.num_experts}) and moe_intermediate_size >= 1 "
+                             f"({self.moe_intermediate_size})")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers {list(self.dense_layers)} name layers outside 0..{self.num_layers - 1}")
+        if self.num_experts and (self.num_experts % self.num_expert_groups
+                                 or not 1 <= self.topk_groups <= self.num_expert_groups):
+            raise ValueError(f"num_experts {self.num_experts} must split into num_expert_groups "
+                             f"{self.num_expert_groups} groups, 1 <= topk_groups ({self.topk_groups}) <= groups")
+        if self.kv_lora_rank and (self.num_kv_heads != self.num_heads or self.layer_types
+                                  or self.qk_nope_head_dim < 1 or self.v_head_dim < 1):
+            raise ValueError("an MLA model needs num_kv_heads == num_heads, every layer full attention, "
+                             "qk_nope_head_dim >= 1 and v_head_dim >= 1")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether a layer's MLP is a `moe` block (a MoE model's layer not in `dense_layers`)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is Multi-head Latent Attention (a latent KV cache)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token holds in an MLA layer's cache: the latent and the rope key, one copy for all heads."""
+        return self.kv_lora_rank + self.head_dim
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
@@ -80,12 +133,20 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.is_mla:  # a head's query/key: its no-rope and its rope dims; DeepSeek's yarn mscale squared
+            rs = self.rope_scaling or {}
+            scale = (self.qk_nope_head_dim + self.head_dim) ** -0.5
+            factor, mscale_all_dim = rs.get("factor", 1.0), rs.get("mscale_all_dim", 0)
+            if rs and mscale_all_dim and factor > 1:  # transformers' yarn_apply_mscale (yarn_mscale in core.rope)
+                scale *= (0.1 * mscale_all_dim * math.log(factor) + 1.0) ** 2
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_types"] = list(self.layer_types)
+        d["dense_layers"] = list(self.dense_layers)
         return d
 
     @staticmethod

@@ -9,7 +9,10 @@ the store goes through `KVCache.encode` and the references read through `dequant
 quantized cache changes what is stored and read in one place each. Not here: which blocks a request
 holds (runtime/kv_cache_manager.py) or how many blocks fit in memory (runtime/kv_sizing.py).
 
-Layout of `data`, per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V.
+Layout of `data`, per layer: (num_blocks, 2, block_size, H_kv, D); index 0 of dim 1 is K, 1 is V. An MLA
+model's (`ModelConfig.is_mla`: DeepSeek-V2) is the latent layout (num_blocks, 1, block_size, 1, R + Dr): one
+latent (kv_lora_rank R) and rope key (Dr) per token, shared by every head (optc/core/ops/mla.py); the pool,
+the block tables and prefix caching see blocks either way, and `bytes_per_block` counts this shape.
 
 KV-cache groups (`kv_cache_groups`). Layers are grouped by attention kind (full; sliding with its
 window), and each kind's layers are cut into groups of `slots` layers, `slots` being the layer count
@@ -113,11 +116,16 @@ class KVCacheSpec:
         return self.scales is not KVScales.NONE
 
     def block_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        """One block of one layer: (2, block_size, H_kv, D)."""
+        """One block of one layer: (2, block_size, H_kv, D); an MLA model's (1, block_size, 1, R + Dr)."""
+        if config.is_mla:
+            return (1, self.block_size, 1, config.latent_dim)
         return (2, self.block_size, config.num_kv_heads, config.head_dim)
 
     def scale_shape(self, config: ModelConfig) -> tuple[int, ...]:
-        """One block's scales in one layer: (2, block_size, H_kv); () for a float cache."""
+        """One block's scales in one layer: (2, block_size, H_kv) (an MLA model's: (1, block_size, 1)); () for a
+        float cache."""
+        if config.is_mla:  # one scale per token over its latent row (latent and rope key together)
+            return (1, self.block_size, 1) if self.is_quantized else ()
         return (2, self.block_size, config.num_kv_heads) if self.is_quantized else ()
 
     def bytes_per_block(self, config: ModelConfig) -> int:

@@ -1,4 +1,4 @@
-"""Rotary tables from a model config: default, linear, llama3 and longrope scaling (as transformers).
+"""Rotary tables from a model config: default, linear, llama3, longrope and yarn scaling (as transformers).
 
 `cos_sin_tables(config, num_positions)` -> {table name: (P, rotary_dim) fp32 [cos | sin]}: the
 `GLOBAL` table every rope node reads unless its `rope_table` attr names `LOCAL`, the sliding layers'
@@ -12,6 +12,9 @@ KV cache. transformers' `generate` goes further for Phi-3: when a sequence first
 length it drops its cache and recomputes every position with the long factors; optc keeps the keys it
 has (as vLLM does), so past that length its tokens may differ from `generate`'s. Both tables are
 multiplied by the attention factor, as transformers does.
+YaRN (DeepSeek-V2): frequencies blended between interpolated and extrapolated by a linear ramp over the
+correction range, the table times the attention factor (`yarn_attention_factor`); DeepSeek's MLA also scales
+its softmax by yarn_mscale(factor, mscale_all_dim)^2 (`ModelConfig.attention_scale`).
 Other scaling types are refused with the list of supported ones.
 """
 
@@ -23,7 +26,8 @@ import torch
 
 from optc.core.ir import ModelConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")  # every family's
+YARN = "yarn"  # computed here, accepted only by the families whose parity test holds it (DeepSeek-V2)
 GLOBAL = "global"
 LOCAL = "local"
 
@@ -61,6 +65,8 @@ def inv_freq(config: ModelConfig) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if kind == "longrope":
         return freq / torch.tensor(rs["short_factor"], dtype=torch.float32)
+    if kind == YARN:
+        return _yarn_inv_freq(config, freq)
     raise ValueError(f"rope scaling type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -73,8 +79,51 @@ def cos_sin_tables(config: ModelConfig, num_positions: int) -> dict[str, torch.T
     return tables
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original (1 at or below it)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(config: ModelConfig) -> float:
+    """The factor a yarn table's cos and sin are multiplied by (transformers' `attention_factor`)."""
+    rs = config.rope_scaling or {}
+    factor = _yarn_factor(config)
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+    return yarn_mscale(factor)
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    rs = config.rope_scaling
+    return rs.get("factor") or config.max_position_embeddings / rs["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(config: ModelConfig, freq: torch.Tensor) -> torch.Tensor:
+    """transformers' _compute_yarn_parameters: the extrapolated frequencies (`freq`) inside the high-frequency
+    end of the correction range, the interpolated ones (freq / factor) beyond its low end, a linear ramp between."""
+    rs, dim, base = config.rope_scaling, rotary_dim(config), config.rope_theta
+    original = rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.get("beta_fast") or 32), correction_dim(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return freq / _yarn_factor(config) * (1 - extrapolation) + freq * extrapolation
+
+
 def _global_table(config: ModelConfig, num_positions: int) -> torch.Tensor:
     positions = torch.arange(num_positions, dtype=torch.float32)
+    if rope_type(config) == YARN:
+        return _table(positions, inv_freq(config)) * yarn_attention_factor(config)
     if rope_type(config) != "longrope":
         return _table(positions, inv_freq(config))
     rs = config.rope_scaling

@@ -69,6 +69,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                original_max_position_embeddings=32, partial_rotary_factor=0.75,
                                rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0],
                                              "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 16.0]})),
+    # MoE: several experts, top-2 or more; Qwen3-MoE with a dense layer (mlp_only_layers) and unnormalized top-k
+    "mixtral-tiny": ("mixtral", dict(_TINY, head_dim=16, intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2)),
+    "qwen3-moe-tiny": ("qwen3_moe", dict(_TINY, num_hidden_layers=3, head_dim=32, rms_norm_eps=1e-6, num_experts=8,
+                                         num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
+    # DeepSeek-V2: MLA with small ranks (q_lora_rank set), 8 routed experts in 4 groups (the best 2 kept), top-3,
+    # 2 shared experts, a dense first layer, routed weights scaled
+    "deepseek-v2-tiny": ("deepseek_v2", dict(_TINY, num_hidden_layers=3, num_key_value_heads=4, rms_norm_eps=1e-6,
+                                             kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                                             num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=2,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             routed_scaling_factor=1.5, first_k_dense_replace=1)),
 }
 RANDOM_SEED = 0
 # the real models' packages: how to install them (package: sources name the first word)
@@ -167,6 +181,10 @@ def _hf_source(path: Path, record: dict) -> Source:
             if (path / f).is_file():
                 (out / f).write_bytes((path / f).read_bytes())
 
+    if "quantization_config" in cfg and config.num_experts:
+        raise SourceError(f"{path}: a pre-quantized Mixture-of-Experts checkpoint ({config.architecture}) is not read "
+                          "(its experts are quantized one by one); build from the float checkpoint and quantize "
+                          "with quantize_rtn or quantize_gptq")
     if "quantization_config" in cfg:  # AutoAWQ / GPTQ layouts -> our formats, the integers unchanged
         try:
             store, quantized, quantization = import_quantized(path, cfg, files)
@@ -175,7 +193,7 @@ def _hf_source(path: Path, record: dict) -> Source:
         parts = {part_name(t, r, i.format) for t, i in quantized.items() for r in i.format.part_shapes(i.shape)}
         table = {**tensor_table(store.keep([n for n in store.names() if n not in parts])), **quantized}
         return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
-    store = TensorStore.from_safetensors(files)
+    store = models.from_checkpoint(config, TensorStore.from_safetensors(files))
     return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
 
 
@@ -294,7 +312,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], norm_center: float, embed_
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()) ^ RANDOM_SEED)
     if len(shape) == 1:  # norm weights
         return norm_center + 0.1 * torch.randn(shape, generator=g)
-    std = embed_std if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
+    std = embed_std if name.endswith("embed_tokens.weight") else shape[-1] ** -0.5  # experts (E, N, K): K too
     return torch.randn(shape, generator=g) * std
 
 

@@ -6,7 +6,9 @@ The folder holds `config.json` (the model family's transformers config; with a `
 when a linear is quantized), `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards and
 `model.safetensors.index.json` past `max_shard_bytes`) and `generation_config.json`; the exporter
 (optc/commands/export/__init__.py) puts the tokenizer files beside them.
-Fused linears (qkv, gate_up) are cut back into the projections the family names (`hf_params`).
+Fused linears (qkv, gate_up) are cut back into the projections the family names (`hf_params`). A MoE
+model's experts are written stacked, under transformers 5's names (`mlp.experts.gate_up_proj`, loaded as
+they are); quantized experts are refused (compressed-tensors has no stacked-expert form).
 
 What each weight becomes is its format's scheme's business (`compressed_tensors_args`,
 `to_compressed_tensors`; docs/FORMATS.md has the mapping); a format the scheme refuses for `hf`
@@ -42,7 +44,9 @@ class HfExportError(UserError, ValueError):
 def check_hf(graph: Graph) -> None:
     """Refuse, in one line naming the first such tensor, weights whose format has no faithful compressed-tensors
     form (the scheme's `export_refusal(fmt, "hf")`), before anything is written."""
-    refusals = []
+    refusals = [f"tensor {t} is the {fmt.kind.value} experts of moe node {n.name}, which compressed-tensors cannot "
+                "hold (export the dense build)" for n in graph.nodes if n.op == "moe"
+                for t in (n.params["gate_up"], n.params["down"]) if (fmt := graph.tensors[t].format).is_quantized]
     for name in graph.used_tensors():
         fmt = graph.tensors[name].format
         refusal = fmt.scheme.export_refusal(fmt, "hf")

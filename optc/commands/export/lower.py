@@ -36,9 +36,12 @@ from optc.core.ir import Graph, Node
 from optc.core.rope import GLOBAL, cos_sin_tables
 from optc.core.store import TensorStore
 
-# every op of optc.core.ops has a lowering (tests/test_export.py checks the two lists agree)
+# every op of optc.core.ops has a lowering or is refused by name (tests/test_export.py checks the lists agree)
 LOWERED_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "rope", "rope_kv_store", "attention",
                "gated_act", "lm_head")
+# a graph holding one is refused by check_lowerable, naming the node (refused ops before any attribute)
+REFUSED_WHY = {"moe": "a Mixture-of-Experts block", "mla_attention": "Multi-head Latent Attention over a latent cache"}
+REFUSED_OPS = tuple(REFUSED_WHY)
 # op attributes of the families beyond Llama that no flavor lowers: a graph holding one is refused by name
 UNLOWERED_ATTRS = {"rms_norm": ("offset", "head_dim"), "add_rms_norm": ("offset",), "embedding": ("scale",),
                    "attention": ("softcap", "window"), "lm_head": ("softcap",), "rope": ("rope_table", "rotary_dim"),
@@ -50,7 +53,11 @@ PRESENT_VALUE = "present.{}.value"
 
 
 def check_lowerable(graph: Graph) -> None:
-    """Raise a UserError naming the first node whose attributes the ONNX export cannot lower."""
+    """Raise a UserError naming the first node whose op (then attributes) the ONNX export cannot lower."""
+    for node in graph.nodes:
+        if node.op in REFUSED_OPS:
+            raise UserError(f"node {node.name} ({node.op}) of a {graph.config.architecture} graph has no ONNX "
+                            f"lowering ({REFUSED_WHY[node.op]}); export it with --format hf instead")
     for node in graph.nodes:
         attrs = [a for a in UNLOWERED_ATTRS.get(node.op, ()) if node.attrs.get(a)]
         if node.op == "gated_act" and node.attrs["act"] != "silu":

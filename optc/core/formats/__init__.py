@@ -104,12 +104,27 @@ class Format:
         return Format(**{**d, "kind": FormatKind(d["kind"])})
 
     def part_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Role -> (shape, dtype) of each stored part of a logical tensor of `shape`."""
+        """Role -> (shape, dtype) of each stored part of a logical tensor of `shape`. A 3-D shape is a stack
+        of matrices along a leading expert axis (a moe block's experts): each part is the matrix's part,
+        stacked, so the scheme only ever sees 2-D weights (one expert is `part[e]`)."""
+        if len(shape) == 3:
+            return {r: ((shape[0], *s), d) for r, (s, d) in self.scheme.part_shapes(self, tuple(shape[1:])).items()}
         return self.scheme.part_shapes(self, tuple(shape))
 
+    def part_slices(self, shape: tuple[int, ...], axis: int, ranges) -> dict[str, tuple[int, tuple]]:
+        """The scheme's `part_slices` (where logical slices along `axis` live in the parts); a 3-D shape's
+        slices are every expert's, along the matrix axis `axis - 1` (the expert axis is never cut)."""
+        if len(shape) == 3:
+            if axis == 0:
+                raise ValueError("the expert axis is not sliced (expert parallelism is not supported)")
+            inner = self.scheme.part_slices(self, tuple(shape[1:]), axis - 1, ranges)
+            return {role: (part_axis + 1, r) for role, (part_axis, r) in inner.items()}
+        return self.scheme.part_slices(self, tuple(shape), axis, ranges)
+
     def check_shape(self, shape: tuple[int, ...], what: str) -> None:
-        """Raise an InputError naming `what` when `shape` cannot be stored in this format."""
-        self.scheme.check_shape(self, tuple(shape), what)
+        """Raise an InputError naming `what` when `shape` cannot be stored in this format (a 3-D shape:
+        when one expert's matrix cannot)."""
+        self.scheme.check_shape(self, tuple(shape[1:] if len(shape) == 3 else shape), what)
 
 
 DENSE_F32 = Format()

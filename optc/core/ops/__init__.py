@@ -2,7 +2,7 @@
 traits, the torch reference and the one node -> arguments adapter), plus `verify(graph, store)`.
 
 The references live beside their specs, one module per family (elementwise, norm, rope, attention,
-linear); they are pure torch, so the IR, the frontend, the passes and a CPU runtime never import
+linear, moe, mla); they are pure torch, so the IR, the frontend, the passes and a CPU runtime never import
 Triton. The Triton launchers (optc.kernels) share the references' signatures and plug into the
 same adapters (`OPS[op].bind(launcher)`). Values between nodes are 2-D: (T, features).
 """
@@ -15,6 +15,8 @@ from optc.core.ops.attention import ATTENTION
 from optc.core.ops.collective import ALL_GATHER, ALL_REDUCE
 from optc.core.ops.elementwise import ADD, GATED_ACT
 from optc.core.ops.linear import EMBEDDING, LINEAR, LM_HEAD
+from optc.core.ops.mla import MLA_ATTENTION
+from optc.core.ops.moe import MOE
 from optc.core.ops.norm import ADD_RMS_NORM, RMS_NORM
 from optc.core.ops.rope import ROPE, ROPE_KV_STORE
 from optc.core.ops.spec import Impl, OpSpec, Param
@@ -34,6 +36,8 @@ OPS: dict[str, OpSpec] = {
     "attention": ATTENTION,
     "gated_act": GATED_ACT,
     "lm_head": LM_HEAD,
+    "moe": MOE,
+    "mla_attention": MLA_ATTENTION,
     "all_reduce": ALL_REDUCE,
     "all_gather": ALL_GATHER,
 }
@@ -93,6 +97,9 @@ def verify(graph: Graph, store: TensorStore | None = None) -> None:
                 raise VerifyError(f"{where}: {tensor} has shape {list(info.shape)}, expected {list(shapes[role])}")
             if store is not None:
                 _verify_parts(tensor, info.shape, info.format, store)
+        problem = spec.check and spec.check(node, {r: graph.tensors[t].format for r, t in node.params.items()})
+        if problem:
+            raise VerifyError(f"{where}: {problem}")
     for v in graph.outputs:
         if v not in defined:
             raise VerifyError(f"graph output {v!r} is never produced")

@@ -15,6 +15,13 @@ optc.core.ops has an entry; a test holds that):
   each split output (fused QKV, gate-up) in its consumer's partition; row-parallel (weight columns)
   when its input is split: the output is a partial sum that an inserted `all_reduce` sums, and the
   bias is added on rank 0 only; whole when nothing downstream takes a split value;
+- EXPERTS (moe): input whole, router whole (every rank routes every token alike), each expert split
+  along its intermediate dimension (gate and up rows, down columns: each rank holds a slice of every
+  expert); the output is a partial sum that an inserted `all_reduce` sums. Expert parallelism (whole
+  experts per rank) is not done;
+- LATENT (mla_attention): query heads split evenly (q's rows per head, kv_b's rows per head, the output's
+  v_head_dim columns per head, so o_proj is row-parallel); kv_a, kv_norm and the latent cache replicated
+  (every rank stores the same latent: the cache has no head axis to split);
 - VOCAB_LOOKUP (embedding): rows split over the vocabulary (ceil(V / N) per rank); ids outside the
   shard give 0 and an inserted `all_reduce` sums;
 - VOCAB_LOGITS (lm_head): rows split over the vocabulary; an inserted `all_gather` concatenates the
@@ -50,6 +57,8 @@ class Partition(enum.Enum):
     GATED = "gated"
     HEADS = "heads"
     LINEAR = "linear"
+    EXPERTS = "experts"
+    LATENT = "latent"
     VOCAB_LOOKUP = "vocab_lookup"
     VOCAB_LOGITS = "vocab_logits"
     COLLECTIVE = "collective"
@@ -66,6 +75,8 @@ PARTITIONS: dict[str, Partition] = {
     "attention": Partition.HEADS,
     "gated_act": Partition.GATED,
     "lm_head": Partition.VOCAB_LOGITS,
+    "moe": Partition.EXPERTS,
+    "mla_attention": Partition.LATENT,
     "all_reduce": Partition.COLLECTIVE,
     "all_gather": Partition.COLLECTIVE,
 }
@@ -105,7 +116,7 @@ def shard(graph: Graph, store: TensorStore, rank: int, size: int) -> tuple[Graph
     for name, (axis, ranges) in plan.slices.items():
         info = graph.tensors[name]
         fmt = info.format
-        for role, (part_axis, part_ranges) in fmt.scheme.part_slices(fmt, info.shape, axis, ranges).items():
+        for role, (part_axis, part_ranges) in fmt.part_slices(info.shape, axis, ranges).items():
             key = part_name(name, role, fmt)
             source = store.entry(key)
             shape = list(source.shape)
@@ -174,6 +185,7 @@ class _Planner:
         self.q = ((q_heads[0] * c.head_dim, q_heads[1] * c.head_dim),)
         self.kv = ((kv_heads[0] * c.head_dim, kv_heads[1] * c.head_dim),)
         self.num_q_heads, self.num_kv_heads = q_heads[1] - q_heads[0], kv_heads[1] - kv_heads[0]
+        self.q_heads = q_heads
         for node in self.graph.nodes:
             if node.op not in PARTITIONS:
                 raise _Unsplittable(f"node {node.name}", f"op {node.op} declares no partition")
@@ -226,6 +238,8 @@ class _Planner:
                 wanted.add(self.q if i == 0 else self.kv)
             elif rule is Partition.GATED:
                 wanted.add(self._even(width, what))
+            elif rule is Partition.LATENT:
+                wanted.add(self._latent_heads(consumer, "qk") if i == 0 else WHOLE)
             else:
                 wanted.add(WHOLE)
         if len(wanted) > 1:
@@ -288,6 +302,31 @@ class _Planner:
                 del node.params["bias"]
         self._emit_reduced(node)
 
+    def _experts(self, node: Node, ins: list[Layout]) -> None:
+        self._need(node, ins, ins[0] == WHOLE, "needs its input whole")
+        size = node.attrs["intermediate_size"]
+        (cols,) = self._even(size, self._describe(node.params["down"]))
+        self._use_whole_tensor(node.params["router"])
+        self._slice(node.params["gate_up"], 1, (cols, (size + cols[0], size + cols[1])))  # gate rows, then up rows
+        self._slice(node.params["down"], 2, (cols,))
+        node.attrs["intermediate_size"] = cols[1] - cols[0]
+        self._emit_reduced(node)
+
+    def _latent(self, node: Node, ins: list[Layout]) -> None:
+        self._need(node, ins, ins == [self._latent_heads(node, "qk"), WHOLE, WHOLE],
+                   "needs its query heads in the rank's partition and its latent whole")
+        self._use_whole_tensor(node.params["kv_norm"])
+        self._slice(node.params["kv_b"], 0, self._latent_heads(node, "kv_b"))
+        node.attrs.update(num_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads)
+        self._emit(node, [self._latent_heads(node, "v")])
+
+    def _latent_heads(self, node: Node, what: str) -> Ranges:
+        """The rank's heads of an mla_attention node in features of q (`qk`), of kv_b's rows or of its output."""
+        a = node.attrs
+        width = {"qk": a["qk_nope_head_dim"] + a["head_dim"], "kv_b": a["qk_nope_head_dim"] + a["v_head_dim"],
+                 "v": a["v_head_dim"]}[what]
+        return ((self.q_heads[0] * width, self.q_heads[1] * width),)
+
     def _vocab_lookup(self, node: Node, ins: list[Layout]) -> None:
         self._need(node, ins, ins[0] == WHOLE, "needs its input ids whole")
         rows = self._vocab()
@@ -346,7 +385,7 @@ class _Planner:
         if tensor in self.slices and self.slices[tensor] != (axis, ranges):
             raise _Unsplittable(self._describe(tensor), "its users take different slices of it")
         try:
-            info.format.scheme.part_slices(info.format, info.shape, axis, ranges)
+            info.format.part_slices(info.shape, axis, ranges)
         except ValueError as e:
             raise _Unsplittable(self._describe(tensor), str(e)) from None
         self.slices[tensor] = (axis, ranges)

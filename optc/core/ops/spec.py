@@ -45,6 +45,8 @@ class OpSpec:
     touches_kv_cache: bool = False  # reads or writes the paged KV cache (kv_layout records its layout)
     reference_syncs_host: bool = False  # the reference reads device values on the host: no CUDA-graph capture
     rows: Callable[[list, Any], int] = None  # (inputs, step) -> the M a per-M kernel choice routes on
+    # (node, role -> its param's format) -> why the node cannot run (verify raises it), or None
+    check: Callable[[Node, dict[str, Format]], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.rows is None:

@@ -1,12 +1,13 @@
 """Model families: which module knows an architecture, and what every family shares through it.
 
-A family module (one file: `llama.py`, `qwen3.py`, `gemma.py`, `phi3.py`) names its transformers model
-types and architectures (`MODEL_TYPES`), lays out its decoder block (`LAYOUTS`: a `Layout` per
-architecture, the data optc/frontend/models/decoder.py's one graph template reads), reads a transformers
-config into a `ModelConfig` (`config_from_hf`) and writes one back (`hf_config`). Everything else is
-shared here: the graph over a checkpoint's names (`graph_for`, `param_shapes`), the transformers
-parameter names an artifact's tensors hold (`hf_params`) and its `nn.Linear` modules
-(`hf_linear_modules`), and a dense artifact rebuilt as the family's transformers model
+A family module (one file: `llama.py`, `qwen3.py`, `gemma.py`, `phi3.py`, `mixtral.py`, `qwen3_moe.py`,
+`deepseek_v2.py`)
+names its transformers model types and architectures (`MODEL_TYPES`), lays out its decoder block
+(`LAYOUTS`: a `Layout` per architecture, the data optc/frontend/models/decoder.py's one graph template
+reads), reads a transformers config into a `ModelConfig` (`config_from_hf`) and writes one back
+(`hf_config`). Everything else is shared here: the graph over a checkpoint's names (`graph_for`,
+`param_shapes`), the transformers parameter names an artifact's tensors hold (`hf_params`) and its
+`nn.Linear` modules (`hf_linear_modules`), and a dense artifact rebuilt as the family's transformers model
 (`hf_model_from_artifact`, the peer of `optc bench --compare-hf`). A new family is one more module and
 one more entry in `_MODULES`. The sources (optc/frontend/sources.py) read files; this package maps
 architectures to what their weights mean.
@@ -23,12 +24,13 @@ import torch
 from optc.core.errors import InputError, UnsupportedModelError
 from optc.core.ir import Graph, ModelConfig, TensorInfo
 from optc.core.store import TensorStore
-from optc.frontend.models import decoder, gemma, llama, phi3, qwen3
+from optc.frontend.models import decoder, deepseek_v2, gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 
 __all__ = ["FAMILIES", "MODEL_TYPES", "UnsupportedModelError", "architecture_of", "config_from_hf", "family",
+           "from_checkpoint",
            "graph_for", "hf_config", "hf_linear_modules", "hf_model_from_artifact", "hf_params", "param_shapes"]
 
-_MODULES = (llama, qwen3, gemma, phi3)
+_MODULES = (llama, qwen3, gemma, phi3, mixtral, qwen3_moe, deepseek_v2)
 FAMILIES: dict[str, ModuleType] = {arch: m for m in _MODULES for arch in m.MODEL_TYPES.values()}
 MODEL_TYPES: dict[str, str] = {t: arch for m in _MODULES for t, arch in m.MODEL_TYPES.items()}  # model_type -> arch
 
@@ -72,6 +74,12 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
 def graph_for(config: ModelConfig, tensors: dict[str, TensorInfo]) -> Graph:
     """The unoptimized graph of `config`'s family over a checkpoint's tensor table."""
     return decoder.graph_for(config, tensors, family(config.architecture).LAYOUTS[config.architecture])
+
+
+def from_checkpoint(config: ModelConfig, store: TensorStore) -> TensorStore:
+    """A transformers checkpoint's store under the names the graph reads (a MoE checkpoint's per-expert
+    weights stacked: `decoder.stack_checkpoint_experts`)."""
+    return decoder.stack_checkpoint_experts(config, family(config.architecture).LAYOUTS[config.architecture], store)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

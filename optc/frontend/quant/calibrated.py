@@ -24,7 +24,7 @@ from optc.core.ops import Param
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, PassResult
 from optc.frontend.quant.blocks import BlockRunner, apply, progress, start_calibration, to_host
-from optc.frontend.quant.options import dense_linear_weights
+from optc.frontend.quant.options import dense_linear_weights, expert_weights
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Calibration:
     """One calibrated run: what the method may read (graph, targets, runner) and what it writes."""
 
     graph: Graph
-    targets: set[str]  # the dense linear weights to quantize
+    targets: set[str]  # the dense linear weights (and moe experts) to quantize
     runner: BlockRunner
     quantized: dict[str, tuple[Format, dict[str, torch.Tensor]]] = field(default_factory=dict)
     folded: dict[str, torch.Tensor] = field(default_factory=dict)  # dense weights rewritten (AWQ's 1/s)
@@ -52,7 +52,7 @@ def run_calibrated(pass_name: str, method: str, graph: Graph, store: TensorStore
     """Quantize every dense linear of `graph` block by block with `quantize_block`; `record` (the format's
     and the method's options) goes into the manifest section, `stats()` (read after the last block) into
     the pass stats, after the method's name."""
-    targets = set(dense_linear_weights(graph))
+    targets = set(dense_linear_weights(graph) + expert_weights(graph))  # a method that cannot do experts refuses them
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
     runner, blocks = start_calibration(graph, store, ctx, pass_name)

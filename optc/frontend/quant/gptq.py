@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from optc.core.ir import Node
 from optc.core.ops import Param
 from optc.frontend.quant.blocks import linear_groups
 from optc.frontend.quant.calibrated import Calibration
+from optc.frontend.quant.experts import ExpertStats, gptq_expert, quantize_experts
 from optc.frontend.quant.rtn import check_quantizable, group_params, pack_parts, quantize_values
 
 
@@ -163,10 +165,11 @@ class Gptq:
 
 
 def quantize_block(run: Calibration, nodes: list[Node], params: dict[str, Param], options: GptqOptions,
-                   format_of: Callable[[str], Format]) -> None:
+                   format_of: Callable[[str], Format], experts: ExpertStats | None = None) -> None:
     """The calibrated driver's step for GPTQ: quantize the block's target linears to `format_of(name)`, one
     group of linears sharing an input at a time, each group's Hessian from its input computed through the
-    groups already quantized before it (true sequential)."""
+    groups already quantized before it (true sequential); then a moe node's experts, each on the tokens
+    routed to it (optc/frontend/quant/experts.py; `experts` counts them)."""
     for group in linear_groups(nodes):
         names = [n.params["weight"] for n in group if n.params["weight"] in run.targets]
         if not names:
@@ -181,6 +184,17 @@ def quantize_block(run: Calibration, nodes: list[Node], params: dict[str, Param]
             gptq.hessian, gptq.num_samples = hessian  # same input, same H (run() copies it)
             fmt = format_of(name)
             run.keep(name, fmt, gptq.quantize(fmt, options.damp, options.block_size, options.act_order), params)
+    for node in (n for n in nodes if n.op == "moe"):
+        quantize_experts(run, nodes, node, params, partial(gptq_expert, partial(_gptq_parts, options=options)),
+                         format_of, experts if experts is not None else ExpertStats("gptq"))
+
+
+def _gptq_parts(weight: torch.Tensor, x: torch.Tensor, fmt: Format, name: str,
+                options: GptqOptions) -> dict[str, torch.Tensor]:
+    """One weight quantized with GPTQ on inputs x (..., K)."""
+    gptq = Gptq(weight, name)
+    gptq.add_batch(x)
+    return gptq.quantize(fmt, options.damp, options.block_size, options.act_order)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float, name: str) -> torch.Tensor:

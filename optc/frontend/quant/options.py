@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
+
+import torch
 
 from optc.core.errors import InputError
 from optc.core.formats import Format, part_name
@@ -58,7 +61,9 @@ class WeightQuantOptions:
         (so a second run of the same pass changes nothing)."""
         kind = self.format().kind  # a GGUF kind kept with the same bits and groups is still another format
         want = (self.bits, self.stored_group_size, self.has_zero_point, self.format().activations)
-        for name in dict.fromkeys(n.params["weight"] for n in graph.nodes if n.op == "linear"):
+        weights = [n.params[r] for n in graph.nodes for r in ("weight", "gate_up", "down")
+                   if n.op in ("linear", "moe") and r in n.params]
+        for name in dict.fromkeys(weights):
             fmt = graph.tensors[name].format
             if fmt.is_quantized and (fmt.kind != kind
                                      or (fmt.bits, fmt.group_size, fmt.zero_point, fmt.activations) != want):
@@ -69,6 +74,13 @@ class WeightQuantOptions:
                                  "keep one quantization pass")
 
 
+def expert_weights(graph: Graph) -> list[str]:
+    """The experts' stacked weights (gate_up, down) of `moe` nodes still stored dense, in node order; the
+    router is never among them (it stays float)."""
+    names = [n.params[role] for n in graph.nodes if n.op == "moe" for role in ("gate_up", "down")]
+    return [t for t in dict.fromkeys(names) if not graph.tensors[t].format.is_quantized]
+
+
 def dense_linear_weights(graph: Graph) -> list[str]:
     """Weights of `linear` nodes still stored dense, in node order (embedding and lm_head excluded)."""
     names = [n.params["weight"] for n in graph.nodes if n.op == "linear"]
@@ -77,7 +89,7 @@ def dense_linear_weights(graph: Graph) -> list[str]:
 
 def ensure_quantized(graph: Graph, pass_name: str) -> None:
     """Raise when a linear is left dense after a weight-quantization pass."""
-    left = dense_linear_weights(graph)
+    left = dense_linear_weights(graph) + expert_weights(graph)
     if left:
         raise ValueError(f"{pass_name}: linears left dense: {left[:3]}")
 
@@ -110,14 +122,17 @@ def lazy_entries(name: str, shape: tuple[int, ...], src: Entry, fmt: Format, las
 
 def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], Format],
                   quantize: Callable[[Any, Format, str], dict], record: dict[str, Any]) -> PassResult:
-    """Every dense linear weight rounded to the nearest value of `format_of(its dtype)` by `quantize`,
-    lazily (`lazy_entries`); the manifest's quantization section is method rtn plus `record`."""
-    targets = dense_linear_weights(graph)
+    """Every dense linear weight and moe expert weight rounded to the nearest value of `format_of(its dtype)`
+    by `quantize`, lazily (`lazy_entries`); the manifest's quantization section is method rtn plus `record`.
+    Experts (E, N, K) are rounded one expert at a time, their parts stacked (`Format.part_shapes`)."""
+    targets = dense_linear_weights(graph) + expert_weights(graph)
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
+    num_experts = len(expert_weights(graph))
+    experts = {"expert_tensors": num_experts} if num_experts else {}  # of them, stacked experts (E, N, K)
     new = graph.copy()
     entries: dict[str, Entry] = {}
-    last = LastParts(quantize)
+    last = LastParts(partial(per_expert, quantize))
     for name in targets:
         info = graph.tensors[name]
         fmt = format_of(info.format.dtype)
@@ -125,5 +140,13 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
         new.tensors[name] = TensorInfo(info.shape, fmt)
         entries.update(lazy_entries(name, info.shape, store.entry(part_name(name, "weight", info.format)), fmt, last))
     return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                      stats={"quantized": len(targets), "method": "rtn"},
+                      stats={"quantized": len(targets), "method": "rtn", **experts},
                       manifest={"quantization": {"method": "rtn", **record}})
+
+
+def per_expert(quantize: Callable[[Any, Format, str], dict], w: Any, fmt: Format, name: str) -> dict:
+    """`quantize` of a matrix; of a stack of experts' matrices (E, N, K), each expert's parts stacked."""
+    if w.dim() != 3:
+        return quantize(w, fmt, name)
+    experts = [quantize(w[e], fmt, f"{name} (expert {e})") for e in range(w.shape[0])]
+    return {role: torch.stack([p[role] for p in experts]) for role in experts[0]}
