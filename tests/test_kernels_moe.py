@@ -153,3 +153,36 @@ def test_fused_moe_compiles_for_sm90_at_mixtral_and_qwen3_moe_sizes(tmp_path):
         assert c["kernel"] == "_moe_gemm_kernel" and c["fits"] and c["registers"] > 0 and c["spills"] == 0, c
     assert {(c["gate_up"], c["block_m"], c["weight"]) for c in compiled} == \
         {(g, m, w) for g in (True, False) for m in (16, 64) for w in (0, 1, 2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8, 4096, 14336, 2), (128, 2048, 768, 8)], ids=["mixtral-8x7b", "qwen3-moe-30b"])
+@pytest.mark.parametrize("bits", [None, 8, 4], ids=["dense", "int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 33, 300])
+def test_fused_moe_on_cuda_model_shapes(shape, bits, tokens):
+    # random stored parts at the models' shapes (quantizing 8 x 28672 x 4096 on the host would take minutes);
+    # bf16 on the tensor cores against the reference's cuBLAS matmuls: sums in another order, so two bf16 steps
+    from optc.frontend.quant.rtn import make_format
+    from optc.kernels.moe_fused import fused_moe
+
+    e, h, i, k = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def parts(n, kk):
+        if bits is None:
+            return {"weight": (torch.randn(e, n, kk, generator=g, device="cuda") / kk ** 0.5).bfloat16()}
+        if bits == 8:
+            return {"qweight": torch.randint(-127, 128, (e, n, kk), generator=g, device="cuda", dtype=torch.int8),
+                    "scales": (torch.rand(e, n, generator=g, device="cuda") / (127 * kk ** 0.5)).bfloat16()}
+        return {"qweight": torch.randint(-2**31, 2**31 - 1, (e, n, kk // 8), generator=g, device="cuda",
+                                         dtype=torch.int32),
+                "scales": (torch.rand(e, n, kk // 128, generator=g, device="cuda") / (8 * kk ** 0.5)).bfloat16()}
+
+    fmt = Format(dtype="bfloat16") if bits is None else make_format(bits, 128 if bits == 4 else None, False,
+                                                                   "bfloat16")
+    x = torch.randn(tokens, h, generator=g, device="cuda").bfloat16()
+    router = torch.randn(e, h, generator=g, device="cuda").bfloat16()
+    args = (x, router, parts(2 * i, h), fmt, parts(h, i), fmt, k, True, "silu")
+    assert_close(fused_moe(*args).float(), moe_ref(*args).float(), rtol=2**-6,
+                 what=f"fused moe on cuda {shape} {fmt.label} T={tokens}")
