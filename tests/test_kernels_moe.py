@@ -54,10 +54,11 @@ def _both(x, router, parts, fmt, top_k, renormalize, **attrs):
     (None, torch.float32, 13, 2, {}, 1e-5),
     (None, torch.float32, 101, 3, {"num_groups": 3, "topk_groups": 2, "routed_scale": 2.5}, 1e-5),  # large tiles
     (None, torch.bfloat16, 21, 3, {"round_weights": True}, 2**-7),
+    (None, torch.float16, 19, 2, {}, 2**-10),  # one fp16 step; measured 1e-4 (the interpreter's fp16 dot)
     (8, torch.bfloat16, 21, 2, {}, 2**-7),
     (4, torch.bfloat16, 13, 2, {}, 2**-7),
     (4, torch.float32, 5, 3, {}, 1e-5),
-], ids=["dense-f32-top2", "dense-f32-top3-groups-large", "dense-bf16-top3-round", "int8-bf16-top2",
+], ids=["dense-f32-top2", "dense-f32-top3-groups-large", "dense-bf16-top3-round", "dense-f16-top2", "int8-bf16-top2",
         "int4zp-bf16-top2", "int4-f32-top3"])
 def test_fused_moe_equals_the_reference(weights, dtype, tokens, top_k, attrs, rtol):
     from optc.frontend.quant.rtn import make_format
@@ -70,6 +71,28 @@ def test_fused_moe_equals_the_reference(weights, dtype, tokens, top_k, attrs, rt
     assert got.dtype == want.dtype == dtype and got.shape == want.shape == (tokens, H)
     assert_close(got.float(), want.float(), rtol=rtol,
                  what=f"fused moe {fmt.label} {dtype} T={tokens} top-{top_k} {attrs}")
+
+
+def test_the_bound_kernel_runs_a_moe_node_as_its_reference_does():
+    # through the kernel table and the op's node -> arguments adapter, as the executor calls it: DeepSeek-V2's
+    # routing attrs (fp32 router, 3 groups keep 2, x2.5, not renormalized) reach the launcher's route()
+    from optc.core.formats import DENSE_F32
+    from optc.core.ir import Node
+    from optc.core.ops import OPS, Param
+    from optc.kernels.registry import impls
+
+    x, router, parts, fmt = _experts(None, torch.float32, 11, seed=1)
+    attrs = {"num_experts": E, "intermediate_size": N, "top_k": 3, "scoring": "softmax", "renormalize": False,
+             "act": "silu", "routed_scale": 2.5, "num_groups": 3, "topk_groups": 2, "float_router": True,
+             "kernel": "triton.fused_moe"}
+    node = Node("model.layers.0.mlp", "moe", ["x"], ["y"], attrs, {"router": "r", "gate_up": "gu", "down": "d"})
+    params = {"router": Param({"weight": router}, DENSE_F32), "gate_up": Param(parts["gate_up"], fmt),
+              "down": Param(parts["down"], fmt)}
+    (got,) = impls(["triton.fused_moe"])["triton.fused_moe"](node, [x], params, None)
+    (want,) = OPS["moe"].ref(node, [x], params, None)
+    assert_close(got, want, rtol=1e-5, what="triton.fused_moe bound to a moe node")
+    assert not torch.equal(want, OPS["moe"].ref(Node(**{**vars(node), "attrs": {**attrs, "num_groups": 1}}),
+                                                [x], params, None)[0]), "the groups must change the routing"
 
 
 def test_the_sort_pads_each_expert_to_whole_tiles():
