@@ -148,7 +148,9 @@ def fused_moe(x: torch.Tensor, router: torch.Tensor, gate_up: dict[str, torch.Te
     common = dict(sorted_rows_ptr=sorted_rows, tile_expert_ptr=tile_expert, num_rows=num_rows, top_k=top_k,
                   FP32_DOT=fp32_dot(x), RNE_BF16=rne_bf16(x), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                   num_stages=stages)
-    inter = _expert_shape(gate_up, gate_up_format, num_experts, hidden)[0] // 2
+    two_inter = _expert_shape(gate_up, gate_up_format, num_experts, hidden)[0]
+    assert two_inter % 2 == 0, f"gate_up has {two_inter} rows per expert: [gate | up] must be even"
+    inter = two_inter // 2
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # act(gate) * up per (token, slot) row
     _launch(x, gate_up, gate_up_format, h, inter, hidden, weights, block_k, GATE_UP=True, ACT=ACTS.index(act),
             **common)
@@ -169,6 +171,7 @@ def _launch(a: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format, out: t
     if kind is FormatKind.INT4_G:
         block_k = min(block_k, fmt.group_size)  # one group per K tile, K whole tiles (K % group == 0)
         assert k % fmt.group_size == 0, f"K={k} is not a multiple of the group size {fmt.group_size}"
+        assert (zeros is not None) == fmt.zero_point, "zeros present iff the format has a zero point"
     assert w.stride(-1) == 1 and scales.stride(-1) == 1, "weights and scales must be contiguous along K"
     assert zeros is None or zeros.stride(-1) == 1, "zeros must be contiguous along K"
     tiles = meta["tile_expert_ptr"].shape[0]
