@@ -31,6 +31,17 @@ def dot_or_fma(a, b, FP32: tl.constexpr, BLOCK_M: tl.constexpr):
     return dot(a, b, FP32)
 
 
+@triton.jit
+def to_dtype(v, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
+    # fp32 v -> DTYPE, rounded to nearest even. The interpreter's fp32 -> bf16 cast truncates (it ignores
+    # the rounding mode), which biases every rounding toward zero; RNE_BF16 (`rne_bf16`) rounds the bits by
+    # hand first, so the cast is exact. Compiled for a GPU the cast itself rounds to nearest even.
+    if RNE_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(DTYPE)
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run under the interpreter (TRITON_INTERPRET=1)."""
     return triton.knobs.runtime.interpret
@@ -39,3 +50,8 @@ def interpreting() -> bool:
 def fp32_dot(t: torch.Tensor) -> bool:
     """The FP32 constexpr for kernels whose dot operands have `t`'s dtype."""
     return t.dtype == torch.float32 or (t.dtype == torch.bfloat16 and interpreting())
+
+
+def rne_bf16(t: torch.Tensor) -> bool:
+    """The RNE_BF16 constexpr of `to_dtype` for kernels that round to `t`'s dtype."""
+    return t.dtype == torch.bfloat16 and interpreting()

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from optc.kernels._dot import to_dtype
+
 BLOCK_I = 1024
 ACTS = ("silu", "gelu_tanh")  # the ACT constexpr is the index
 
@@ -43,6 +45,13 @@ def _gated_act_kernel(
     mask = offs < inter
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, gated(g, u, ACT, out_ptr.dtype.element_ty, False), mask=mask)
+
+
+@triton.jit
+def gated(g, u, ACT: tl.constexpr, DTYPE: tl.constexpr, RNE_BF16: tl.constexpr):
+    # act(g) * u from fp32 g, u: act(g) in fp32 rounded to DTYPE, times u in fp32, rounded to DTYPE (the
+    # fused MoE kernel's gate_up epilogue shares it; RNE_BF16: _dot.to_dtype's)
     if ACT == 0:
         act = g / (1.0 + tl.exp(-g))
     else:  # torch's 0.5 g (1 + tanh(y)); tanh(|y|) = (1 - t) / (1 + t), t = e^(-2|y|) in (0, 1]
@@ -50,8 +59,7 @@ def _gated_act_kernel(
         t = tl.exp2(-2.302208198144325 * tl.abs(inner))  # 2 sqrt(2 / pi) log2 e: e^(-2|y|) as exp2
         tanh = (1.0 - t) / (1.0 + t)
         act = 0.5 * g * (1.0 + tl.where(inner < 0, -tanh, tanh))
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    return to_dtype(to_dtype(act, DTYPE, RNE_BF16).to(tl.float32) * u, DTYPE, RNE_BF16)
 
 
 def gated_act(x: torch.Tensor, up: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:

@@ -26,7 +26,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optc.core.formats import DTYPES, Activations, Format, FormatKind
+from optc.core.formats import DTYPES, INT4_PACKING, Activations, Format, FormatKind
 from optc.core.ir import REFERENCE_KERNEL
 from optc.core.kv_cache import KV_DTYPES, KV_FLOAT_DTYPES
 from optc.core.ops import OPS, Impl, Param
@@ -283,11 +283,26 @@ def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
             and h % 16 == 0 and h % w.group_size == 0 and i % w.group_size == 0)
 
 
+def _fused_moe_ok(q: KernelQuery) -> bool:
+    # experts (E, 2I, H) dense, int8_wo or int4_g (k8_lsb, no act_order; the format keeps H and I whole groups)
+    w = q.weight
+    if q.op != "moe" or w is None or len(q.weight_shape) != 3 or not _dtype_ok(q) or q.act not in GATED_ACTS:
+        return False
+    if w.kind is FormatKind.DENSE:
+        return True
+    return w.activations is Activations.NONE and (
+        (w.kind is FormatKind.INT8_WO and w.group_size is None)
+        or (w.kind is FormatKind.INT4_G and not w.act_order and w.packing == INT4_PACKING))
+
+
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in (
     KernelSpec("triton.rms_norm", "rms_norm", _norm_ok, "norm:rms_norm"),
     KernelSpec("triton.add_rms_norm", "add_rms_norm", _norm_ok, "norm:add_rms_norm"),
     KernelSpec("triton.gated_act", "gated_act", _gated_act_ok, "activation:gated_act"),
     KernelSpec("triton.rope", "rope", _rope_ok, "rope:rope"),
+    # the moe block in two grouped GEMMs over all experts: checked under the interpreter and compiled for sm_90,
+    # not yet run on a GPU
+    KernelSpec("triton.fused_moe", "moe", _fused_moe_ok, "moe_fused:fused_moe", by_default=False),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
     KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
     # MLA's absorbed decode: checked under the interpreter and compiled for sm_90, not yet run on a GPU

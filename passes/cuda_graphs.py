@@ -44,7 +44,8 @@ class CudaGraphs(Pass):
         sizes = list(self.options.batch_sizes)
         # attention(q, k, v) {kernel: torch} -> eager at runtime (the reference syncs on seq_lens)
         eager_only = [n.name for n in host_syncing_nodes(graph)]
-        moe = [n.name for n in graph.nodes if n.op == "moe"]  # no CUDA moe kernel yet: its reference syncs
+        # moe runs eager on CUDA: its reference syncs, and triton.fused_moe (off by default) is unrun on a GPU
+        moe = [n.name for n in graph.nodes if n.op == "moe"]
         mla = [n.name for n in graph.nodes if n.op == "mla_attention"]  # no CUDA MLA kernel: the reference syncs
         if mla:
             ctx.progress(f"cuda_graphs: {len(mla)} mla_attention node(s) (first: {mla[0]}) have no CUDA kernel and "
