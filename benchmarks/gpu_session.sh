@@ -18,7 +18,8 @@
 #   families       the family kernel paths (first run on an H200 on 2026-11-26, docs/PERF.md): attention with
 #                  soft cap, sliding window and head dims 256 / 96 at Gemma / Qwen3 / Phi-3 shapes (float,
 #                  int8 and fp8 KV), each family's random preset built for cuda against its references, and
-#                  Gemma 3's sliding layers on cuda with CUDA graphs, their KV blocks bounded by the window
+#                  Gemma 3's sliding layers on cuda with CUDA graphs, their KV blocks bounded by the window;
+#                  the fused MoE kernel (never run on a GPU) at Mixtral-8x7B and Qwen3-MoE shapes
 #   quantized      every quantized kernel path never yet run on a GPU: a tiny artifact per path against its
 #                  torch references (int4/int8 linears and lm_heads, fp8, fp8/int8 W8A8, int8/fp8 KV), and
 #                  the fp8, W8A8 and tinygemm (torch.int4pack) kernels on Llama-3-8B shapes
@@ -151,10 +152,10 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
         tests/test_kernels_linear.py -k "not every_autotune" ;;
     families)
-      estimate 3 "setup 0.3, 20 attention tests at family shapes (~60 compiles), 8 tiny family builds served on cuda (~10 s each)"
+      estimate 4 "setup 0.3, 20 attention tests at family shapes (~60 compiles), 8 tiny family builds served on cuda (~10 s each), 18 fused MoE cases (unmeasured, ~1)"
       setup
       pytest_stage 420 150 tests/test_kernels_attention_window.py tests/test_kernels_families.py \
-        tests/test_sliding_window_kv.py ;;
+        tests/test_sliding_window_kv.py tests/test_kernels_moe.py ;;
     quantized)
       estimate 4 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 and 16 tinygemm kernel tests"
       setup
