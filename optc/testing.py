@@ -124,6 +124,22 @@ def hf_cached_greedy_logits(model, prompt: list[int], max_tokens: int) -> list[t
     return steps
 
 
+def assert_greedy_like_bf16(hf, prompts: list[list[int]], completions, max_tokens: int, what: str = "") -> None:
+    """tests/test_bf16_parity.py's rule: tokens equal transformers' (`hf`, bfloat16, stepped over its cache) up to
+    the first difference, and there its logits of both tokens are at most one bfloat16 step apart (a tie
+    within its rounding)."""
+    for ids, c in zip(prompts, completions, strict=True):
+        logits = hf_cached_greedy_logits(hf, ids, max_tokens)
+        expected = [int(step.argmax()) for step in logits]
+        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
+        if t is None:
+            continue
+        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
+        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
+        assert theirs - ours <= step, f"{what}{len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
+                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
+
+
 def assert_no_leaks(engine) -> None:
     """Every KV block is back in the pool and no request is left (after generate, abort or preemption)."""
     kv = engine.kv_manager

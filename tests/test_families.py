@@ -18,9 +18,9 @@ import torch
 from optc.runtime import Engine, SamplingParams
 from optc.testing import (
     assert_close,
+    assert_greedy_like_bf16,
     build_artifact,
     hf_cached_greedy,
-    hf_cached_greedy_logits,
     prefill_logits,
     random_hf_model,
 )
@@ -82,16 +82,7 @@ def test_bf16_greedy_like_transformers(preset, tmp_path):
     artifact = build_artifact(tmp_path / "a", None, "dtype=bfloat16", FUSED, model=f"random:{preset}")
     prompts = _prompts(preset)
     completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    for ids, c in zip(prompts, completions, strict=True):
-        logits = hf_cached_greedy_logits(hf, ids, NEW_TOKENS)
-        expected = [int(step.argmax()) for step in logits]
-        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
-        if t is None:
-            continue
-        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
-        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
-        assert theirs - ours <= step, f"{preset}, {len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
-                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
+    assert_greedy_like_bf16(hf, prompts, completions, NEW_TOKENS, f"{preset}, ")
 
 
 @pytest.mark.parametrize("config, message", [

@@ -144,22 +144,13 @@ def test_bf16_moe_block_is_transformers_eager_experts_bit_for_bit(preset):
 def test_bf16_greedy_like_transformers(preset, tmp_path):
     """tests/test_families.py's bf16 rule: tokens equal up to the first difference, and there transformers' own
     bfloat16 logits of both tokens are at most one bfloat16 step apart."""
-    from optc.testing import hf_cached_greedy_logits
+    from optc.testing import assert_greedy_like_bf16
 
     hf = random_hf_model(preset, torch.bfloat16)
     artifact = build_artifact(tmp_path / "a", None, "dtype=bfloat16", FUSED, model=f"random:{preset}")
     prompts = _prompts()[2:]
     completions = Engine.load(artifact).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    for ids, c in zip(prompts, completions, strict=True):
-        logits = hf_cached_greedy_logits(hf, ids, 16)
-        expected = [int(step.argmax()) for step in logits]
-        t = next((i for i, (a, b) in enumerate(zip(c.token_ids, expected, strict=True)) if a != b), None)
-        if t is None:
-            continue
-        ours, theirs = logits[t][c.token_ids[t]].item(), logits[t][expected[t]].item()
-        step = 2.0 ** (torch.tensor(max(abs(ours), abs(theirs))).clamp_min(1e-30).log2().floor().item() - 7)
-        assert theirs - ours <= step, f"{preset}, {len(ids)}-token prompt: token {t} is {c.token_ids[t]}, " \
-                                      f"transformers' {expected[t]}; its logits {theirs:.4f} vs {ours:.4f}"
+    assert_greedy_like_bf16(hf, prompts, completions, 16, f"{preset}, ")
 
 
 def test_a_quantized_router_is_refused_by_name():
