@@ -1,0 +1,84 @@
+"""The CPU kernels of the kernel table (torch's packed matmuls and the GGUF kinds' layouts), in
+preference order, with their `supports` predicates; kernels/registry.py assembles the table.
+`select_kernels` measures each against the op reference per M bucket on the build machine."""
+
+from __future__ import annotations
+
+from optc.core.formats import Activations, FormatKind
+from optc.kernels.spec import KernelQuery, KernelSpec, dtype_ok
+
+
+def _int4pack_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (dtype_ok(q) and w is not None and w.kind in (FormatKind.INT4_G, FormatKind.INT4_GF) and not w.act_order
+            and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
+def _int8gf_int4x2_ok(q: KernelQuery) -> bool:
+    # torch's int4 kernel: groups of 32 or more (not Q6_K's 16), whole tiles of 16 output rows
+    w = q.weight
+    return (dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_GF and w.group_size >= 32
+            and len(q.weight_shape) == 2 and q.weight_shape[0] % 16 == 0 and q.weight_shape[1] % w.group_size == 0)
+
+
+def _widened_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return dtype_ok(q) and w is not None and w.kind in (FormatKind.INT4_GF, FormatKind.INT8_GF)
+
+
+def _int8pack_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (dtype_ok(q) and w is not None and w.kind is FormatKind.INT8_WO and w.activations is Activations.NONE
+            and len(q.weight_shape) == 2 and q.weight_shape[1] % 16 == 0)
+
+
+def _int_mm_logits_cpu_ok(q: KernelQuery) -> bool:
+    w = q.weight
+    return (q.dtype in ("bfloat16", "float16") and w is not None and w.kind is FormatKind.INT8_WO
+            and w.activations is Activations.NONE and len(q.weight_shape) == 2)
+
+
+def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
+    # experts (E, 2I, H) in one quantized format, as the linear kernels take each expert's gate_up (2I, H) and
+    # down (H, I): int8pack K % 16; int4pack with 16-bit x only (float32 int4pack loses to the reference), N % 16
+    w = q.weight
+    if q.op != "moe" or w is None or len(q.weight_shape) != 3 or not dtype_ok(q):
+        return False
+    _, two_i, h = q.weight_shape
+    i = two_i // 2
+    if w.kind is FormatKind.INT8_WO:
+        return w.activations is Activations.NONE and h % 16 == 0 and i % 16 == 0
+    return (w.kind is FormatKind.INT4_G and not w.act_order and q.dtype != "float32" and two_i % 16 == 0
+            and h % 16 == 0 and h % w.group_size == 0 and i % w.group_size == 0)
+
+
+CPU_KERNELS: tuple[KernelSpec, ...] = (
+    # float32 int4pack loses to the reference at M >= 64: select_kernels measures per M bucket
+    KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
+               prepare="int4_cpu:prepare_int4pack", layout="int4pack_cpu(inner_k_tiles=2)"),
+    KernelSpec("cpu.int8pack", "linear", _int8pack_cpu_ok, "int8_cpu:int8pack_linear", target="cpu",
+               prepare="int8_cpu:prepare_int8pack"),
+    # a quantized lm_head (quantize_lm_head): the same matmuls, then logits_ref's fp32 recompute of the best rows
+    KernelSpec("cpu.int4pack_logits", "lm_head", _int4pack_cpu_ok, "int4_cpu:int4pack_logits", target="cpu",
+               prepare="int4_cpu:prepare_int4pack_logits", layout="int4pack_cpu(inner_k_tiles=2) + stored parts"),
+    KernelSpec("cpu.int8pack_logits", "lm_head", _int8pack_cpu_ok, "int8_cpu:int8pack_logits", target="cpu",
+               prepare="int8_cpu:prepare_int8pack"),
+    # the GGUF kinds (source_quantization: keep): int8_gf as two int4 packs, or either kind dequantized once
+    KernelSpec("cpu.int8gf_int4x2", "linear", _int8gf_int4x2_ok, "gf_cpu:int8gf_int4x2_linear", target="cpu",
+               prepare="gf_cpu:prepare_int8gf_int4x2", layout="int4pack_cpu x2 (high, low nibbles of q + 128)"),
+    KernelSpec("cpu.int8gf_int4x2_logits", "lm_head", _int8gf_int4x2_ok, "gf_cpu:int8gf_int4x2_logits",
+               target="cpu", prepare="gf_cpu:prepare_int8gf_int4x2",
+               layout="int4pack_cpu x2 (high, low nibbles of q + 128) + stored parts"),
+    KernelSpec("cpu.widened", "linear", _widened_ok, "gf_cpu:widened_linear", target="cpu",
+               prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
+    KernelSpec("cpu.widened_logits", "lm_head", _widened_ok, "gf_cpu:widened_logits", target="cpu",
+               prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
+    # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
+    # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
+    KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
+               by_default=False),
+    # quantized experts: the routed tokens of each expert through the packed matmuls above (not measured per M:
+    # an expert's M is its share of the step's tokens)
+    KernelSpec("cpu.moe_packed", "moe", _moe_packed_cpu_ok, "moe_cpu:moe_packed", target="cpu",
+               prepare="moe_cpu:prepare_moe_packed", layout="per-expert int8pack / int4pack_cpu(inner_k_tiles=2)"),
+)
