@@ -86,7 +86,7 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
                prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
     KernelSpec("cpu.widened_logits", "lm_head", _widened_ok, "gf_cpu:widened_logits", target="cpu",
                prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
-    # optc's C++ kernel (kernels/cpu_ext): x rounded to int8 per block of 32, integer dot products on AVX2 or
+    # optc's C++ kernel (kernels/cpu_ext): x rounded to int16 per block of 32, integer dot products on AVX2 or
     # AVX-512 VNNI; torch's packed kernel where the extension cannot be built. After the kernels above, so
     # `measure: false` keeps binding torch's
     KernelSpec("cpu.qdot", "linear", _qdot_ok, "cpu_ext.qdot:qdot_linear", target="cpu",

@@ -1,4 +1,4 @@
-"""optc's own C++ CPU kernels (qdot.cpp: grouped int4 / int8 code linears with int8 activations per block of
+"""optc's own C++ CPU kernels (qdot.cpp: grouped int4 / int8 code linears with int16 activations per block of
 32), compiled on first use with torch's cpp_extension and cached on disk, and the ISA path they run.
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns

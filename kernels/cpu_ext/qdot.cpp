@@ -4,14 +4,17 @@
 // scale per row and group of G inputs (G a multiple of 32), optionally a float32 minimum per group and an
 // integer zero point z per group (held as the float32 product s * z) or a constant code offset:
 //     w = s * (code - offset_or_z) + min
-// The activation row is quantized once per call to int8 in blocks of 32 (llama.cpp's Q8 activations):
-// dx = max|x| / 127, xq = round(x / dx), with the block's integer sum and its exact float sum. A block's
-// product is then one integer dot product (codes x xq, exact in int32) and fp32 terms:
+// The activation row is quantized once per call to int16 in blocks of 32: dx = max|x| / 32767, xq = round(x / dx),
+// with the block's integer sum and its exact float sum. A block's product is then one integer dot product (codes x
+// xq, exact in int32: |code| <= 128, so 32 products stay below 2^31) and fp32 terms:
 //     sum_i w_i x_i ~= s * dx * (sum_i code_i xq_i - offset * sum_i xq_i) + min * sum_i x_i
-// The only rounding beyond fp32's is x -> dx * xq (at most dx / 2 an element).
+// The only rounding beyond fp32's is x -> dx * xq (at most dx / 2 an element: 2^-16 of the block's largest |x|).
+// Why int16 and not llama.cpp's int8 (vpmaddubsw, twice the products per instruction): with int8 activations
+// SmolLM2's kept Q4_1 build lost +0.015 KL and 4.8% top-1 against its references (docs/PERF.md), the rounding of
+// the small elements of a block that holds an outlier.
 //
 // Two ISA paths over 256-bit vectors (qdot_body.h, compiled once per ISA), chosen by the caller (`isa`): AVX2
-// (vpmaddubsw + vpmaddwd) and AVX-512 VNNI (vpdpbusd on 256-bit registers, AVX512VL: one instruction for two).
+// (vpmaddwd + vpaddd) and AVX-512 VNNI (vpdpwssd on 256-bit registers, AVX512VL: one instruction for two).
 // Rows of W are split across threads (at::parallel_for); a pass over a weight row serves up to 4 rows of x.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,12 +27,13 @@ namespace {
 
 constexpr int BLOCK = 32;  // inputs per activation block
 constexpr int MAX_ROWS = 4;  // rows of x per pass over a weight row
+constexpr float QMAX = 32767.f;  // int16 activations
 
 enum Isa : int64_t { AVX2 = 2, AVX512_VNNI = 3 };
 
-struct Acts {  // x quantized per block: xq (M, K) int8 (quantize's layout), and per row, padded with zeros to
+struct Acts {  // x quantized per block: xq (M, K) int16 (quantize's layout), and per row, padded with zeros to
               // whole chunks of 8 blocks: dx, dx * sum(xq), sum(x)
-  const int8_t* xq;
+  const int16_t* xq;
   const float* dx;
   const float* dxsum;
   const float* fsum;
@@ -50,20 +54,11 @@ struct Weights {
   int bits;
 };
 
-// Where element i of block b of a row goes in xq. int8 codes: in order. int4 (`pairs`): a pair of blocks
-// (b, b + 1) holds [b's even elements, b + 1's even, b's odd, b + 1's odd] (16 each), the order in which 32 bytes
-// of k8_lsb codes unpack (low nibbles: even elements of the two blocks; high nibbles: odd); a last unpaired block
-// holds [even, odd].
-inline int64_t position(int64_t b, int i, int64_t nb, bool pairs) {
-  if (!pairs) return b * BLOCK + i;
-  const int even = i % 2, half = i / 2;
-  if (b + 1 < nb || b % 2 == 1) return (b - b % 2) * BLOCK + even * BLOCK + (b % 2) * 16 + half;
-  return b * BLOCK + even * 16 + half;
-}
-
-// x (M, K) float32 -> xq and the per-block vectors of Acts (padded rows of `padded` blocks, pads zero)
-void quantize(const float* x, int64_t m, int64_t k, bool pairs, int8_t* xq, float* dx, float* dxsum, float* fsum,
-              int64_t padded) {
+// x (M, K) float32 -> xq and the per-block vectors of Acts (padded rows of `padded` blocks, pads zero). With
+// `nibbles` (int4 codes) a block's xq is [x0, x2, .., x30, x1, x3, .., x31], the order in which 16 bytes of
+// k8_lsb codes unpack (low nibbles: even elements; high nibbles: odd).
+void quantize(const float* x, int64_t m, int64_t k, bool nibbles, int16_t* xq, float* dx, float* dxsum,
+              float* fsum, int64_t padded) {
   const int64_t nb = k / BLOCK;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < padded; ++b) {
@@ -78,12 +73,13 @@ void quantize(const float* x, int64_t m, int64_t k, bool pairs, int8_t* xq, floa
         amax = std::max(amax, std::fabs(v[i]));
         sum += v[i];
       }
-      const float d = amax / 127.f;
+      const float d = amax / QMAX;
       const float id = d > 0.f ? 1.f / d : 0.f;
+      int16_t* out = xq + r * k + b * BLOCK;
       int isum = 0;
       for (int i = 0; i < BLOCK; ++i) {
         const int q = static_cast<int>(std::nearbyint(v[i] * id));
-        xq[r * k + position(b, i, nb, pairs)] = static_cast<int8_t>(q);
+        out[nibbles ? (i % 2) * 16 + i / 2 : i] = static_cast<int16_t>(q);
         isum += q;
       }
       dx[at] = d;
@@ -136,12 +132,12 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
   TORCH_CHECK(num_groups == 1 || 256 % group_size == 0, "G must divide 256 (or be K)");
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t nb = k / BLOCK, padded = (nb + 7) / 8 * 8;
-  torch::Tensor xq = torch::empty({m, k}, x.options().dtype(at::kChar));
+  torch::Tensor xq = torch::empty({m, k}, x.options().dtype(at::kShort));
   torch::Tensor stats = torch::empty({3, m, padded}, x.options().dtype(at::kFloat));
   float* st = stats.data_ptr<float>();
   float *dx = st, *dxsum = st + m * padded, *fsum = st + 2 * m * padded;
-  quantize(xf.data_ptr<float>(), m, k, bits == 4, xq.data_ptr<int8_t>(), dx, dxsum, fsum, padded);
-  const Acts a{xq.data_ptr<int8_t>(), dx, dxsum, fsum, k, nb, padded};
+  quantize(xf.data_ptr<float>(), m, k, bits == 4, xq.data_ptr<int16_t>(), dx, dxsum, fsum, padded);
+  const Acts a{xq.data_ptr<int16_t>(), dx, dxsum, fsum, k, nb, padded};
   const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8, scales.data_ptr<float>(),
                   mins.numel() ? mins.data_ptr<float>() : nullptr, soff.numel() ? soff.data_ptr<float>() : nullptr,
                   static_cast<float>(offset), group_size / BLOCK, num_groups, static_cast<int>(bits)};

@@ -1,5 +1,5 @@
 // The ISA-specific half of qdot.cpp, included once per ISA inside a `#pragma GCC target` region and a namespace
-// of its own, with QDOT_VNNI 0 (AVX2: vpmaddubsw + vpmaddwd) or 1 (AVX-512 VNNI: vpdpbusd on 256-bit registers,
+// of its own, with QDOT_VNNI 0 (AVX2: vpmaddwd + vpaddd) or 1 (AVX-512 VNNI: vpdpwssd on 256-bit registers,
 // AVX512VL). Everything here is compiled for that ISA only, so the AVX2 copy never runs an AVX-512 instruction.
 //
 // A weight row is walked in chunks of 8 blocks of 32: each block's integer dot product (8 int32 lanes) is
@@ -14,68 +14,45 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// sum of u * a over each 4 bytes (u unsigned, a signed) into 8 int32 lanes, added to acc
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i a) {
+// sum of w * x over each pair of int16 lanes into 8 int32 lanes, added to acc
+inline __m256i dot_add(__m256i acc, __m256i w, __m256i x) {
 #if QDOT_VNNI
-  return _mm256_dpbusd_epi32(acc, u, a);
+  return _mm256_dpwssd_epi32(acc, w, x);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
 #endif
 }
 
-// int4: the 8 blocks' sums of code * xq for rows r0 .. r0 + ROWS. A pair of blocks is 32 bytes of codes: its low
-// nibbles [b even codes | b + 1 even codes] and high nibbles [b odd | b + 1 odd] meet the pair's 64 activation
-// bytes (quantize's layout), giving lanes [b x 4 | b + 1 x 4]; an unpaired last block is 16 bytes, [even | odd].
-template <int ROWS>
-void sums_int4(const Acts& a, const uint8_t* codes, int64_t c, int64_t nb, int64_t k, int64_t r0, __m256i* out) {
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  __m256i dp[ROWS][4];
-  for (int p = 0; p < 4; ++p) {
-    const int64_t b = c + 2 * p;
-    for (int j = 0; j < ROWS; ++j) dp[j][p] = _mm256_setzero_si256();
-    if (b >= nb) continue;
-    if (b + 1 < nb) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * 16));
-      const __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-      for (int j = 0; j < ROWS; ++j) {
-        const int8_t* x = a.xq + (r0 + j) * k + b * BLOCK;
-        dp[j][p] = dot_add(dot_add(_mm256_setzero_si256(), lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-                           hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + BLOCK)));
-      }
-    } else {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * 16));
-      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nib);
-      for (int j = 0; j < ROWS; ++j) {
-        const int8_t* x = a.xq + (r0 + j) * k + b * BLOCK;
-        const __m256i d = dot_add(_mm256_setzero_si256(), u, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-        dp[j][p] = _mm256_set_m128i(_mm_setzero_si128(), s4);  // lanes 4..7: block b + 1, which does not exist
-      }
-    }
+// block b's 32 codes as two vectors of 16 int16 (int4: the low nibbles, even elements, then the high nibbles, odd
+// elements: quantize's int4 layout), dotted with the block's 32 int16 activations: 8 int32 lanes
+inline __m256i block_dot(const uint8_t* codes, int bits, const int16_t* x, __m256i acc) {
+  __m256i w0, w1;
+  if (bits == 4) {  // each byte widened to int16 holds two codes: low nibble (even element), high (odd)
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    w0 = _mm256_and_si256(both, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(both, 4);
+  } else {
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)));
   }
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int j = 0; j < ROWS; ++j) {  // [b0 b2 b4 b6 | b1 b3 b5 b7] -> [b0 .. b7]
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(dp[j][0], dp[j][1]), _mm256_hadd_epi32(dp[j][2], dp[j][3]));
-    out[j] = _mm256_permutevar8x32_epi32(h, order);
-  }
+  acc = dot_add(acc, w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return dot_add(acc, w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
 }
 
-// int8: signed codes as |w| (unsigned) against xq carrying w's sign, so that on AVX2 no pair of products
-// (at most 128 * 127 each) saturates vpmaddubsw's int16
+// the 8 blocks' sums of code * xq from chunk c for rows r0 .. r0 + ROWS, one lane a block (blocks past the row:
+// zero). Per row: 8 vectors of 8 lanes reduced by a vphaddd tree to [b0 .. b7]
 template <int ROWS>
-void sums_int8(const Acts& a, const uint8_t* codes, int64_t c, int64_t nb, int64_t k, int64_t r0, __m256i* out) {
+void chunk_sums(const Acts& a, const uint8_t* codes, int bits, int64_t c, int64_t r0, __m256i* out) {
+  const int64_t block_bytes = bits * BLOCK / 8;
   __m256i h[ROWS][4];
   for (int p = 0; p < 4; ++p) {
     __m256i d[ROWS][2];
     for (int e = 0; e < 2; ++e) {
       const int64_t b = c + 2 * p + e;
-      for (int j = 0; j < ROWS; ++j) d[j][e] = _mm256_setzero_si256();
-      if (b >= nb) continue;
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * BLOCK));
-      const __m256i wu = _mm256_sign_epi8(w, w);
       for (int j = 0; j < ROWS; ++j) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + (r0 + j) * k + b * BLOCK));
-        d[j][e] = dot_add(_mm256_setzero_si256(), wu, _mm256_sign_epi8(x, w));
+        d[j][e] = b < a.num_blocks ? block_dot(codes + b * block_bytes, bits, a.xq + (r0 + j) * a.k + b * BLOCK,
+                                               _mm256_setzero_si256())
+                                   : _mm256_setzero_si256();
       }
     }
     for (int j = 0; j < ROWS; ++j) h[j][p] = _mm256_hadd_epi32(d[j][0], d[j][1]);
@@ -107,11 +84,7 @@ void row_dot(const Acts& a, const Weights& w, int64_t n, int64_t r0, float* out)
   const int64_t at = n * w.num_groups, nb = a.num_blocks;
   for (int64_t c = 0; c < nb; c += 8) {
     __m256i sums[ROWS];
-    if (w.bits == 4) {
-      sums_int4<ROWS>(a, codes, c, nb, a.k, r0, sums);
-    } else {
-      sums_int8<ROWS>(a, codes, c, nb, a.k, r0, sums);
-    }
+    chunk_sums<ROWS>(a, codes, w.bits, c, r0, sums);
     const __m256 s = group_vector(w.scales + at, w, c);
     const __m256 soff = w.soff ? group_vector(w.soff + at, w, c) : _mm256_mul_ps(s, _mm256_set1_ps(w.offset));
     for (int j = 0; j < ROWS; ++j) {  // the activation's per-block vectors are padded with zeros to whole chunks
