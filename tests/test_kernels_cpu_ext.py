@@ -168,3 +168,22 @@ def test_the_aten_avx2_cap_selects_the_avx2_path(ext):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-1] == "2", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["int8_wo", "int8_gf/g32"])
+def test_qdot_logits_recomputes_each_rows_best_exactly(ext, name):
+    """An lm_head: each row's best logit equal to logits_ref's exactly (both recompute it in fp32); the others
+    within bf16 roundings of it: the reference's matmul runs on the weight rounded to bfloat16 (2^-9 of each
+    |x_i w_i|) and rounds its output, qdot rounds its output."""
+    from optc.core.ops.linear import logits_ref
+    from optc.kernels.cpu_ext import qdot
+
+    w = _weight(name)
+    parts = qdot.prepare_qdot({"weight": w})["weight"].parts
+    x = torch.randn(3, CASES[name][4], generator=torch.Generator().manual_seed(3)).bfloat16()
+    got, ref = qdot.qdot_logits(x, parts, w.format), logits_ref(x, w.parts, w.format)
+    assert got.dtype == torch.float32
+    best = ref.argmax(-1, keepdim=True)
+    assert torch.equal(got.argmax(-1, keepdim=True), best) and torch.equal(got.gather(-1, best), ref.gather(-1, best))
+    magnitude = x.float().abs() @ dequantize(w.parts, w.format, torch.float32).abs().T  # sum_i |x_i w_i|
+    assert ((got - ref).abs() <= 2 ** -9 * magnitude + 2 ** -7 * ref.abs()).all()
