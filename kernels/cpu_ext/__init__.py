@@ -15,6 +15,7 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
 from pathlib import Path
 from types import ModuleType
 
@@ -44,7 +45,7 @@ def build(root: Path) -> ModuleType | None:
         where.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(f"optc_qdot_{digest}", [str(HERE / "qdot.cpp")], extra_cflags=["-O3"],
                                   build_directory=str(where), extra_include_paths=[str(HERE)])
-    except (OSError, RuntimeError, ImportError, SystemExit) as e:  # cpp_extension raises all of these
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
         log.warning("optc's C++ CPU kernels could not be built (%s: %s); torch's packed kernels run instead",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
