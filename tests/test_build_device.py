@@ -14,7 +14,8 @@ model.layers.0.mlp.down_proj's codes, an H200 68.8% of layer 1's). Nothing in th
 device but rounding: the calibration windows come from a CPU generator, the statistics, searches and
 block forwards run in fp32, and the clip search's subsample is a fixed stride. So the builds must agree
 on what the search saw, not on which of two near-equal answers it took (`awq_disagreements`): each
-group's loss at every α within LOSS_RTOL, and each GPU choice no worse on the CPU's own curve than the
+group's loss at every α within LOSS_RTOL (FIRST_BLOCK_LOSS_RTOL in block 0, whose inputs are the same
+on both), and each GPU choice no worse on the CPU's own curve than the
 curves' agreement allows ((1 + LOSS_RTOL)² of its least loss); codes are compared only for groups that
 chose the same α (at least 90%: rounding boundaries and the clip search's near-ties). The comparison
 itself is tested on the CPU: two runs of the search whose forwards round differently (float32 against
@@ -37,9 +38,10 @@ from optc.core.formats import dequantize, part_name, unpack_int4
 from optc.frontend.build import BuildOptions, build, calibration_device
 
 PASSES = {"awq": "{quantize_awq: {group_size: 32}}", "gptq": "{quantize_gptq: {group_size: 32}}"}
-# AWQ's per-α losses on the CPU and the GPU: block 0 sees identical inputs (fp32 rounding apart, ~1e-6), later
-# blocks the earlier blocks' slightly different weights; 1% holds the latter to what rounding can move
-LOSS_RTOL = 1e-2
+# AWQ's per-α losses on the CPU and the GPU: block 0 sees identical inputs (fp32 rounding apart, ~1e-6 of a
+# loss), later blocks the earlier blocks' slightly different weights (a few % of codes a step apart), which
+# moves their inputs by ~1e-3 and their losses by more; neither was measured on a GPU yet
+LOSS_RTOL, FIRST_BLOCK_LOSS_RTOL = 2e-2, 1e-3
 
 
 def awq_disagreements(cpu: list[dict], gpu: list[dict], rtol: float = LOSS_RTOL) -> list[str]:
@@ -135,6 +137,8 @@ def test_cuda_calibration_agrees_with_the_cpu(tmp_path, method):
             print(f"{'+'.join(a['weights'])}: alpha cpu {a['alpha']} gpu {b['alpha']}, losses differ by up to "
                   f"{max(abs(y - x) / x for x, y in zip(a['losses'], b['losses'], strict=True)):.2e}")
         assert not awq_disagreements(*searches), awq_disagreements(*searches)
+        first = [[g for g in build if g["weights"][0].startswith("model.layers.0.")] for build in searches]
+        assert first[0] and not awq_disagreements(*first, rtol=FIRST_BLOCK_LOSS_RTOL)
         same_alpha = {w for a, b in zip(*searches, strict=True) if a["alpha"] == b["alpha"] for w in a["weights"]}
     for name, info in cpu.graph.tensors.items():
         if not info.format.is_quantized or (same_alpha is not None and name not in same_alpha):
