@@ -135,9 +135,12 @@ def test_triton_bound_artifact_matches_reference(tmp_path, case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", list(CASES))
-def test_triton_bound_artifact_matches_reference_on_cuda(tmp_path, case):
+def test_triton_bound_artifact_matches_reference_on_cuda(tmp_path, case, monkeypatch):
     if case.startswith("fp8") and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs sm_89 or newer")
+    # outputs, not speed: the first fitting config of each linear runs untimed, so a cold Triton cache compiles
+    # a few configs, not every one at every M this engine meets (test_kernels_linear.py checks every config)
+    monkeypatch.setenv("OPTC_AUTOTUNE", "0")
     _check(tmp_path, case, "cuda")
 
 
