@@ -9,8 +9,9 @@ Per kernel and shape it prints the time of one call on the GPU alone (`time_ms`:
 a CUDA graph, each after an L2 flush, the flushes' own time subtracted), the bytes the kernel
 must move (formula in `_cases`), achieved GB/s = bytes / time, and that as a fraction of the
 device's copy bandwidth measured in the same run (benchmarks/yardstick.py: a copy kernel timed with CUDA
-events outside graphs, bytes read + written, the best of a few sizes; the header names the method, and the
-CUDA-graph memcpy this benchmark used before, which reads ~1.6x low on an H200, follows it labelled). The
+events outside graphs, bytes read + written, the best of a few sizes; the header names the method; a
+CUDA-graph memcpy, a slower path that reads ~1.6x low on an H200, follows as a labelled second column
+so rows can be compared with runs that divided by it). The
 torch equivalent is the reference path: dequantize + matmul (cuBLAS) for the quantized linears,
 gather the paged KV + F.scaled_dot_product_attention for decode, eager torch for the rest; its GB/s
 uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Each row also

@@ -14,10 +14,10 @@ autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, each kernel's ow
 tl.dot ones, and a tiled GEMM for larger M (prefill). Autotuning times each config with short runs
 (AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS), after `prune` drops the configs a shape cannot use (tiles past
 the problem, pipelining past the K loop): every config Triton times it must first compile (~1.5-2 s
-each for sm_90), which on a cold cache is most of a first call's time (an int8 end-to-end test on
-random:tiny's small shapes spent > 90 s in ptxas on an H200, 2026-11-26). `first_call_compiles` counts
-what a first call at given shapes compiles, without a GPU. Tests check it through the kernels that use it, on the CPU
-under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).
+each for sm_90), which on a cold cache is most of a first call's time at small shapes.
+`first_call_compiles` counts what first calls at given shapes compile, without a GPU. Tests check it
+through the kernels that use it, on the CPU under TRITON_INTERPRET=1, and compile every config for sm_90
+(benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations
