@@ -1,7 +1,12 @@
 """The copy-bandwidth yardstick (benchmarks/yardstick.py) on the CPU: its arithmetic, its choice among sizes,
-benchmarks/kernels.py's table labelling the method, and the copy kernel under the Triton interpreter."""
+benchmarks/kernels.py's table labelling the method, the copy kernel under the Triton interpreter, and compiled
+for sm_90."""
 
+import json
+import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -79,3 +84,20 @@ def test_copy_kernel_copies_every_element(bench, n):
     assert y.copy(src, dst) is dst and torch.equal(dst, src)
     with pytest.raises(AssertionError, match="src torch.int32 x 5 != dst torch.int64 x 5"):
         y.copy(src.new_zeros(5), torch.empty(5, dtype=torch.int64))
+
+
+def test_copy_kernel_compiles_for_sm90_to_16_byte_copies():
+    """Compiled for an H100/H200 without a GPU (in a process of its own: TRITON_INTERPRET unset): eight 16-byte
+    loads per thread and no spills, so the yardstick is a copy at the width the kernels it judges aim for."""
+    script = textwrap.dedent("""
+        import json, torch, yardstick
+        from optc.kernels.compile_only import compile_only
+        with compile_only(90, True) as launches:
+            yardstick.copy(torch.empty(1 << 20, dtype=torch.int32), torch.empty(1 << 20, dtype=torch.int32))
+        print(json.dumps([[c.spill_bytes, c.loads] for launch in launches for c in launch.configs]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=BENCH, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [[0, {"16": 8}]]
