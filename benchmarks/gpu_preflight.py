@@ -1,6 +1,8 @@
 """A GPU stage's first check (benchmarks/gpu_session.sh): the packages optc needs are importable, and
 the versions and Triton features the stage relies on. Exits 1 at once, naming every missing package
-(the device machine has no network: a missing package must be carried as a wheel)."""
+(the device machine has no network: a missing package must be carried as a wheel). With a GPU it also
+prints the device's copy bandwidth the way benchmarks/kernels.py measures its yardstick
+(benchmarks/yardstick.py), so every stage's log names the bandwidth its numbers are read against."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ def main() -> int:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         print(f"{p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+        import yardstick  # benchmarks/, beside this script
+
+        print(f"copy bandwidth: {yardstick.measure().label()}")
     else:
         print("no CUDA device")
     return 0

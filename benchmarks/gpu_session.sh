@@ -11,7 +11,15 @@
 # transformers half failed), int4-b64, awq-8b and the two profiles in 26 minutes of device time, each
 # stage faster than first estimated; the estimates below are those measurements (rounded up), with
 # the 8B build (~1.5 min) counted wherever a stage may be the first on its machine to need it.
-# Next: the regression stages, then what that session left unmeasured, then the rest.
+# Next: the two first-look stages (issue 34), then the regression stages, then what is left unmeasured.
+#   first-look     one bounded call (<= 540 s of steps) with what a first look at a GPU needs, most valuable
+#                  first: setup (its preflight prints the copy-bandwidth yardstick), the tests an H200 failed
+#                  (fp8 W8A8's accumulator bound and end to end, int8 end to end on a cold autotune cache, AWQ
+#                  CUDA vs CPU), the int4 / int8 kernel rows at Llama-3-8B shapes for M = 1, 8, 32, 512
+#                  (w4a16, tinygemm, w8a16), and bf16 and int4 8B served at batch 1 (two builds)
+#   first-look-rest  the rest of the first look, at once on the same machine (its 8B builds stay on disk):
+#                  fp8 weight-only and fp8 W8A8 8B built and served at batch 1 and 64, bf16 and int4 at
+#                  batch 1 again (the same call's baseline) and at batch 64
 #   smoke          CUDA-graph and end-to-end GPU tests (the capture, the engine, AWQ/GPTQ on cuda, NCCL
 #                  tensor parallelism at N = 1 with captured collectives), first
 #   kernel-tests   the kernels' GPU tests, except every-autotune-config
@@ -57,11 +65,12 @@
 # each for sm_90 (kernels.py --compile-only on a 2-core VM: see docs/PERF.md), 8B random build ~2.5 min
 # (2 min 14 s on 2 vCPUs), a 15 GB artifact load ~0.5 min without the sha256 (--skip-verify-built),
 # ~1 min with it. Each stage's bound (every step's timeout plus a 10 s kill grace) stays under 570 s,
-# so the stage ends, and prints its table, before the device tool's 600 s limit.
+# so the stage ends, and prints its table, before the device tool's 600 s limit; the first-look stages'
+# under 540 s (9 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="smoke kernel-tests families quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small kernels-gemma awq-8b
+STAGES="first-look first-look-rest smoke kernel-tests families quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small kernels-gemma awq-8b
         profile-int4 profile-bf16 int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 tensorrt
         fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
@@ -105,9 +114,9 @@ setup() {  # disk, stale temporaries, the install and the packages it needs
     df -h . /tmp 2>&1 | tee -ia "$LOG"
     rm -rf build/bench-serving/.*.tmp-*
   fi
-  step 40 "$PY" -m pip install -q --no-index --disable-pip-version-check --no-deps --no-build-isolation -e . \
+  step 30 "$PY" -m pip install -q --no-index --disable-pip-version-check --no-deps --no-build-isolation -e . \
     || exit 1
-  step 40 "$PY" benchmarks/gpu_preflight.py || exit 1
+  step 30 "$PY" benchmarks/gpu_preflight.py || exit 1
   step 10 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm,clocks.max.mem --format=csv
 }
 
@@ -141,6 +150,19 @@ stage() {  # define (and, unless --dry-run, run) stage $1
   STAGE=$1
   BOUND=0
   case "$STAGE" in
+    first-look)
+      estimate 7 "setup 0.3 (15 s on an H200); 1 + 4 failing-test cases with two tiny builds each ~1.5; kernel rows ~1.5 (w4a16 + tinygemm 67 s cold on an H200); two 8B builds ~75 s each, 2 runs at batch 1 ~0.5"
+      setup
+      pytest_stage 110 90 tests/test_fp8_accumulation.py tests/test_kernels_e2e.py tests/test_build_device.py \
+        -k "accumulator or fp8-w8a8 or int8-bs16 or awq"
+      step 90 "$PY" benchmarks/kernels.py --only w4a16,tinygemm,w8a16 --warmup 5 --repeats 30 \
+        --jsonl "$OUT/$STAGE.jsonl"
+      step 210 "$PY" benchmarks/serving.py --device cuda --quiet --skip-verify-built --jsonl "$OUT/$STAGE.jsonl" \
+        --configs bf16,int4 --batch-sizes 1 --no-compare-hf --no-eager ;;
+    first-look-rest)
+      estimate 7 "setup 0.3; fp8 and fp8 W8A8 8B builds ~75 s each (bf16 and int4 ~80 s more each on a fresh machine); 8 runs, an 8B load each, ~25 s"
+      setup
+      serving_stage 390 --configs fp8,bf16,fp8w8a8,int4 --batch-sizes 1,64 --no-compare-hf --no-eager ;;
     smoke)
       estimate 1.5 "measured 56 s on a cold Triton cache: setup 0.3, 7 tests 0.6"
       setup
@@ -159,7 +181,8 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     quantized)
       estimate 4 "setup 0.3, 10 tiny artifacts built twice and served with their kernels compiled (~15 s each), 8 fp8/W8A8 and 16 tinygemm kernel tests"
       setup
-      pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py tests/test_kernels_int4pack.py ;;
+      pytest_stage 420 150 tests/test_kernels_e2e.py tests/test_kernels_fp8.py tests/test_kernels_int4pack.py \
+        tests/test_fp8_accumulation.py ;;
     tensorrt)
       estimate 2 "setup 0.3, tiny artifacts and their ONNX exports 0.5, one TensorRT engine build (unmeasured) ~1"
       setup

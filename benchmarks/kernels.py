@@ -8,7 +8,10 @@ each Triton kernel next to its torch equivalent, and torch's tinygemm int4 matmu
 Per kernel and shape it prints the time of one call on the GPU alone (`time_ms`: calls captured in
 a CUDA graph, each after an L2 flush, the flushes' own time subtracted), the bytes the kernel
 must move (formula in `_cases`), achieved GB/s = bytes / time, and that as a fraction of the
-device-to-device copy bandwidth measured in the same run (2 * bytes / time of a 1 GiB copy). The
+device's copy bandwidth measured in the same run (benchmarks/yardstick.py: a copy kernel timed with CUDA
+events outside graphs, bytes read + written, the best of a few sizes; the header names the method; a
+CUDA-graph memcpy, a slower path that reads ~1.6x low on an H200, follows as a labelled second column
+so rows can be compared with runs that divided by it). The
 torch equivalent is the reference path: dequantize + matmul (cuBLAS) for the quantized linears,
 gather the paged KV + F.scaled_dot_product_attention for decode, eager torch for the rest; its GB/s
 uses the same byte count (the minimum traffic), so the ratio is a pure time ratio. Each row also
@@ -44,6 +47,7 @@ from functools import partial as bind
 import torch
 import torch.nn.functional as F
 from results import Rows
+from yardstick import fraction_of, gbps
 
 BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
 MAX_REL_ERR = 3e-2  # bf16 outputs against the torch path: a larger error marks the row (and exit 1)
@@ -145,10 +149,12 @@ def time_ms(fn, warmup: int, repeats: int, graph: bool = True) -> float:
     return max(statistics.median(per_call), 1e-6)
 
 
-def copy_bandwidth(warmup: int, repeats: int) -> float:
+def graph_memcpy_bandwidth(warmup: int, repeats: int) -> float:
+    """GB/s of a 1 GiB `dst.copy_(src)` timed by `time_ms` (a memcpy node in a CUDA graph): the yardstick this
+    benchmark printed before benchmarks/yardstick.py, kept as a labelled second column to compare old rows."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (time_ms(lambda: dst.copy_(src), warmup, repeats) * 1e-3)
+    return gbps(2 * src.numel(), time_ms(lambda: dst.copy_(src), warmup, repeats))
 
 
 def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, rand=None):
@@ -405,22 +411,27 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none is available on this machine", file=sys.stderr)
         return 2
+    import yardstick
+
     torch.manual_seed(0)
-    peak = copy_bandwidth(args.warmup, args.repeats)
+    stick = yardstick.measure()
+    old = graph_memcpy_bandwidth(args.warmup, args.repeats)
     device = torch.cuda.get_device_name()
-    print(f"device: {device}; device-to-device copy: {peak / 1e9:.0f} GB/s; {args.model} shapes", flush=True)
+    print(f"device: {device}; copy bandwidth: {stick.label()}; CUDA-graph memcpy (the old yardstick): {old:.0f} "
+          f"GB/s; {args.model} shapes", flush=True)
     out, rows, only = Rows(args.jsonl), [], tuple(p for p in args.only.split(",") if p)
     for kernel, shape, byts, tri, ref in _cases(MODELS[args.model]):
         if only and not kernel.startswith(only):
             continue
-        row = {"table": "kernels", "device": device, "model": args.model, "copy_gbps": peak / 1e9,
-               "kernel": kernel, "shape": shape}
+        row = {"table": "kernels", "device": device, "model": args.model, "copy_gbps": stick.gbps,
+               "copy_method": stick.method, "graph_memcpy_gbps": old, "kernel": kernel, "shape": shape}
         try:  # a kernel that fails on first contact with the device costs its row, not the table
             err = _error(tri(), ref())
             t_ms = time_ms(tri, args.warmup, args.repeats)
             r_ms = time_ms(ref, args.warmup, args.repeats, graph=not kernel.startswith(HOST_SYNCING_REFERENCES))
-            row |= {"bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3, "triton_gbps": byts / t_ms / 1e6,
-                    "torch_gbps": byts / r_ms / 1e6, "fraction_of_copy": byts / (t_ms * 1e-3) / peak,
+            row |= {"bytes": byts, "triton_us": t_ms * 1e3, "torch_us": r_ms * 1e3, "triton_gbps": gbps(byts, t_ms),
+                    "torch_gbps": gbps(byts, r_ms), "fraction_of_copy": fraction_of(gbps(byts, t_ms), stick.gbps),
+                    "fraction_of_graph_memcpy": fraction_of(gbps(byts, t_ms), old),
                     "speedup": r_ms / t_ms, "max_rel_err": err}
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -431,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     failures = sum("error" in r or r["max_rel_err"] > MAX_REL_ERR for r in rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": peak / 1e9,
+            json.dump({"device": torch.cuda.get_device_name(), "model": args.model, "copy_gbps": stick.gbps,
+                       "copy_method": stick.method, "copy_gbps_by_size": stick.by_size, "graph_memcpy_gbps": old,
                        "results": rows}, f, indent=1)
     return 1 if failures else 0
 
@@ -440,10 +452,14 @@ def kernels_table(rows: list[dict], head: bool = True) -> str:
     """The benchmark's table of `rows` (one run's, or rows rebuilt from --jsonl files)."""
     lines = []
     if head:
-        devices = sorted({(r["device"], round(r["copy_gbps"])) for r in rows})
-        lines += [f"device: {d}; device-to-device copy: {g} GB/s" for d, g in devices]
+        # rows from before benchmarks/yardstick.py carry no method: a `copy_` timed eagerly (2026-11-23) or as a
+        # CUDA-graph memcpy (from then on), and no second column
+        devices = sorted({(r["device"], round(r["copy_gbps"]), r.get("copy_method", "a copy_, method not recorded"),
+                           round(r.get("graph_memcpy_gbps", 0))) for r in rows})
+        lines += [f"device: {d}; copy bandwidth: {g} GB/s ({m})" + (f"; CUDA-graph memcpy: {o} GB/s" if o else "")
+                  for d, g, m, o in devices]
         lines.append(f"{'kernel':<14} {'shape':<26} {'MB':>8} {'triton us':>10} {'GB/s':>7} {'%copy':>6} "
-                     f"{'torch us':>10} {'GB/s':>7} {'speedup':>8} {'rel err':>8}")
+                     f"{'%memcpy':>7} {'torch us':>10} {'GB/s':>7} {'speedup':>8} {'rel err':>8}")
     for r in rows:
         kernel, shape = r["kernel"], r["shape"]
         if "error" in r:
@@ -451,7 +467,8 @@ def kernels_table(rows: list[dict], head: bool = True) -> str:
             continue
         err = r["max_rel_err"]
         lines.append(f"{kernel:<14} {shape:<26} {r['bytes'] / 1e6:8.2f} {r['triton_us']:10.1f} {r['triton_gbps']:7.0f} "
-                     f"{r['fraction_of_copy']:6.1%} {r['torch_us']:10.1f} {r['torch_gbps']:7.0f} "
+                     f"{r['fraction_of_copy']:6.1%} {r.get('fraction_of_graph_memcpy', float('nan')):7.1%} "
+                     f"{r['torch_us']:10.1f} {r['torch_gbps']:7.0f} "
                      f"{r['speedup']:7.2f}x {err:8.1e}{'!' if err > MAX_REL_ERR else ''}")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """Output tokens/s of SmolLM2 (or any artifacts given with --artifact) as f32, bf16, int8, RTN int4, AWQ int4,
-GPTQ int4 and kept-GGUF (`source_quantization: keep`) artifacts and as transformers bf16, at batch 1 and 8, on the
-same prompts, on the CPU; the table names the model and the CPU capability torch runs (AVX2 or AVX512).
+GPTQ int4 and kept-GGUF (`source_quantization: keep`) artifacts, as transformers bf16 and as llama.cpp on the GGUF
+file the kept-GGUF recipe reads, at batch 1 and 8, on the same prompts, on the CPU; the table names the model and the
+CPU capability torch runs (AVX2 or AVX512).
 
 Artifacts come from the repository's recipes (`recipes/smollm2-*.yaml`; f32 is smollm2-bf16.yaml with
 dtype=float32), built into `--work` unless already there (`--artifact NAME=PATH` uses another). Every
@@ -10,7 +11,12 @@ ratio to the bf16 artifact's median. One run at batch B = B requests of `--input
 (consecutive slices of pydoc text, the same for every config), `--output-len` greedy tokens each, EOS
 ignored, all added at once with max_num_seqs = B; tok/s = output tokens / wall time of the run (the
 prefill included, as `optc bench`). transformers: a dense model of its family holding the bf16
-artifact's weights, `generate` with a static cache (no compile on the CPU), left-padded batches.
+artifact's weights, `generate` with a static cache (no compile on the CPU), left-padded batches. llama.cpp: the
+`llama-cpp-python` package (optional: skipped, saying so, when it does not import; it builds llama.cpp from source,
+about 20 minutes on 2 cores, so build its wheel once into a cache: `pip wheel --no-deps -w ~/.cache/optc/wheels
+llama-cpp-python==0.3.36`, then `pip install ~/.cache/optc/wheels/llama_cpp_python-*.whl diskcache`) through its
+low-level API: the B prompts decoded together as B sequences of one context (llama.cpp's batched decoding),
+greedy argmax over the returned logits, the same token ids and thread count as optc.
 Prints the load average (1 min) before and after each round. It measures; it asserts nothing.
 
 Two rates per run: wall (output tokens / elapsed seconds) and CPU (output tokens / this process's CPU
@@ -31,8 +37,10 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from optc.core.artifact import read_manifest
+from optc.frontend.sources import package_file
 from optc.runtime import Engine, SamplingParams
 from optc.testing import build_artifact
 
@@ -47,6 +55,7 @@ CONFIGS = {  # name -> (recipe, overrides)
     "gguf-keep": ("smollm2-gguf.yaml", ()),  # the GGUF's own Q4_1 / Q8_0 blocks, not requantized
 }
 HF = "transformers-bf16"
+LLAMA_CPP = "llama.cpp"
 
 
 def prompts(tokenizer, num: int, length: int) -> list[list[int]]:
@@ -83,12 +92,56 @@ def hf_run(model, batch: list[list[int]], output_len: int) -> tuple[float, float
     return num / elapsed, num / cpu
 
 
+def llama_cpp_runner(gguf: Path, threads: int, max_batch: int, max_len: int):
+    """A function batch -> (wall, CPU) output tokens/s of llama.cpp greedy-decoding `batch` (lists of token ids)
+    from `gguf`, every prompt a sequence of one context; None (printing why) when llama-cpp-python is absent."""
+    try:
+        import llama_cpp as ll
+        import numpy as np
+    except ImportError as e:
+        print(f"{LLAMA_CPP}: skipped ({e}); see this script's docstring for the cached build", flush=True)
+        return None
+    quiet = ll.llama_log_callback(lambda level, text, data: None)  # llama.cpp logs every load and graph
+    ll.llama_log_set(quiet, None)
+    ll.llama_backend_init()
+    model = ll.llama_model_load_from_file(str(gguf).encode(), ll.llama_model_default_params())
+    params = ll.llama_context_default_params()
+    params.n_ctx = params.n_batch = params.n_ubatch = max_batch * max_len
+    params.n_seq_max, params.n_threads, params.n_threads_batch = max_batch, threads, threads
+    ctx = ll.llama_init_from_model(model, params)
+    vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    work = ll.llama_batch_init(max_batch * max_len, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """One llama_decode of (token, position, sequence, wants logits) entries: the argmax of each wanted row."""
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            work.token[i], work.pos[i], work.n_seq_id[i], work.logits[i] = token, pos, 1, logits
+            work.seq_id[i][0] = seq
+        work.n_tokens = len(entries)
+        if ll.llama_decode(ctx, work) != 0:
+            raise RuntimeError(f"llama_decode failed on {len(entries)} tokens")
+        return [int(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+                for i, e in enumerate(entries) if e[3]]
+
+    def run(batch: list[list[int]], output_len: int, _keep=quiet) -> tuple[float, float]:
+        ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+        start, cpu = time.perf_counter(), time.process_time()
+        last = decode([(t, j, s, j == len(p) - 1) for s, p in enumerate(batch) for j, t in enumerate(p)])
+        for step in range(output_len - 1):
+            last = decode([(t, len(p) + step, s, True) for s, (t, p) in enumerate(zip(last, batch, strict=True))])
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return len(batch) * output_len / elapsed, len(batch) * output_len / cpu
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, default=REPO / "build" / "quant-speed", help="where artifacts are built")
     p.add_argument("--artifact", action="append", default=[], metavar="NAME=PATH",
                    help=f"use this artifact for NAME ({', '.join(CONFIGS)} or a new name) instead of a build")
-    p.add_argument("--configs", default=",".join([*CONFIGS, HF]), help="which configs to run, comma-separated")
+    p.add_argument("--configs", default=",".join([*CONFIGS, HF, LLAMA_CPP]),
+                   help="which configs to run, comma-separated")
     p.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
@@ -100,9 +153,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     names = args.configs.split(",")
     given = dict(a.split("=", 1) for a in args.artifact)
-    unknown = [n for n in names if n not in CONFIGS and n not in given and n != HF]
+    unknown = [n for n in names if n not in CONFIGS and n not in given and n not in (HF, LLAMA_CPP)]
     if unknown:
-        p.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join([*CONFIGS, HF])}, or a NAME given by "
+        p.error(f"--configs: unknown {', '.join(unknown)}; known: {', '.join([*CONFIGS, HF, LLAMA_CPP])}, or a NAME "
+                "given by "
                 "--artifact NAME=PATH")
     paths = {}
     for name in [n for n in names if n in CONFIGS or n in given]:
@@ -127,6 +181,12 @@ def main() -> None:
         runs[HF] = lambda batch: hf_run(model, batch, args.output_len)
     for n, engine in engines.items():
         runs[n] = lambda batch, e=engine: optc_run(e, batch, args.output_len)
+    if LLAMA_CPP in names:
+        recipe = yaml.safe_load((REPO / "recipes" / CONFIGS["gguf-keep"][0]).read_text())
+        gguf = package_file(recipe["model"]) if recipe["model"].startswith("package:") else Path(recipe["model"])
+        run = llama_cpp_runner(gguf, torch.get_num_threads(), max(batches), args.input_len + args.output_len)
+        if run is not None:
+            runs[LLAMA_CPP] = lambda batch, r=run: r(batch, args.output_len)
     work = {b: prompts(tokenizer, b, args.input_len) for b in batches}
     for b in batches:  # warm-up: first calls, prepared layouts
         for run in runs.values():

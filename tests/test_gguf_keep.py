@@ -66,13 +66,13 @@ def test_blocks_written_by_the_gguf_quantizer_dequantize_to_gguf_bit_for_bit(qty
 
 
 def _package_gguf(spec: str):
-    from optc.frontend.sources import _package_file, cache_root
+    from optc.frontend.sources import cache_root, package_file
 
     pkg, _, rel = spec.removeprefix("package:").partition("/")
     if importlib.util.find_spec(pkg) is None:
         pytest.skip(f"{spec} is not installed")
     assembled = cache_root() / "packages" / pkg / rel  # checked once when assembled: not hashed again here
-    return assembled if assembled.is_file() else _package_file(spec)
+    return assembled if assembled.is_file() else package_file(spec)
 
 
 @pytest.mark.parametrize("spec", [SMOLLM2_SOURCE, GEMMA_SOURCE])

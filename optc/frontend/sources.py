@@ -110,7 +110,7 @@ def load_source(spec: str, keep_quantization: bool = False) -> Source:
     """The model `spec` names; `keep_quantization`: a GGUF's block-quantized tensors keep their codes (an
     error for any other source)."""
     if spec.startswith("package:"):
-        return load_source(str(_package_file(spec)), keep_quantization)
+        return load_source(str(package_file(spec)), keep_quantization)
     path = Path(spec).expanduser()
     if keep_quantization and path.suffix != ".gguf":
         raise SourceError(f"source_quantization: keep applies to a .gguf model; {spec!r} is not one (a pre-quantized "
@@ -224,7 +224,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc"))
 
 
-def _package_file(spec: str) -> Path:
+def package_file(spec: str) -> Path:
     """The file a `package:<pkg>/<file>` spec names: shipped inside the package, or, for a package that ships
     it in chunks with an `assemble()` (the Gemma 3 270M packages), assembled once into $OPTC_CACHE/packages/
     (the package checks its sha256)."""

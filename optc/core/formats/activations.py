@@ -9,8 +9,10 @@ to ±127 for int8 (symmetric, no zero point). The product is
     y = (xq @ qᵀ) · s_x[:, None] · s_w[None, :] (+ bias)
 
 computed in fp32 and cast once to x's dtype: every fp8 × fp8 and int8 × int8 product is exact in
-fp32, and the sum over K runs in fp32 as in the tensor-core kernels (int8 sums are exact while
-|Σ| < 2²⁴; `torch._int_mm` sums in int32, so beyond that the two differ by fp32 rounding).
+fp32, and this reference sums over K in fp32. The kernels do not all: `torch._int_mm` sums int32 exactly
+(equal to the fp32 sum while |Σ| < 2²⁴, beyond that they differ by fp32 rounding), and Hopper's fp8
+tensor cores keep only about 14 significant bits of a running sum (kernels/w8a8.py `accumulation_bound`
+says how far that puts `torch._scaled_mm` from this sum on the same 8-bit inputs).
 
 Not here: weight quantization (each scheme's) or choosing a kernel (kernels/registry.py).
 """
@@ -54,7 +56,7 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, weight_scales: torch
     weight_scales (N,) or (1,): -> (..., N) in x's dtype (module docstring for the arithmetic)."""
     k = x.shape[-1]
     xq, sx = QUANTIZE_ROWS[qweight.dtype](x.reshape(-1, k))
-    # (T, K) @ (K, N): fp32 products of 8-bit values are exact; scales applied to the fp32 sum
+    # (T, K) @ (K, N): fp32 products of 8-bit values are exact, summed in fp32; scales applied to the sum
     y = (xq.float() @ qweight.float().T) * sx * weight_scales.float()[None, :]
     if bias is not None:
         y = y + bias.float()

@@ -4,7 +4,9 @@
    grid; α = 0 is plain RTN, so the chosen scales never do worse than RTN on the searched
    output), normalized s / sqrt(max(s)·min(s)) as AutoAWQ does. For each α the group's weights
    become Q(W·diag(s))·diag(s)⁻¹ and the caller's `forward` computes the block output; the α
-   with the least mean squared output error wins.
+   with the least mean squared output error wins (the first on an exact tie). Every α's error is kept
+   (`ScaleSearch.losses`, recorded per group in the pass stats): a CPU and a GPU build agree when
+   their curves do, whichever α a near-tie lets each pick (tests/test_build_device.py).
 2. The caller folds 1/s into the op before the group (`fold_into_norm`, `fold_into_linear`) and
    s into the group's weights; the group's input becomes x/s.
 3. Clip search per linear (AutoAWQ's `_search_best_clip`): for each output row and group, the
@@ -39,6 +41,7 @@ class ScaleSearch:
     alpha: float
     error: float  # block output MSE with the chosen scales
     rtn_error: float  # block output MSE of plain RTN (α = 0)
+    losses: tuple[float, ...] = ()  # block output MSE at each α = i / n_grid
 
 
 def input_mean(x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -57,18 +60,16 @@ def search_scale(x_mean: torch.Tensor, weights: Sequence[torch.Tensor], forward:
     x_mean = x_mean.float()
     reference = forward(ws).float()
     best: tuple[float, float, torch.Tensor] | None = None
-    rtn_error = float("nan")
+    losses = []
     for i in range(n_grid):
         alpha = i / n_grid
         s = scales_for(x_mean, alpha)
         out = forward([fake_quantize(w * s, fmt) / s for w in ws]).float()
-        err = float((out - reference).pow(2).mean())
-        if i == 0:
-            rtn_error = err
-        if best is None or err < best[0]:
-            best = (err, alpha, s)
+        losses.append(float((out - reference).pow(2).mean()))
+        if best is None or losses[-1] < best[0]:
+            best = (losses[-1], alpha, s)
     assert best is not None, "n_grid must be positive"
-    return ScaleSearch(best[2], best[1], best[0], rtn_error)
+    return ScaleSearch(best[2], best[1], best[0], losses[0], tuple(losses))
 
 
 def scales_for(x_mean: torch.Tensor, alpha: float) -> torch.Tensor:
