@@ -114,6 +114,7 @@ def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
         quantization=sections.get("quantization") or source.quantization,
         cuda_graphs=sections.get("cuda_graphs"),
         quality=quality,
+        draft_head=sections.get("draft_head"),
     )
     report = {
         "host": platform.node(),

@@ -1,0 +1,231 @@
+"""Train an EAGLE draft head (optc/core/eagle.py) for the graph's model and store it in the artifact.
+
+Data: the recipe's calibration text (its `calibration:` section: source, windows, length, seed), the
+first `samples` windows; the last `validation_windows` of them are held out. The target runs once over
+them (the graph as the passes before left it, on the op references): its feature at every position
+(the lm_head's input) and its greedy next token. Training is teacher-forced as EAGLE's: entry p gets
+(token p + 1, feature p, plus uniform noise of `noise` x the features' std) and is scored by a smooth
+L1 loss to feature p + 1 plus `ce_weight` x the cross entropy of its logits against the target's greedy
+token at p + 1, over the head's reduced vocabulary: the `vocab_size` tokens the target predicted most
+often on the training windows (then the lowest ids). One window per step, windows drawn by the seeded
+generator: the same options and data give the same head.
+
+Validation: chain acceptance on the held-out windows, a greedy proxy of decoding: from each position
+p (every 8th), the head drafts `validation_k` tokens from the real entries up to p, feeding back its
+own predictions, and draft j counts while it equals the target's greedy token at p + j. The stats
+and the manifest's `draft_head` section record the loss curve (every `steps / 20` steps), the
+validation acceptance rate per position and the mean acceptance length. The head's tensors
+(`eagle.*`) go into the tensor table as dense weights of the graph's dtype, beside the nodes (no
+node reads them); the runtime reads them with `--speculative eagle`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from optc.core.eagle import PREFIX, EagleHead, EagleHeadConfig, init_weights
+from optc.core.errors import InputError
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.formats import DTYPES, Format
+from optc.core.ir import Graph, TensorInfo
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import Pass, PassContext, PassResult
+from optc.frontend.quant.blocks import tensor_entry
+
+VALIDATION_STRIDE = 8  # validation drafts from every 8th position of a held-out window
+
+
+class Optimizer(enum.StrEnum):
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+
+class TrainDraftHead(Pass):
+    """Train an EAGLE draft head on the target's own features; store it beside the graph."""
+
+    @dataclass(frozen=True)
+    class Options:
+        steps: int = field(default=400, metadata={"min": 1, "help": "optimizer steps (one window each)"})
+        lr: float = field(default=2e-3, metadata={"gt": 0.0, "help": "peak learning rate (cosine decay)"})
+        optimizer: Optimizer = field(default=Optimizer.ADAMW, metadata={"help": "adamw or sgd (momentum 0.9)"})
+        samples: int = field(default=24, metadata={"min": 2, "help": "calibration windows used (train + validation)"})
+        validation_windows: int = field(default=2, metadata={"min": 1, "help": "windows held out for validation"})
+        vocab_size: int = field(default=8192, metadata={"min": 1, "help": "the head's reduced vocabulary"})
+        intermediate_size: int | None = field(default=None, metadata={"help": "head MLP width; default: the model's"})
+        ce_weight: float = field(default=0.1, metadata={"min": 0.0, "help": "weight of the token loss"})
+        noise: float = field(default=0.1, metadata={"min": 0.0, "help": "feature noise, times the features' std"})
+        validation_k: int = field(default=4, metadata={"min": 1, "help": "draft length of the validation chains"})
+        max_minutes: float = field(default=15.0, metadata={"gt": 0.0, "help": "stop training after this long"})
+        seed: int = field(default=0, metadata={"min": 0, "help": "seed of the init, window order and noise"})
+
+        def __post_init__(self) -> None:
+            try:
+                object.__setattr__(self, "optimizer", Optimizer(self.optimizer))
+            except ValueError:
+                raise InputError(f"train_draft_head optimizer {self.optimizer!r}; allowed: "
+                                 f"{', '.join(o.value for o in Optimizer)}") from None
+            if self.validation_windows >= self.samples:
+                raise InputError(f"train_draft_head validation_windows ({self.validation_windows}) must be fewer "
+                                 f"than samples ({self.samples})")
+
+    def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        if f"{PREFIX}.fc.weight" in graph.tensors:
+            return PassResult(graph, store, changed=False, stats={"trained": 0})
+        if ctx.calibration_tokens is None:
+            raise InputError("train_draft_head needs calibration text (the recipe's calibration: section)")
+        o = self.options
+        tokens = ctx.calibration_tokens()[: o.samples]
+        if tokens.shape[0] < o.samples:
+            raise InputError(f"train_draft_head samples {o.samples}: the calibration has {tokens.shape[0]} windows; "
+                             f"raise calibration.samples or lower samples")
+        t0 = time.perf_counter()
+        executor = Executor(graph, bind_params(graph, store), use_references=True)
+        features, greedy = _target_outputs(executor, tokens, ctx)
+        embedding, lm_head = _target_tables(executor, graph)
+        train = slice(0, o.samples - o.validation_windows)
+        config = _head_config(graph, o, greedy[train])
+        vocab_ids = torch.tensor(config.vocab_ids)
+        index = torch.full((graph.config.vocab_size,), -100, dtype=torch.long)
+        index[vocab_ids] = torch.arange(len(vocab_ids))
+        weights = init_weights(config, torch.Generator().manual_seed(o.seed))
+        head = EagleHead(config, weights, embedding, lm_head[vocab_ids])
+        extract_seconds = time.perf_counter() - t0
+        curve, seconds = _train(head, weights, tokens[train], features[train], index[greedy[train]], o, ctx)
+        val = slice(o.samples - o.validation_windows, o.samples)
+        with torch.no_grad():
+            per_position = _validate(head, tokens[val], features[val], greedy[val], o.validation_k)
+        length = 1 + sum(per_position)  # per_position[j] counts chains whose drafts 0..j all matched
+        record = {"loss_curve": curve, "validation_acceptance_per_position": [round(a, 4) for a in per_position],
+                  "validation_mean_acceptance_length": round(length, 4), "train_tokens": int(tokens[train].numel()),
+                  "validation_tokens": int(tokens[val].numel()), "extract_seconds": round(extract_seconds, 1),
+                  "train_seconds": round(seconds, 1)}
+        dtype = graph.config.dtype
+        new = graph.copy()
+        entries = {}
+        for name, w in weights.items():
+            new.tensors[name] = TensorInfo(tuple(w.shape), Format(dtype=dtype))
+            entries[name] = tensor_entry(w.detach().to(DTYPES[dtype]).contiguous())
+        section = {"method": "eagle", "config": config.to_json(), "options": _options_json(o), "training": record}
+        stats = {"trained": 1, "mean_acceptance_length": record["validation_mean_acceptance_length"],
+                 "final_loss": curve[-1][1], "train_seconds": record["train_seconds"], **record}
+        return PassResult(new, store.with_entries(entries), changed=True, stats=stats,
+                          manifest={"draft_head": section})
+
+
+def _target_outputs(executor: Executor, tokens: torch.Tensor, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 features (S, L, H) (the lm_head's input) and greedy next tokens (S, L) over the windows."""
+    features, greedy = [], []
+    captured = {}
+
+    def hook(i, node, inputs, outputs) -> None:
+        if node.op == "lm_head":
+            captured["feature"] = inputs[0].float()
+
+    windows = range(tokens.shape[0])
+    if ctx.show_progress_bars:
+        from tqdm import tqdm
+
+        windows = tqdm(windows, desc="train_draft_head: target features", unit="window", leave=False)
+    with torch.no_grad():
+        for s in windows:
+            logits = run_dense(executor, tokens[s : s + 1], hook)  # (1, L, V)
+            features.append(captured.pop("feature").reshape(tokens.shape[1], -1))
+            greedy.append(logits[0].argmax(-1))
+    return torch.stack(features), torch.stack(greedy)
+
+
+def _target_tables(executor: Executor, graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding and lm_head weights, float32 (frozen in training)."""
+    nodes = {n.op: n for n in graph.nodes if n.op in ("embedding", "lm_head")}
+    return tuple(executor.params[nodes[op].params["weight"]].dense(torch.float32) for op in ("embedding", "lm_head"))
+
+
+def _head_config(graph: Graph, o: TrainDraftHead.Options, greedy: torch.Tensor) -> EagleHeadConfig:
+    """The head's shape from the model's layer; its vocabulary: the most frequent greedy tokens first."""
+    c = graph.config
+    size = min(o.vocab_size, c.vocab_size)
+    counts = torch.bincount(greedy.flatten(), minlength=c.vocab_size)
+    # frequency first, lower id first among equals (a stable sort of ids by count)
+    order = torch.sort(counts, descending=True, stable=True).indices[:size]
+    return EagleHeadConfig(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                           o.intermediate_size or c.intermediate_size, c.rms_norm_eps, c.rope_theta,
+                           tuple(sorted(order.tolist())))
+
+
+def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tensor, features: torch.Tensor,
+           labels: torch.Tensor, o: TrainDraftHead.Options, ctx: PassContext) -> tuple[list, float]:
+    """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took."""
+    generator = torch.Generator().manual_seed(o.seed)
+    for w in weights.values():
+        w.requires_grad_(True)
+    params = list(weights.values())
+    opt = (torch.optim.AdamW(params, lr=o.lr, weight_decay=0.0) if o.optimizer is Optimizer.ADAMW
+           else torch.optim.SGD(params, lr=o.lr, momentum=0.9))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / o.steps)).item()))
+    std = features.std().item()
+    num, length = tokens.shape
+    positions = torch.arange(length - 1)
+    every = max(1, o.steps // 20)
+    curve, running, t0 = [], 0.0, time.perf_counter()
+    steps = range(o.steps)
+    if ctx.show_progress_bars:
+        from tqdm import tqdm
+
+        steps = tqdm(steps, desc="train_draft_head", unit="step", leave=False)
+    for step in steps:
+        s = int(torch.randint(num, (1,), generator=generator))
+        f = features[s, :-1]
+        if o.noise:
+            f = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std)
+        predicted, _ = head.forward(tokens[s, 1:], f, positions)
+        loss = F.smooth_l1_loss(predicted, features[s, 1:])
+        if o.ce_weight:
+            loss = loss + o.ce_weight * F.cross_entropy(head.logits(predicted), labels[s, 1:], ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        running += loss.item()
+        if (step + 1) % every == 0 or step + 1 == o.steps:
+            curve.append((step + 1, round(running / ((step % every) + 1), 5)))
+            running = 0.0
+        if time.perf_counter() - t0 > 60 * o.max_minutes:
+            curve.append((step + 1, round(loss.item(), 5)))
+            break
+    for w in weights.values():
+        w.requires_grad_(False)
+    return curve, time.perf_counter() - t0
+
+
+def _validate(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, greedy: torch.Tensor,
+              k: int) -> list[float]:
+    """Per draft position j: the fraction of chains whose first j + 1 drafts all match the target's greedy
+    tokens (position 0: the first draft's accuracy)."""
+    vocab_ids = torch.tensor(head.config.vocab_ids)
+    matched, tried = [0] * k, 0
+    length = tokens.shape[1]
+    for s in range(tokens.shape[0]):
+        out, (keys, values) = head.forward(tokens[s, 1:], features[s, :-1], torch.arange(length - 1))
+        for p in range(0, length - 1 - k, VALIDATION_STRIDE):
+            # real entries 0..p predict the feature of p + 1, whose token the target's greedy[p + 1] is
+            feature, cache = out[p], (keys[: p + 1], values[: p + 1])
+            tried += 1
+            for j in range(k):
+                token = vocab_ids[head.logits(feature[None])[0].argmax()]
+                if token != greedy[s, p + 1 + j]:
+                    break
+                matched[j] += 1
+                nxt, (k_new, v_new) = head.forward(token[None], feature[None], torch.tensor([p + 1 + j]), cache)
+                cache = (torch.cat([cache[0], k_new]), torch.cat([cache[1], v_new]))
+                feature = nxt[0]
+    return [m / max(1, tried) for m in matched]
+
+
+def _options_json(o: TrainDraftHead.Options) -> dict:
+    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in asdict(o).items()}
