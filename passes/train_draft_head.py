@@ -7,8 +7,11 @@ them (the graph as the passes before left it, on the op references): its feature
 (token p + 1, feature p, plus uniform noise of `noise` x the features' std) and is scored by a smooth
 L1 loss to feature p + 1 plus `ce_weight` x the cross entropy of its logits against the target's greedy
 token at p + 1, over the head's reduced vocabulary: the `vocab_size` tokens the target predicted most
-often on the training windows (then the lowest ids). One window per step, windows drawn by the seeded
-generator: the same options and data give the same head.
+often on the training windows (then the lowest ids). Each entry is also trained `unroll` draft steps
+deep on its own predictions (EAGLE-3's training-time test, `_window_loss`): without it the second
+draft, which reads a predicted feature, is rarely right. One `crop`-token slice of one window per step,
+drawn by the seeded generator, AdamW (or SGD) with warm-up, cosine decay and gradient clipping: the
+same options and data give the same head.
 
 Validation: chain acceptance on the held-out windows, a greedy proxy of decoding: from each position
 p (every 8th), the head drafts `validation_k` tokens from the real entries up to p, feeding back its
@@ -50,10 +53,10 @@ class TrainDraftHead(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        steps: int = field(default=400, metadata={"min": 1, "help": "optimizer steps (one window each)"})
-        lr: float = field(default=2e-3, metadata={"gt": 0.0, "help": "peak learning rate (cosine decay)"})
+        steps: int = field(default=300, metadata={"min": 1, "help": "optimizer steps (one window each)"})
+        lr: float = field(default=1e-3, metadata={"gt": 0.0, "help": "peak learning rate (cosine decay)"})
         optimizer: Optimizer = field(default=Optimizer.ADAMW, metadata={"help": "adamw or sgd (momentum 0.9)"})
-        samples: int = field(default=24, metadata={"min": 2, "help": "calibration windows used (train + validation)"})
+        samples: int = field(default=16, metadata={"min": 2, "help": "calibration windows used (train + validation)"})
         validation_windows: int = field(default=2, metadata={"min": 1, "help": "windows held out for validation"})
         vocab_size: int = field(default=8192, metadata={"min": 1, "help": "the head's reduced vocabulary"})
         intermediate_size: int | None = field(default=None, metadata={"help": "head MLP width; default: the model's"})
@@ -61,6 +64,8 @@ class TrainDraftHead(Pass):
         noise: float = field(default=0.1, metadata={"min": 0.0, "help": "feature noise, times the features' std"})
         validation_k: int = field(default=4, metadata={"min": 1, "help": "draft length of the validation chains"})
         max_minutes: float = field(default=15.0, metadata={"gt": 0.0, "help": "stop training after this long"})
+        crop: int = field(default=256, metadata={"min": 8, "help": "tokens of a window one step trains on"})
+        unroll: int = field(default=2, metadata={"min": 1, "help": "draft steps deep each entry is trained"})
         seed: int = field(default=0, metadata={"min": 0, "help": "seed of the init, window order and noise"})
 
         def __post_init__(self) -> None:
@@ -170,7 +175,7 @@ def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tens
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / o.steps)).item()))
     std = features.std().item()
     num, length = tokens.shape
-    positions = torch.arange(length - 1)
+    crop = min(o.crop, length)
     every = max(1, o.steps // 20)
     curve, running, t0 = [], 0.0, time.perf_counter()
     steps = range(o.steps)
@@ -180,15 +185,13 @@ def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tens
         steps = tqdm(steps, desc="train_draft_head", unit="step", leave=False)
     for step in steps:
         s = int(torch.randint(num, (1,), generator=generator))
-        f = features[s, :-1]
-        if o.noise:
-            f = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std)
-        predicted, _ = head.forward(tokens[s, 1:], f, positions)
-        loss = F.smooth_l1_loss(predicted, features[s, 1:])
-        if o.ce_weight:
-            loss = loss + o.ce_weight * F.cross_entropy(head.logits(predicted), labels[s, 1:], ignore_index=-100)
+        a = int(torch.randint(length - crop + 1, (1,), generator=generator))
+        f = features[s, a : a + crop]
+        noisy = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std) if o.noise else f
+        loss = _window_loss(head, tokens[s, a : a + crop], noisy, f, labels[s, a : a + crop], o)
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         schedule.step()
         running += loss.item()
@@ -201,6 +204,36 @@ def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tens
     for w in weights.values():
         w.requires_grad_(False)
     return curve, time.perf_counter() - t0
+
+
+def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, features: torch.Tensor,
+                 labels: torch.Tensor, o: TrainDraftHead.Options) -> torch.Tensor:
+    """The loss of one window (L tokens), unrolled `o.unroll` draft steps deep (EAGLE-3's training-time
+    test): level d's entry p is the d-th draft after the real entries 0..p: it reads level d - 1's predicted
+    feature with token p + d at position p + d - 1, sees real entries <= p and its own level-l entry p of
+    every level l < d, and is scored against feature p + d and the target's greedy token there."""
+    length = tokens.shape[0]
+    count = length - 1  # level 1: entries 0 .. L - 2
+    inputs, positions = noisy[:count], torch.arange(count)
+    keys, values, total = [], [], torch.zeros((), dtype=torch.float32)
+    for d in range(1, min(o.unroll, length - 1) + 1):
+        if d == 1:
+            mask = None
+        else:  # real entries <= p, then the diagonal of every earlier level and of this one
+            eyes = [torch.eye(count, length - level, dtype=torch.bool) for level in range(2, d + 1)]
+            mask = torch.cat([torch.ones(count, length - 1, dtype=torch.bool).tril(), *eyes], dim=1)
+        cache = None if d == 1 else (torch.cat(keys), torch.cat(values))
+        predicted, (k, v) = head.forward(tokens[d : d + count], inputs, positions, cache, mask)
+        keys.append(k)
+        values.append(v)
+        loss = F.smooth_l1_loss(predicted, features[d : d + count])
+        if o.ce_weight:
+            ce = F.cross_entropy(head.logits(predicted), labels[d : d + count], ignore_index=-100)
+            loss = loss + o.ce_weight * ce
+        total = total + loss
+        count -= 1  # the next level drafts from every entry whose target exists
+        inputs, positions = predicted[:count], positions[:count] + 1
+    return total / min(o.unroll, length - 1)
 
 
 def _validate(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, greedy: torch.Tensor,

@@ -93,11 +93,11 @@ class EagleHead:
         self._split = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Predicted next features (T, H) for T new entries (tokens t_{p+1}, features f_p, positions p),
         attending to `cache` (K, V: (L, H_kv, D), the entries before them) and causally among
-        themselves; also the K, V of the new entries (T, H_kv, D)."""
+        themselves, or as `mask` (T, L + T) bool says; also the K, V of the new entries (T, H_kv, D)."""
         c, w = self.config, self.w
         dtype = w["fc.weight"].dtype
         x = torch.cat([self.embedding[token_ids].to(dtype), features.to(dtype)], dim=-1)
@@ -111,7 +111,8 @@ class EagleHead:
         keys, values = (k, v) if cache is None else (torch.cat([cache[0], k]), torch.cat([cache[1], v]))
         past = keys.shape[0] - t
         # mask: entry i sees every cached entry and new entries <= i
-        mask = torch.ones(t, keys.shape[0], dtype=torch.bool).tril(past)
+        if mask is None:
+            mask = torch.ones(t, keys.shape[0], dtype=torch.bool).tril(past)
         group = c.num_heads // c.num_kv_heads
         a = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.repeat_interleave(group, 1).transpose(0, 1),
