@@ -33,12 +33,13 @@ import torch.nn.functional as F
 
 from optc.core.eagle import PREFIX, EagleHead, EagleHeadConfig, init_weights
 from optc.core.errors import InputError
-from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.execute import Executor, bind_params
 from optc.core.formats import DTYPES, Format
 from optc.core.ir import Graph, TensorInfo
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.blocks import tensor_entry
+from optc.passes._draft_data import generate, read_prompts, target_outputs
 
 VALIDATION_STRIDE = 8  # validation drafts from every 8th position of a held-out window
 
@@ -48,11 +49,21 @@ class Optimizer(enum.StrEnum):
     SGD = "sgd"
 
 
+class Data(enum.StrEnum):
+    CORPUS = "corpus"  # the recipe's calibration windows
+    SELF = "self"  # the target's own greedy answers to the `prompts` file's chat prompts
+    BOTH = "both"  # corpus windows, then self-generated answers (validation: the last answers)
+
+
 class TrainDraftHead(Pass):
     """Train an EAGLE draft head on the target's own features; store it beside the graph."""
 
     @dataclass(frozen=True)
     class Options:
+        data: Data = field(default=Data.CORPUS, metadata={"help": "corpus, self or both (see the pass's doc)"})
+        prompts: str | None = field(default=None, metadata={
+            "help": "chat prompts the target answers for data self/both: a .txt (one per line) or .jsonl file"})
+        answer_tokens: int = field(default=128, metadata={"min": 1, "help": "longest self-generated answer"})
         steps: int = field(default=300, metadata={"min": 1, "help": "optimizer steps (one window each)"})
         lr: float = field(default=1e-3, metadata={"gt": 0.0, "help": "peak learning rate (cosine decay)"})
         optimizer: Optimizer = field(default=Optimizer.ADAMW, metadata={"help": "adamw or sgd (momentum 0.9)"})
@@ -69,45 +80,47 @@ class TrainDraftHead(Pass):
         seed: int = field(default=0, metadata={"min": 0, "help": "seed of the init, window order and noise"})
 
         def __post_init__(self) -> None:
-            try:
-                object.__setattr__(self, "optimizer", Optimizer(self.optimizer))
-            except ValueError:
-                raise InputError(f"train_draft_head optimizer {self.optimizer!r}; allowed: "
-                                 f"{', '.join(o.value for o in Optimizer)}") from None
-            if self.validation_windows >= self.samples:
+            for key, kind in (("optimizer", Optimizer), ("data", Data)):
+                try:
+                    object.__setattr__(self, key, kind(getattr(self, key)))
+                except ValueError:
+                    raise InputError(f"train_draft_head {key} {getattr(self, key)!r}; allowed: "
+                                     f"{', '.join(o.value for o in kind)}") from None
+            if self.data is not Data.CORPUS and self.prompts is None:
+                raise InputError(f"train_draft_head data {self.data.value} needs prompts: a .txt or .jsonl file")
+            if self.data is Data.CORPUS and self.validation_windows >= self.samples:
                 raise InputError(f"train_draft_head validation_windows ({self.validation_windows}) must be fewer "
                                  f"than samples ({self.samples})")
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
         if f"{PREFIX}.fc.weight" in graph.tensors:
             return PassResult(graph, store, changed=False, stats={"trained": 0})
-        if ctx.calibration_tokens is None:
-            raise InputError("train_draft_head needs calibration text (the recipe's calibration: section)")
         o = self.options
-        tokens = ctx.calibration_tokens()[: o.samples]
-        if tokens.shape[0] < o.samples:
-            raise InputError(f"train_draft_head samples {o.samples}: the calibration has {tokens.shape[0]} windows; "
-                             f"raise calibration.samples or lower samples")
         t0 = time.perf_counter()
         executor = Executor(graph, bind_params(graph, store), use_references=True)
-        features, greedy = _target_outputs(executor, tokens, ctx)
+        sequences = _sequences(executor, graph, o, ctx)
+        bar = _progress(ctx, "train_draft_head: target features", "sequence")
+        features, greedy = target_outputs(executor, sequences, bar)
         embedding, lm_head = _target_tables(executor, graph)
-        train = slice(0, o.samples - o.validation_windows)
-        config = _head_config(graph, o, greedy[train])
+        num_train = len(sequences) - o.validation_windows
+        config = _head_config(graph, o, torch.cat(greedy[:num_train]))
         vocab_ids = torch.tensor(config.vocab_ids)
         index = torch.full((graph.config.vocab_size,), -100, dtype=torch.long)
         index[vocab_ids] = torch.arange(len(vocab_ids))
         weights = init_weights(config, torch.Generator().manual_seed(o.seed))
         head = EagleHead(config, weights, embedding, lm_head[vocab_ids])
         extract_seconds = time.perf_counter() - t0
-        curve, seconds = _train(head, weights, tokens[train], features[train], index[greedy[train]], o, ctx)
-        val = slice(o.samples - o.validation_windows, o.samples)
+        labels = [index[g] for g in greedy[:num_train]]
+        curve, seconds = _train(head, weights, sequences[:num_train], features[:num_train], labels, o, ctx)
         with torch.no_grad():
-            per_position = _validate(head, tokens[val], features[val], greedy[val], o.validation_k)
+            per_position = _validate(head, sequences[num_train:], features[num_train:], greedy[num_train:],
+                                     o.validation_k)
         length = 1 + sum(per_position)  # per_position[j] counts chains whose drafts 0..j all matched
+        train_tokens = sum(len(t) for t in sequences[:num_train])
         record = {"loss_curve": curve, "validation_acceptance_per_position": [round(a, 4) for a in per_position],
-                  "validation_mean_acceptance_length": round(length, 4), "train_tokens": int(tokens[train].numel()),
-                  "validation_tokens": int(tokens[val].numel()), "extract_seconds": round(extract_seconds, 1),
+                  "validation_mean_acceptance_length": round(length, 4), "train_tokens": train_tokens,
+                  "validation_tokens": sum(len(t) for t in sequences[num_train:]),
+                  "extract_seconds": round(extract_seconds, 1),
                   "train_seconds": round(seconds, 1)}
         dtype = graph.config.dtype
         new = graph.copy()
@@ -122,26 +135,39 @@ class TrainDraftHead(Pass):
                           manifest={"draft_head": section})
 
 
-def _target_outputs(executor: Executor, tokens: torch.Tensor, ctx: PassContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 features (S, L, H) (the lm_head's input) and greedy next tokens (S, L) over the windows."""
-    features, greedy = [], []
-    captured = {}
+def _sequences(executor: Executor, graph: Graph, o: TrainDraftHead.Options, ctx: PassContext) -> list[torch.Tensor]:
+    """The token sequences of `o.data`: corpus windows, then self-generated answers."""
+    sequences = []
+    if o.data is not Data.SELF:
+        if ctx.calibration_tokens is None:
+            raise InputError("train_draft_head data corpus needs calibration text (the recipe's calibration: section)")
+        tokens = ctx.calibration_tokens()[: o.samples]
+        if tokens.shape[0] < o.samples:
+            raise InputError(f"train_draft_head samples {o.samples}: the calibration has {tokens.shape[0]} windows; "
+                             f"raise calibration.samples or lower samples")
+        sequences += list(tokens)
+    if o.data is not Data.CORPUS:
+        if ctx.tokenizer is None:
+            raise InputError("train_draft_head data self needs the model's tokenizer (a build passes it)")
+        tokenizer = ctx.tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+                   for p in read_prompts(o.prompts)]
+        sequences += generate(executor, graph, prompts, o.answer_tokens,
+                              _progress(ctx, "train_draft_head: self-generated answers", "token"))
+    if len(sequences) <= o.validation_windows:
+        raise InputError(f"train_draft_head: {len(sequences)} sequences, not more than validation_windows "
+                         f"({o.validation_windows}); give more samples or prompts")
+    return sequences
 
-    def hook(i, node, inputs, outputs) -> None:
-        if node.op == "lm_head":
-            captured["feature"] = inputs[0].float()
 
-    windows = range(tokens.shape[0])
-    if ctx.show_progress_bars:
-        from tqdm import tqdm
+def _progress(ctx: PassContext, desc: str, unit: str):
+    """A tqdm wrapper when the build shows progress bars, else None."""
+    if not ctx.show_progress_bars:
+        return None
+    from tqdm import tqdm
 
-        windows = tqdm(windows, desc="train_draft_head: target features", unit="window", leave=False)
-    with torch.no_grad():
-        for s in windows:
-            logits = run_dense(executor, tokens[s : s + 1], hook)  # (1, L, V)
-            features.append(captured.pop("feature").reshape(tokens.shape[1], -1))
-            greedy.append(logits[0].argmax(-1))
-    return torch.stack(features), torch.stack(greedy)
+    return lambda items: tqdm(items, desc=desc, unit=unit, leave=False)
 
 
 def _target_tables(executor: Executor, graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +188,9 @@ def _head_config(graph: Graph, o: TrainDraftHead.Options, greedy: torch.Tensor) 
                            tuple(sorted(order.tolist())))
 
 
-def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tensor, features: torch.Tensor,
-           labels: torch.Tensor, o: TrainDraftHead.Options, ctx: PassContext) -> tuple[list, float]:
+def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.Tensor],
+           features: list[torch.Tensor], labels: list[torch.Tensor], o: TrainDraftHead.Options,
+           ctx: PassContext) -> tuple[list, float]:
     """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took."""
     generator = torch.Generator().manual_seed(o.seed)
     for w in weights.values():
@@ -173,9 +200,8 @@ def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tens
            else torch.optim.SGD(params, lr=o.lr, momentum=0.9))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / o.steps)).item()))
-    std = features.std().item()
-    num, length = tokens.shape
-    crop = min(o.crop, length)
+    std = torch.cat(features).std().item()
+    num = len(tokens)
     every = max(1, o.steps // 20)
     curve, running, t0 = [], 0.0, time.perf_counter()
     steps = range(o.steps)
@@ -185,10 +211,11 @@ def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: torch.Tens
         steps = tqdm(steps, desc="train_draft_head", unit="step", leave=False)
     for step in steps:
         s = int(torch.randint(num, (1,), generator=generator))
-        a = int(torch.randint(length - crop + 1, (1,), generator=generator))
-        f = features[s, a : a + crop]
+        crop = min(o.crop, len(tokens[s]))
+        a = int(torch.randint(len(tokens[s]) - crop + 1, (1,), generator=generator))
+        f = features[s][a : a + crop]
         noisy = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std) if o.noise else f
-        loss = _window_loss(head, tokens[s, a : a + crop], noisy, f, labels[s, a : a + crop], o)
+        loss = _window_loss(head, tokens[s][a : a + crop], noisy, f, labels[s][a : a + crop], o)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -236,22 +263,22 @@ def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, fea
     return total / min(o.unroll, length - 1)
 
 
-def _validate(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, greedy: torch.Tensor,
-              k: int) -> list[float]:
+def _validate(head: EagleHead, tokens: list[torch.Tensor], features: list[torch.Tensor],
+              greedy: list[torch.Tensor], k: int) -> list[float]:
     """Per draft position j: the fraction of chains whose first j + 1 drafts all match the target's greedy
     tokens (position 0: the first draft's accuracy)."""
     vocab_ids = torch.tensor(head.config.vocab_ids)
     matched, tried = [0] * k, 0
-    length = tokens.shape[1]
-    for s in range(tokens.shape[0]):
-        out, (keys, values) = head.forward(tokens[s, 1:], features[s, :-1], torch.arange(length - 1))
+    for s in range(len(tokens)):
+        length = len(tokens[s])
+        out, (keys, values) = head.forward(tokens[s][1:], features[s][:-1], torch.arange(length - 1))
         for p in range(0, length - 1 - k, VALIDATION_STRIDE):
             # real entries 0..p predict the feature of p + 1, whose token the target's greedy[p + 1] is
             feature, cache = out[p], (keys[: p + 1], values[: p + 1])
             tried += 1
             for j in range(k):
                 token = vocab_ids[head.logits(feature[None])[0].argmax()]
-                if token != greedy[s, p + 1 + j]:
+                if token != greedy[s][p + 1 + j]:
                     break
                 matched[j] += 1
                 nxt, (k_new, v_new) = head.forward(token[None], feature[None], torch.tensor([p + 1 + j]), cache)

@@ -17,6 +17,7 @@ from optc.core.execute import Executor, bind_params, run_dense
 from optc.core.settings import SpeculativeConfig
 from optc.frontend.passmanager import PassContext, make_pass
 from optc.frontend.sources import load_source
+from optc.passes._draft_data import generate
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.eagle import load_eagle_head
 from optc.runtime.verifier import target_probs
@@ -66,6 +67,17 @@ def test_training_is_deterministic_given_the_seed():
     curve = stats["loss_curve"]
     assert curve[-1][0] == 30 and curve[-1][1] < curve[0][1]  # it learns
     assert len(stats["validation_acceptance_per_position"]) == 4
+
+
+def test_self_generated_answers_are_the_engines_greedy_tokens(tiny_artifact):
+    """The pass's batched, KV-cached greedy generation (data: self) against the engine's, prompts of
+    different lengths in one batch."""
+    artifact = read(tiny_artifact)
+    executor = Executor(artifact.graph, bind_params(artifact.graph, artifact.store))
+    prompts = [[5, 17, 99], [3, 42, 7, 8, 200, 11, 12], [60] * 20]
+    sequences = generate(executor, artifact.graph, prompts, 10)
+    expected = Engine.load(tiny_artifact).generate(prompts, SamplingParams(max_tokens=10))
+    assert [s.tolist() for s in sequences] == [p + c.token_ids for p, c in zip(prompts, expected, strict=True)]
 
 
 def test_the_head_round_trips_through_the_artifact(headed):
