@@ -1,17 +1,20 @@
 """Train an EAGLE draft head (optc/core/eagle.py) for the graph's model and store it in the artifact.
 
-Data: the recipe's calibration text (its `calibration:` section: source, windows, length, seed), the
-first `samples` windows; the last `validation_windows` of them are held out. The target runs once over
-them (the graph as the passes before left it, on the op references): its feature at every position
-(the lm_head's input) and its greedy next token. Training is teacher-forced as EAGLE's: entry p gets
-(token p + 1, feature p, plus uniform noise of `noise` x the features' std) and is scored by a smooth
-L1 loss to feature p + 1 plus `ce_weight` x the cross entropy of its logits against the target's greedy
-token at p + 1, over the head's reduced vocabulary: the `vocab_size` tokens the target predicted most
-often on the training windows (then the lowest ids). Each entry is also trained `unroll` draft steps
-deep on its own predictions (EAGLE-3's training-time test, `_window_loss`): without it the second
-draft, which reads a predicted feature, is rarely right. One `crop`-token slice of one window per step,
-drawn by the seeded generator, AdamW (or SGD) with warm-up, cosine decay and gradient clipping: the
-same options and data give the same head.
+Data (`data`): `corpus`, the recipe's calibration text (its `calibration:` section: source, windows,
+length, seed), the first `samples` windows; `self`, the target's own greedy answers (up to
+`answer_tokens`) to the chat prompts of the `prompts` file, under the tokenizer's chat template (EAGLE's
+authors found such self-distilled data matters: the head learns what the target says, not what a corpus
+says); `both`, the corpus windows then the answers. The last `validation_windows` sequences are held
+out. The target runs once over the sequences (the graph as the passes before left it, on the op
+references): its feature at every position (the lm_head's input) and its greedy next token. Training is
+teacher-forced as EAGLE's: entry p gets (token p + 1, feature p, plus uniform noise of `noise` x the
+features' std) and is scored by a smooth L1 loss to feature p + 1 plus `ce_weight` x the cross entropy
+of its logits against the target's greedy token at p + 1, over the head's reduced vocabulary: the
+`vocab_size` tokens the target predicted most often on the training windows (then the lowest ids). Each
+entry is also trained `unroll` draft steps deep on its own predictions (EAGLE-3's training-time test,
+`_window_loss`): without it the second draft, which reads a predicted feature, is rarely right. One
+`crop`-token slice of one window per step, drawn by the seeded generator, AdamW (or SGD) with warm-up,
+cosine decay and gradient clipping: the same options and data give the same head.
 
 Validation: chain acceptance on the held-out windows, a greedy proxy of decoding: from each position
 p (every 8th), the head drafts `validation_k` tokens from the real entries up to p, feeding back its
