@@ -143,6 +143,21 @@ def test_sampling_matches_the_target_distribution(headed):
     assert p_value > 1e-4, (p_value, observed.tolist(), expected.tolist())
 
 
+def test_metrics_report_the_speculative_counters(headed):
+    from optc.runtime.server.metrics import Metrics
+
+    engine = Engine.load(headed, speculative=EAGLE)
+    engine.generate(PROMPTS[:2], GREEDY)
+    stats = engine.stats()
+    metrics = Metrics("m")
+    metrics.bind(lambda: stats)
+    text = metrics.render().decode()
+    assert f'optc:spec_decode_num_drafts_total{{model_name="m"}} {float(stats.num_drafts)}' in text
+    assert f'optc:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(stats.num_accepted_tokens)}' in text
+    first = stats.num_accepted_tokens_per_position[0]
+    assert f'optc:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+
+
 def test_headless_artifact_is_refused(tiny_artifact):
     with pytest.raises(InputError, match="has no draft head.*train_draft_head"):
         Engine.load(tiny_artifact, speculative=SpeculativeConfig.parse("eagle"))
