@@ -31,6 +31,7 @@ PROMPTS = [TEXT * (1 + i % 3) + TEXT[: 5 + i] for i in range(6)] + [
     "".join(chr(33 + (i * 31 + j * 17) % 90) for j in range(6 + 3 * i)) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=24)
 EAGLE = SpeculativeConfig("eagle", 4, disable_above_num_requests=32)
+SMALL = {"max_num_batched_tokens": 32, "num_blocks": 24}  # chunked prefill and preemption
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,17 @@ def headed(tmp_path_factory, recipes) -> Path:
 @pytest.fixture(scope="module")
 def plain(headed) -> list[list[int]]:
     return [c.token_ids for c in Engine.load(headed).generate(PROMPTS, GREEDY)]
+
+
+def test_greedy_identical_with_an_int8_kv_cache(tmp_path, recipes):
+    """The head reads features, not the KV cache: an int8 KV target drafts and verifies the same way."""
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml",
+                          f"passes=[fuse_qkv, fuse_gate_up, {{kv_layout: {{dtype: int8}}}}, {HEAD}]", *CALIBRATION)
+    expected = [c.token_ids for c in Engine.load(path).generate(PROMPTS, GREEDY)]
+    engine = Engine.load(path, speculative=EAGLE, **SMALL)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == expected
+    assert engine.stats().num_accepted_tokens > 0
+    assert_no_leaks(engine)
 
 
 def _train(seed: int) -> tuple[dict, dict]:
@@ -92,9 +104,6 @@ def test_the_head_round_trips_through_the_artifact(headed):
     assert all(torch.equal(head.w[n.removeprefix("eagle.")], artifact.store.get(n)) for n in names)
     passes = json.loads((headed / "manifest.json").read_text())["passes"]
     assert [p["name"] for p in passes][-1] == "train_draft_head"
-
-
-SMALL = {"max_num_batched_tokens": 32, "num_blocks": 24}  # chunked prefill and preemption
 
 
 @pytest.mark.parametrize("config", [{}, SMALL, {"enable_prefix_caching": True}],
