@@ -63,7 +63,7 @@ def forward_ms(engine: Engine, model, caches, batch_size: int, query_len: int, c
     """Fastest of `repeats` timings of one forward: `batch_size` requests, `query_len` new tokens each."""
     size = engine.config.block_size
     num_blocks = -(-(context + query_len) // size)
-    tables = [[1 + (b * num_blocks + j) % (caches[0].shape[0] - 1) for j in range(num_blocks)]
+    tables = [[1 + (b * num_blocks + j) % (caches[0].data.shape[0] - 1) for j in range(num_blocks)]
               for b in range(batch_size)]
     batch = ForwardBatch.build([[5] * query_len] * batch_size, [context] * batch_size, tables, size,
                                [query_len] * batch_size)
