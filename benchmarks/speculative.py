@@ -1,6 +1,6 @@
 """Speculative decoding on SmolLM2: speculation off vs `ngram` vs `draft` (an int4 RTN build of the same
-checkpoint), in one process, each workload run by every config back to back so that the ratios share
-the machine's load.
+checkpoint) vs `eagle` (the target artifact's own draft head, recipes/smollm2-eagle.yaml), in one
+process, each workload run by every config back to back so that the ratios share the machine's load.
 
 Workloads (greedy, chat template, EOS ends a request, at most --output-len tokens):
 - grounded: batch 1, input-grounded: repeat / extract / summarize a passage of `pydoc_data.topics`;
@@ -8,10 +8,11 @@ Workloads (greedy, chat template, EOS ends a request, at most --output-len token
 - batch32: 32 requests at once, half grounded, half open.
 
 First it measures what the adaptive defaults rest on: the time of one target forward with q query
-tokens per request (q = 1, 5) at batch 1, 8, 32 (the cost of verifying k = q - 1 drafts), and
-one draft-model forward at batch 1. Prints tables and writes JSON (--out).
+tokens per request (q = 1, 5) at batch 1, 8, 32 (the cost of verifying k = q - 1 drafts), one
+draft-model forward at batch 1 and one EAGLE head step (a one-entry head forward and its logits).
+Prints tables and writes JSON (--out).
 
-    python benchmarks/speculative.py --target build/smollm2-f32 --draft build/smollm2-rtn
+    python benchmarks/speculative.py --target build/smollm2-eagle --draft build/smollm2-rtn --eagle
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def forward_ms(engine: Engine, model, caches, batch_size: int, query_len: int, c
     """Fastest of `repeats` timings of one forward: `batch_size` requests, `query_len` new tokens each."""
     size = engine.config.block_size
     num_blocks = -(-(context + query_len) // size)
-    tables = [[1 + (b * num_blocks + j) % (caches[0].shape[0] - 1) for j in range(num_blocks)]
+    tables = [[1 + (b * num_blocks + j) % (caches[0].data.shape[0] - 1) for j in range(num_blocks)]
               for b in range(batch_size)]
     batch = ForwardBatch.build([[5] * query_len] * batch_size, [context] * batch_size, tables, size,
                                [query_len] * batch_size)
@@ -88,7 +89,26 @@ def step_costs(engines: dict[str, Engine]) -> dict:
     if "draft" in engines:
         draft = engines["draft"].speculator.proposer.model
         out["draft_ms"] = forward_ms(engine, draft, draft.allocate_kv_caches(20, engine.config.block_size), 1, 1)
+    if "eagle" in engines:
+        out["eagle_step_ms"] = eagle_step_ms(engines["eagle"].speculator.proposer.head)
     return out
+
+
+@torch.inference_mode()
+def eagle_step_ms(head, context: int = 128, repeats: int = 20) -> float:
+    """Median time of one draft step of the head at batch 1: a one-entry forward over `context` cached
+    entries, and its logits."""
+    c = head.config
+    dtype = head.lm_rows.dtype
+    cache = (torch.randn(context, c.num_kv_heads, c.head_dim, dtype=dtype),) * 2
+    token, feature, position = torch.tensor([5]), torch.randn(1, c.hidden_size, dtype=dtype), torch.tensor([context])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out, _ = head.forward(token, feature, position, cache)
+        head.logits(out).argmax()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def run(engine: Engine, prompts: list[str], output_len: int) -> dict:
@@ -127,6 +147,8 @@ def main() -> None:
     parser.add_argument("--draft-k", type=int, default=2, help="fixed k of the draft config (adaptive off)")
     parser.add_argument("--draft-workloads", default="grounded,open,batch32",
                         help="workloads the draft runs (on the first batch only; compared with off on the same)")
+    parser.add_argument("--eagle", action="store_true", help="also run `eagle` (the target needs a draft head)")
+    parser.add_argument("--eagle-k", type=int, default=4, help="k of the eagle config (adaptive on)")
     parser.add_argument("--skip-costs", action="store_true", help="skip the forward-time table")
     parser.add_argument("--out", type=Path, default=Path("speculative.json"))
     args = parser.parse_args()
@@ -135,6 +157,8 @@ def main() -> None:
     configs = {"off": None, "ngram": SpeculativeConfig("ngram", **extra)}
     if args.draft:
         configs["draft"] = SpeculativeConfig("draft", args.draft_k, draft=args.draft, adaptive=False, **extra)
+    if args.eagle:
+        configs["eagle"] = SpeculativeConfig("eagle", args.eagle_k, **extra)
     load = {"max_num_seqs": 32, "kv_cache_memory": 256 << 20}
     engines = {name: Engine.load(args.target, speculative=c, verify=False, **load) for name, c in configs.items()}
     for engine in engines.values():  # warm-up
@@ -144,6 +168,8 @@ def main() -> None:
     result["costs"] = None if args.skip_costs else step_costs(engines)
     if result["costs"] and result["costs"]["draft_ms"]:
         print(f"draft forward ms at B=1: {result['costs']['draft_ms']:.1f}", flush=True)
+    if result["costs"] and result["costs"].get("eagle_step_ms"):
+        print(f"eagle head step ms at B=1: {result['costs']['eagle_step_ms']:.2f}", flush=True)
 
     for workload in args.workloads.split(","):
         if workload == "batch32":

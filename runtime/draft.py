@@ -77,7 +77,7 @@ class DraftProposer:
                 if step == 0:  # the request's own tokens: verified
                     state.num_verified = state.num_computed_tokens
             sampled = [requests[i] for i in active]
-            token_ids, q = _sample(logits, sampled)
+            token_ids, q = sample_drafts(logits, sampled)
             for j, i in enumerate(active):
                 drafts[i].append(token_ids[j])
                 if q is not None and not requests[i].params.is_greedy:  # greedy drafts are one-hot
@@ -105,7 +105,7 @@ class DraftProposer:
         self.kv_manager.truncate(state, same)
 
 
-def _sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
+def sample_drafts(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], torch.Tensor | None]:
     """Draft tokens, and the distributions they were drawn from (None when every row is greedy)."""
     token_ids = logits.argmax(dim=-1)
     if all(r.params.is_greedy for r in requests):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from optc.core.errors import InputError
-from optc.core.settings import SpeculativeConfig
+from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.config import EngineConfig
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
@@ -43,8 +43,10 @@ class Engine:
     def __init__(
         self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
         speculative: SpeculativeConfig | None = None, draft_model: Any = None, group: Any = None,
+        draft_head: Any = None,
     ) -> None:
         """`draft_model` serves a `draft` speculative config; its KV pool shares the target's budget.
+        `draft_head` (runtime/eagle.py's load_eagle_head) serves an `eagle` one.
         `group`: rank 0's TensorParallelGroup (runtime/distributed.py) when `model` is its shard."""
         self.model = model
         self.tokenizer = tokenizer
@@ -61,7 +63,8 @@ class Engine:
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                          kv_windows(model), config.max_num_batched_tokens)
         self.runner = ModelRunner(model, config, num_blocks, self.max_model_len,
-                                  make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len),
+                                  make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len,
+                                                  draft_head, model.vocab_size),
                                   group=group)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
@@ -94,6 +97,7 @@ class Engine:
 
         from optc.core.artifact import read
         from optc.runtime.distributed import launched_by_torchrun, start
+        from optc.runtime.eagle import load_eagle_head
         from optc.runtime.loader import load_model
         from optc.runtime.speculative import load_draft
 
@@ -111,7 +115,9 @@ class Engine:
             speculative = speculative or (SpeculativeConfig.parse(config.speculative) if config.speculative else None)
             draft_model = (load_draft(speculative, artifact, model, tokenizer, verify)
                            if speculative is not None and speculative.draft is not None else None)
-            return cls(model, tokenizer, config, speculative, draft_model, group)
+            draft_head = (load_eagle_head(artifact, model)
+                          if speculative is not None and speculative.method is SpeculativeMethod.EAGLE else None)
+            return cls(model, tokenizer, config, speculative, draft_model, group, draft_head)
         except BaseException:
             group and group.close()
             raise

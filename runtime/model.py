@@ -45,10 +45,16 @@ class Model:
         if self._num_group_tables:
             graph = _with_kv_groups(graph, self.kv_groups)
         self.graph = graph
+        # the lm_head's input, the target feature an EAGLE head drafts from: a graph output too, so that the
+        # executor keeps it (it dies at the lm_head, the last node, anyway: no memory is held longer)
+        self.feature_name = next((n.inputs[0] for n in graph.nodes if n.op == "lm_head"), None)
+        run_graph = graph
+        if self.feature_name is not None and self.feature_name not in graph.outputs:
+            run_graph = replace(graph, outputs=(*graph.outputs, self.feature_name))
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.executor = Executor(graph, bind_params(graph, store, self.device), impls, use_references)
+        self.executor = Executor(run_graph, bind_params(graph, store, self.device), impls, use_references)
         self.group = group
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
@@ -65,15 +71,18 @@ class Model:
         return replace(self.kv_spec, block_size=block_size).allocate(self.graph.config, num_blocks, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        """float32 logits (len(batch.logits_indices), vocab) for the batch's selected rows."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
+                with_features: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits (len(batch.logits_indices), vocab) for the batch's selected rows; `with_features`:
+        also the lm_head's input (T, H) at every token of the batch (what an EAGLE head drafts from)."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
         if len(batch.group_tables) != self._num_group_tables:
             raise ValueError(f"the batch has {len(batch.group_tables) or 1} KV-cache group(s), this model "
                              f"{len(self.kv_groups)}: build it with num_groups={len(self.kv_groups)}")
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
-        return self.executor.run(batch.input_ids, step)["logits"]
+        out = self.executor.run(batch.input_ids, step)
+        return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
 
 
 def kv_windows(model: Any) -> tuple[int | None, ...]:

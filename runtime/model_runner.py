@@ -58,8 +58,12 @@ class ModelRunner:
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
         # the pool's tensors, once each (KV-cache groups share them): what a block copy copies
         self._pool_caches = list({id(c): c for c in self.kv_caches}.values())
+        # a speculator that drafts from the target's features (EAGLE) reads them from every step: eager steps
+        self._with_features = speculator is not None and speculator.needs_features
+        self._features: torch.Tensor | None = None
         self.graph_runner = make_runner(  # None on the CPU, with enforce_eager or without a plan: eager steps
-            model, self.kv_caches, enforce_eager=config.enforce_eager, batch_sizes=config.cuda_graph_batch_sizes,
+            model, self.kv_caches, enforce_eager=config.enforce_eager or self._with_features,
+            batch_sizes=config.cuda_graph_batch_sizes,
             max_num_seqs=max_num_requests or config.max_num_seqs, max_seq_len=max_model_len,
             block_size=config.block_size)
         self.batch_builder = BatchBuilder(self.device, len(kv_windows(model)))
@@ -90,6 +94,9 @@ class ModelRunner:
         self.copy_blocks(block_copies)
         builder = self.graph_runner or self.batch_builder
         batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)
+        if self._with_features:
+            logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
+            return logits
         return (self.graph_runner or self.model).forward(batch, self.kv_caches)
 
     def rank_stats(self) -> list[RankStats]:
@@ -116,6 +123,9 @@ class ModelRunner:
         token_ids = [r.query_token_ids(n) for r, n in zip(requests, out.num_new_tokens, strict=True)]
         logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies)  # (sum(num_rows), V)
         last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
+        if self._with_features:  # every computed token's feature, before verification drops rejected drafts'
+            self.speculator.observe(requests, starts, out.num_new_tokens, self._features)
+            self._features = None
         ends = [s + n for s, n in zip(starts, out.num_new_tokens, strict=True)]
         result = RunnerOutput(ready=[b for b, r in enumerate(requests) if ends[b] >= r.num_tokens])
         ready = [b for b in result.ready if requests[b].params.max_tokens > 0]  # max_tokens 0: scored only

@@ -10,7 +10,9 @@ back over the rejected ones.
 
 Proposers share one small interface: `propose(requests, num_tokens) -> (draft ids, draft probs)`,
 probabilities None for one-hot drafts, and `release(request_id)` when a request leaves or is
-preempted. `NgramProposer` (prompt lookup) is here; the draft-model proposer is runtime/draft.py.
+preempted; a proposer that drafts from the target's features (EAGLE) also has `observe(request,
+start, features)`, which the model runner feeds after every forward. `NgramProposer` (prompt lookup)
+is here; the draft-model proposer is runtime/draft.py, the EAGLE head's runtime/eagle.py.
 
 Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
 batch holds more than `disable_above_num_requests` running requests does not speculate (a large
@@ -61,14 +63,22 @@ def load_draft(config: SpeculativeConfig, artifact: Any, model: Any, tokenizer: 
 
 def make_speculator(
     config: SpeculativeConfig | None, draft_model: Any, engine_config: Any, num_blocks: int, max_model_len: int,
+    draft_head: Any = None, vocab_size: int | None = None,
 ) -> Speculator | None:
     """The speculator of `config` (None: no speculation). A draft model runs on its own ModelRunner with
     `num_blocks` blocks (the target's count: both pools come from one budget) and CUDA graphs for up to
-    the speculation cut-off's requests."""
+    the speculation cut-off's requests; an `eagle` config drafts with `draft_head` (runtime/eagle.py's
+    load_eagle_head) over the target's `vocab_size` tokens."""
     if config is None:
         return None
     if config.method is SpeculativeMethod.NGRAM:
         return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
+    if config.method is SpeculativeMethod.EAGLE:
+        from optc.runtime.eagle import EagleProposer
+
+        if draft_head is None or vocab_size is None:
+            raise ValueError(f"speculative config {config.describe()} needs the draft head (load_eagle_head)")
+        return Speculator(config, EagleProposer(draft_head, vocab_size))
     from optc.runtime.draft import DraftProposer
     from optc.runtime.model_runner import ModelRunner
 
@@ -162,6 +172,15 @@ class Speculator:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         k = config.num_speculative_tokens
         self._gain_denominators = [1.0 + config.cost * i for i in range(k + 1)]
+        self.needs_features = hasattr(proposer, "observe")  # the model runner then hands it every step's
+
+    def observe(self, requests: Sequence[Request], starts: Sequence[int], num_new_tokens: Sequence[int],
+                features: torch.Tensor) -> None:
+        """A step's features (sum(num_new_tokens), H), request after request, for the proposer."""
+        row = 0
+        for request, start, n in zip(requests, starts, num_new_tokens, strict=True):
+            self.proposer.observe(request, start, features[row : row + n])
+            row += n
 
     def propose(self, running: Sequence[Request]) -> None:
         """Give each decoding request its draft tokens for this step (none in a large batch)."""

@@ -49,7 +49,7 @@ class BenchOptions:
     seed: int = 0
     show_progress: bool = True
     verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
-    speculative: str | None = None  # ngram[:K] | draft:PATH[:K]; None = the artifact's runtime.speculative
+    speculative: str | None = None  # ngram[:K] | draft:PATH[:K] | eagle[:K]; None = the artifact's runtime.speculative
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
 
@@ -85,7 +85,7 @@ class BenchResult:
     kv_cache: dict[str, Any]  # num_blocks, block_size, bytes_per_token, peak_blocks_used, peak_usage,
     # num_preemptions, prefix_cache_hit_rate
     num_steps: int
-    speculative: str | None = None  # ngram:K | draft:PATH:K; None: off
+    speculative: str | None = None  # ngram:K | draft:PATH:K | eagle:K; None: off
     num_drafts: int = 0  # verifications of a request that had draft tokens
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -74,6 +74,7 @@ class Manifest:
     quantization: dict[str, Any] | None = None
     cuda_graphs: dict[str, Any] | None = None  # {batch_sizes} planned by the cuda_graphs pass
     quality: dict[str, Any] | None = None  # optc eval numbers, when the recipe asked for them
+    draft_head: dict[str, Any] | None = None  # the EAGLE head's shape and training record (train_draft_head)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {sha256, bytes}; set by write
     schema_version: int = SCHEMA_VERSION
 
@@ -196,9 +197,11 @@ def _upgrade_graph(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def weight_keys(graph: Graph) -> list[str]:
-    """Every stored part of every tensor the graph uses, in node order."""
+    """Every stored part of every tensor in the graph's table: those its nodes use, in node order, then the
+    others (a draft head's, which the manifest's `draft_head` section names)."""
     keys = []
-    for name in graph.used_tensors():
+    used = graph.used_tensors()
+    for name in used + [t for t in graph.tensors if t not in set(used)]:
         info = graph.tensors[name]
         keys.extend(part_name(name, r, info.format) for r in info.format.part_shapes(info.shape))
     return keys

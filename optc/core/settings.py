@@ -28,7 +28,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # Defaults measured with benchmarks/speculative.py on SmolLM2 (docs/PERF.md): one more query token
 # costs ~token_cost of a decode step at batch 1; draft tokens also cost the draft's own step.
 DEFAULT_DISABLE_ABOVE_NUM_REQUESTS = 4
-DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3}
+DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3, "eagle": 0.2}
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class RuntimeSettings:
     max_num_batched_tokens: int = field(default=2048, metadata={"min": 1, "help": "token budget per step"})
     speculative: str | None = field(
         default=None,
-        metadata={"help": "default speculative decoding: ngram[:K] or draft:PATH[:K] (K draft tokens, 1..16)"},
+        metadata={"help": "default speculative decoding: ngram[:K], draft:PATH[:K] or eagle[:K] (the artifact's "
+                          "trained draft head; K draft tokens, 1..16)"},
     )
     tensor_parallel_size: int = field(
         default=1, metadata={"min": 1, "help": "ranks the model is split over (tensor parallelism, one per GPU)"})
@@ -71,6 +72,7 @@ class RuntimeSettings:
 class SpeculativeMethod(enum.StrEnum):
     NGRAM = "ngram"  # prompt lookup: continue an earlier occurrence of the tokens' suffix
     DRAFT = "draft"  # a second, cheaper artifact with the same tokenizer
+    EAGLE = "eagle"  # the artifact's own draft head over the target's features (passes/train_draft_head.py)
 
 
 @dataclass(frozen=True)
@@ -95,8 +97,8 @@ class SpeculativeConfig:
             raise InputError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if self.method is SpeculativeMethod.DRAFT and self.draft is None:
             raise InputError("speculative method draft needs a draft artifact: draft:PATH[:K]")
-        if self.method is SpeculativeMethod.NGRAM and self.draft is not None:
-            raise InputError(f"speculative method ngram takes no draft artifact, got {self.draft}")
+        if self.method is not SpeculativeMethod.DRAFT and self.draft is not None:
+            raise InputError(f"speculative method {self.method.value} takes no draft artifact, got {self.draft}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise InputError(
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
@@ -114,11 +116,11 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
-        """`ngram`, `ngram:K`, `draft:PATH` or `draft:PATH:K` (the --speculative option)."""
+        """`ngram[:K]`, `draft:PATH[:K]` or `eagle[:K]` (the --speculative option)."""
         method, _, rest = text.partition(":")
-        if method == SpeculativeMethod.NGRAM:
+        if method in (SpeculativeMethod.NGRAM, SpeculativeMethod.EAGLE):
             if rest and not rest.isdigit():
-                raise InputError(f"--speculative {text!r}: expected ngram[:K] with K an integer")
+                raise InputError(f"--speculative {text!r}: expected {method}[:K] with K an integer")
             return cls(method, int(rest) if rest else 4)
         if method == SpeculativeMethod.DRAFT:
             path, _, k = rest.rpartition(":")
@@ -133,4 +135,4 @@ class SpeculativeConfig:
         """The --speculative spelling of this config."""
         if self.method is SpeculativeMethod.DRAFT:
             return f"draft:{self.draft}:{self.num_speculative_tokens}"
-        return f"ngram:{self.num_speculative_tokens}"
+        return f"{self.method.value}:{self.num_speculative_tokens}"

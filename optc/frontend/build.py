@@ -89,7 +89,8 @@ def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
             show_progress_bars=not options.quiet,
             device=device,
         )
-        ctx.calibration_tokens = _calibration(recipe, source, Path(tok_dir), ctx)
+        ctx.tokenizer = _tokenizer(source, Path(tok_dir))
+        ctx.calibration_tokens = _calibration(recipe, ctx)
         manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
         graph, store, records, sections = manager.run(source.graph, source.store, ctx)
     verify(graph, store)
@@ -114,6 +115,7 @@ def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
         quantization=sections.get("quantization") or source.quantization,
         cuda_graphs=sections.get("cuda_graphs"),
         quality=quality,
+        draft_head=sections.get("draft_head"),
     )
     report = {
         "host": platform.node(),
@@ -139,18 +141,30 @@ def min_cuda_capability(graph: Graph, kernels: Mapping[str, KernelSpec] = KERNEL
     return max([MIN_CUDA_CAPABILITY, *(c for c in needs if c is not None)])
 
 
-def _calibration(recipe: Recipe, source, tok_dir: Path, ctx: PassContext):
-    """A memoized function producing the calibration token windows (only quantization passes call it)."""
+def _tokenizer(source, tok_dir: Path):
+    """A memoized function loading the source's tokenizer (saved into `tok_dir` first)."""
+    cache: list[Any] = []
+
+    def tokenizer() -> Any:
+        if not cache:
+            from transformers import AutoTokenizer
+
+            source.save_tokenizer(tok_dir)
+            cache.append(AutoTokenizer.from_pretrained(str(tok_dir)))
+        return cache[0]
+
+    return tokenizer
+
+
+def _calibration(recipe: Recipe, ctx: PassContext):
+    """A memoized function producing the calibration token windows (only the passes that calibrate call it)."""
     cache: list[torch.Tensor] = []
 
     def tokens() -> torch.Tensor:
         if not cache:
-            from transformers import AutoTokenizer
-
             from optc.frontend.calibration import calibration_batch
 
-            source.save_tokenizer(tok_dir)
-            tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+            tokenizer = ctx.tokenizer()
             c = recipe.calibration
             ids, sha = calibration_batch(c.source, tokenizer, c.samples, c.seq_len, c.seed)
             ctx.calibration_record.update(

@@ -55,6 +55,7 @@ class PassContext:
     show_progress_bars: bool = False
     calibration_tokens: Callable[[], torch.Tensor] | None = None  # (samples, seq_len) int64, computed once
     calibration_record: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Callable[[], Any] | None = None  # the model's transformers tokenizer, loaded once (train_draft_head)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where calibration passes compute
 
 

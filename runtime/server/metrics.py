@@ -80,6 +80,11 @@ class _StatsCollector:
             "optc:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "num_prefix_cache_hit_tokens"),
             "optc:num_preemptions": ("Requests preempted (their KV blocks freed, recomputed later).",
                                      "num_preemptions"),
+            # speculative decoding, whatever the proposer (vLLM's spec_decode_* counters)
+            "optc:spec_decode_num_drafts": ("Verifications of a request with at least one draft token.",
+                                            "num_drafts"),
+            "optc:spec_decode_num_draft_tokens": ("Draft tokens proposed.", "num_draft_tokens"),
+            "optc:spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "num_accepted_tokens"),
         }
         for metric, (doc, attr) in gauges.items():
             family = GaugeMetricFamily(metric, doc, labels=["model_name"])
@@ -89,3 +94,8 @@ class _StatsCollector:
             family = CounterMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], float(getattr(stats, attr)) if stats else 0.0)
             yield family
+        family = CounterMetricFamily("optc:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each draft position.", labels=["model_name", "position"])
+        for position, count in enumerate(stats.num_accepted_tokens_per_position if stats else ()):
+            family.add_metric([name, str(position)], float(count))
+        yield family

@@ -1,0 +1,183 @@
+"""EAGLE draft heads on random:tiny: the train_draft_head pass (deterministic given its seed, idempotent,
+stored in the artifact), `--speculative eagle` greedy identical to plain decoding under batching,
+chunked prefill, preemption and prefix caching, the sampled distribution preserved (a chi-square test),
+and the refusals (a headless artifact, bad options)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from optc.core.artifact import read
+from optc.core.errors import InputError
+from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.settings import SpeculativeConfig
+from optc.frontend.passmanager import PassContext, make_pass
+from optc.frontend.sources import load_source
+from optc.passes._draft_data import generate
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.eagle import load_eagle_head
+from optc.runtime.verifier import target_probs
+from optc.testing import assert_no_leaks, build_artifact
+
+HEAD = "{train_draft_head: {steps: 80, samples: 6, validation_windows: 2, vocab_size: 200}}"
+WITH_HEAD = f"passes=[fuse_qkv, fuse_gate_up, {HEAD}]"
+CALIBRATION = ("calibration.samples=6", "calibration.seq_len=64")
+TEXT = "The quick brown fox jumps over the lazy dog. "
+PROMPTS = [TEXT * (1 + i % 3) + TEXT[: 5 + i] for i in range(6)] + [
+    "".join(chr(33 + (i * 31 + j * 17) % 90) for j in range(6 + 3 * i)) for i in range(6)]
+GREEDY = SamplingParams(max_tokens=24)
+EAGLE = SpeculativeConfig("eagle", 4, disable_above_num_requests=32)
+SMALL = {"max_num_batched_tokens": 32, "num_blocks": 24}  # chunked prefill and preemption
+
+
+@pytest.fixture(scope="module")
+def headed(tmp_path_factory, recipes) -> Path:
+    """random:tiny with a briefly trained EAGLE head (its greedy tokens: the plain tiny model's)."""
+    return build_artifact(tmp_path_factory.mktemp("eagle") / "a", recipes / "tiny.yaml", WITH_HEAD, *CALIBRATION)
+
+
+@pytest.fixture(scope="module")
+def plain(headed) -> list[list[int]]:
+    return [c.token_ids for c in Engine.load(headed).generate(PROMPTS, GREEDY)]
+
+
+def test_greedy_identical_with_an_int8_kv_cache(tmp_path, recipes):
+    """The head reads features, not the KV cache: an int8 KV target drafts and verifies the same way."""
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml",
+                          f"passes=[fuse_qkv, fuse_gate_up, {{kv_layout: {{dtype: int8}}}}, {HEAD}]", *CALIBRATION)
+    expected = [c.token_ids for c in Engine.load(path).generate(PROMPTS, GREEDY)]
+    engine = Engine.load(path, speculative=EAGLE, **SMALL)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == expected
+    assert engine.stats().num_accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
+def _train(seed: int) -> tuple[dict, dict]:
+    """The pass run directly on random:tiny over fixed random tokens: its weights and stats."""
+    source = load_source("random:tiny")
+    tokens = torch.randint(3, 256, (5, 48), generator=torch.Generator().manual_seed(1))
+    ctx = PassContext(calibration_tokens=lambda: tokens)
+    result = make_pass("train_draft_head", {"steps": 30, "samples": 5, "vocab_size": 64, "seed": seed}).run(
+        source.graph, source.store, ctx)
+    weights = {n: result.store.get(n) for n in result.graph.tensors if n.startswith("eagle.")}
+    again = make_pass("train_draft_head").run(result.graph, result.store, ctx)
+    assert not again.changed  # a graph with a head keeps it
+    return weights, result.stats
+
+
+def test_training_is_deterministic_given_the_seed():
+    first, stats = _train(0)
+    second, _ = _train(0)
+    other, _ = _train(1)
+    assert first.keys() == second.keys() and len(first) == 8
+    assert all(torch.equal(first[n], second[n]) for n in first)
+    assert not all(torch.equal(first[n], other[n]) for n in first)
+    curve = stats["loss_curve"]
+    assert curve[-1][0] == 30 and curve[-1][1] < curve[0][1]  # it learns
+    assert len(stats["validation_acceptance_per_position"]) == 4
+
+
+def test_self_generated_answers_are_the_engines_greedy_tokens(tiny_artifact):
+    """The pass's batched, KV-cached greedy generation (data: self) against the engine's, prompts of
+    different lengths in one batch."""
+    artifact = read(tiny_artifact)
+    executor = Executor(artifact.graph, bind_params(artifact.graph, artifact.store))
+    prompts = [[5, 17, 99], [3, 42, 7, 8, 200, 11, 12], [60] * 20]
+    sequences = generate(executor, artifact.graph, prompts, 10)
+    expected = Engine.load(tiny_artifact).generate(prompts, SamplingParams(max_tokens=10))
+    assert [s.tolist() for s in sequences] == [p + c.token_ids for p, c in zip(prompts, expected, strict=True)]
+
+
+def test_the_head_round_trips_through_the_artifact(headed):
+    artifact = read(headed)
+    section = artifact.manifest.draft_head
+    assert section["method"] == "eagle" and len(section["config"]["vocab_ids"]) == 200
+    assert section["training"]["train_tokens"] == 4 * 64
+    names = [n for n in artifact.graph.tensors if n.startswith("eagle.")]
+    assert len(names) == 8 and not set(names) & set(artifact.graph.used_tensors())  # beside the nodes
+    engine = Engine.load(headed)
+    head = load_eagle_head(artifact, engine.model)
+    assert all(torch.equal(head.w[n.removeprefix("eagle.")], artifact.store.get(n)) for n in names)
+    passes = json.loads((headed / "manifest.json").read_text())["passes"]
+    assert [p["name"] for p in passes][-1] == "train_draft_head"
+
+
+@pytest.mark.parametrize("config", [{}, SMALL, {"enable_prefix_caching": True}],
+                         ids=["batch", "chunked-preempt", "prefix-caching"])
+def test_greedy_identical_with_eagle(headed, plain, config):
+    engine = Engine.load(headed, speculative=EAGLE, **config)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
+    assert [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS[::3]] == plain[::3]  # batch 1, cached
+    stats = engine.stats()
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    if "num_blocks" in config:
+        assert stats.num_preemptions > 0
+    if config.get("enable_prefix_caching"):
+        assert stats.num_prefix_cache_hit_tokens > 0
+    assert_no_leaks(engine)
+    assert engine.speculator.proposer._states == {}  # every request's head state released
+
+
+def test_sampling_matches_the_target_distribution(headed):
+    """The second generated token (the first that verification emits) of 3000 seeded runs against its exact
+    marginal sum_t1 p(t1) p(t2 | t1) under temperature 1, top_k 6: a chi-square test at p < 1e-4, a false
+    alarm in 1 of 10,000 seed sets for a correct sampler (this seed set is fixed, so the test is deterministic)."""
+    prompt = [5, 17, 99, 3, 42, 7]
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=4)
+    spec = SpeculativeConfig("eagle", 3, disable_above_num_requests=4096, adaptive=False)
+    engine = Engine.load(headed, speculative=spec)
+    runs = engine.generate([prompt] * 3000, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(3000)])
+    assert engine.stats().num_drafts > 0
+    graph_art = read(headed)
+    executor = Executor(graph_art.graph, bind_params(graph_art.graph, graph_art.store))
+    p1 = target_probs(run_dense(executor, torch.tensor([prompt]))[0, -1:], [params])[0]
+    firsts = p1.nonzero().flatten()
+    rows = run_dense(executor, torch.tensor([[*prompt, int(t)] for t in firsts]))[:, -1]
+    marginal = (p1[firsts, None] * target_probs(rows, [params] * len(firsts))).sum(0)
+    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in runs]), minlength=marginal.numel()).double()
+    expected = marginal.double() * len(runs)
+    assert counts[marginal == 0].sum() == 0  # nothing outside the target's support
+    big = expected >= 5  # the rare tokens pooled into one bin
+    observed = torch.cat([counts[big], counts[~big & (marginal > 0)].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    expected = expected * observed.sum() / expected.sum()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    half_dof = torch.tensor((len(observed) - 1) / 2.0, dtype=torch.float64)
+    p_value = torch.special.gammaincc(half_dof, statistic / 2)  # the chi-square distribution's upper tail
+    assert p_value > 1e-4, (p_value, observed.tolist(), expected.tolist())
+
+
+def test_metrics_report_the_speculative_counters(headed):
+    from optc.runtime.server.metrics import Metrics
+
+    engine = Engine.load(headed, speculative=EAGLE)
+    engine.generate(PROMPTS[:2], GREEDY)
+    stats = engine.stats()
+    metrics = Metrics("m")
+    metrics.bind(lambda: stats)
+    text = metrics.render().decode()
+    assert f'optc:spec_decode_num_drafts_total{{model_name="m"}} {float(stats.num_drafts)}' in text
+    assert f'optc:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(stats.num_accepted_tokens)}' in text
+    first = stats.num_accepted_tokens_per_position[0]
+    assert f'optc:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+
+
+def test_headless_artifact_is_refused(tiny_artifact):
+    with pytest.raises(InputError, match="has no draft head.*train_draft_head"):
+        Engine.load(tiny_artifact, speculative=SpeculativeConfig.parse("eagle"))
+
+
+def test_parse_eagle():
+    assert SpeculativeConfig.parse("eagle") == SpeculativeConfig("eagle", 4)
+    assert SpeculativeConfig.parse("eagle:2").describe() == "eagle:2"
+    with pytest.raises(InputError, match=r"expected eagle\[:K\]"):
+        SpeculativeConfig.parse("eagle:x")
+    with pytest.raises(InputError, match="takes no draft artifact"):
+        SpeculativeConfig("eagle", draft="x")
+    with pytest.raises(InputError, match="optimizer 'lamb'; allowed: adamw, sgd"):
+        make_pass("train_draft_head", {"optimizer": "lamb"})
