@@ -23,12 +23,13 @@ from optc.kernels import cpu_ext
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _ext():
-    return cpu_ext.load_ops()
+def _ext(x: torch.Tensor):
+    """ops.cpp's module for CPU tensors (a CPU artifact loaded on another device runs the references)."""
+    return cpu_ext.load_ops() if x.device.type == "cpu" else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    ext = _ext()
+    ext = _ext(x)
     if ext is None or x.dtype not in DTYPES or weight.dtype != x.dtype:
         return rms_norm_ref(x, weight, eps, offset)
     return ext.rms_norm(x.contiguous(), None, weight.contiguous(), eps, offset)[0]
@@ -36,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    ext = _ext()
+    ext = _ext(x)
     if ext is None or x.dtype not in DTYPES or weight.dtype != x.dtype or residual.dtype != x.dtype:
         return add_rms_norm_ref(x, residual, weight, eps, offset)
     normed, summed = ext.rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps, offset)
@@ -44,7 +45,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def gated_act(x: torch.Tensor, up: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
-    ext = _ext()
+    ext = _ext(x)
     if ext is None or act != "silu" or x.dtype not in DTYPES or x.dim() != 2:
         return gated_act_ref(x, up, act)
     gate, up = x.chunk(2, dim=-1) if up is None else (x, up)
@@ -59,7 +60,7 @@ def _float_cache(kv_cache: KVCache, dtype: torch.dtype) -> bool:
 
 def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                   kv_cache: KVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
-    ext = _ext()
+    ext = _ext(q)
     if (ext is None or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype
             or not _float_cache(kv_cache, q.dtype) or cos_sin.dtype != torch.float32):
         return rope_kv_store_ref(q, k, v, positions, cos_sin, kv_cache, slot_mapping)
@@ -73,7 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
               max_seq_len: int | None = None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
     """attention_ref; a decode step (one query per request, as the batch says with `max_query_len` 1) over a
     float cache of q's dtype runs ops.cpp's decode_attention, everything else the reference."""
-    ext = _ext()
+    ext = _ext(q)
     decoding = max_query_len == 1 and q.shape[0] == seq_lens.shape[0] > 0
     if ext is None or not decoding or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
