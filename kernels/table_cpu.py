@@ -40,6 +40,19 @@ def _int_mm_logits_cpu_ok(q: KernelQuery) -> bool:
             and w.activations is Activations.NONE and len(q.weight_shape) == 2)
 
 
+def _qdot_ok(q: KernelQuery) -> bool:
+    # qdot.cpp: groups of 32, 64 or 128 (int8_wo: one group of K), K in blocks of 32; and the shapes of
+    # the torch kernel it falls back to where the extension cannot be built (int4pack, int8gf_int4x2: N % 16)
+    w = q.weight
+    if not dtype_ok(q) or w is None or len(q.weight_shape) != 2:
+        return False
+    n, k = q.weight_shape
+    if w.kind is FormatKind.INT8_WO:
+        return w.activations is Activations.NONE and k % 32 == 0
+    return (w.kind in (FormatKind.INT4_G, FormatKind.INT4_GF, FormatKind.INT8_GF) and not w.act_order
+            and w.group_size in (32, 64, 128) and k % w.group_size == 0 and n % 16 == 0)
+
+
 def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
     # experts (E, 2I, H) in one quantized format, as the linear kernels take each expert's gate_up (2I, H) and
     # down (H, I): int8pack K % 16; int4pack with 16-bit x only (float32 int4pack loses to the reference), N % 16
@@ -88,6 +101,13 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
                prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
     KernelSpec("cpu.widened_logits", "lm_head", _widened_ok, "gf_cpu:widened_logits", target="cpu",
                prepare="gf_cpu:prepare_widened", layout="dense in the activation dtype + stored parts"),
+    # optc's C++ kernel (kernels/cpu_ext): x rounded to int16 per block of 32, integer dot products on AVX2 or
+    # AVX-512 VNNI; torch's packed kernel where the extension cannot be built. After the kernels above, so
+    # `measure: false` keeps binding torch's
+    KernelSpec("cpu.qdot", "linear", _qdot_ok, "cpu_ext.qdot:qdot_linear", target="cpu",
+               prepare="cpu_ext.qdot:prepare_qdot", layout="the format's own parts + float32 scales"),
+    KernelSpec("cpu.qdot_logits", "lm_head", _qdot_ok, "cpu_ext.qdot:qdot_logits", target="cpu",
+               prepare="cpu_ext.qdot:prepare_qdot", layout="the format's own parts + float32 scales"),
     # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",

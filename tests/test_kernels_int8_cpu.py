@@ -43,8 +43,8 @@ def test_int8pack_matches_linear_ref(m, n, k, dtype, tol):
 def test_int8pack_is_offered_for_cpu_int8_with_k_a_multiple_of_16():
     fmt = _weight(48, 256, "bfloat16").format
     names = [s.name for s in candidates(KernelQuery("linear", "bfloat16", fmt, (48, 256)), "cpu")]
-    assert names == ["cpu.int8pack"]
-    assert not candidates(KernelQuery("linear", "bfloat16", fmt, (48, 104)), "cpu")  # wrong rows there
+    assert names == ["cpu.int8pack", "cpu.qdot"]
+    assert not candidates(KernelQuery("linear", "bfloat16", fmt, (48, 104)), "cpu")  # wrong rows there; qdot: K % 32
     assert [s.name for s in candidates(KernelQuery("linear", "float32", fmt, (48, 256)), "cuda")] == ["triton.w8a16"]
 
 
@@ -55,7 +55,7 @@ def test_tiny_model_logits_with_int8pack_bound():
     for name, options in (("cast", {"dtype": "bfloat16"}), ("quantize_rtn", {"bits": 8}), ("fuse_qkv", {})):
         result = make_pass(name, options).run(graph, store, ctx)
         graph, store = result.graph, result.store
-    reference = make_pass("select_kernels", {"disable": ("cpu.int8pack",)}).run(graph, store, ctx).graph
+    reference = make_pass("select_kernels", {"disable": ("cpu.int8pack", "cpu.qdot")}).run(graph, store, ctx).graph
     graph = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     bound = {n.name for n in graph.nodes if n.kernel == "cpu.int8pack"}
     assert bound == {n.name for n in graph.nodes if n.op == "linear"}

@@ -111,13 +111,14 @@ def test_cpu_choice_is_measured_per_m_bucket_and_a_second_run_keeps_it():
     # increasing bounds from the buckets, the last open; neighbours differ; `kernel` names one of them
     assert [b for b, _ in table][-1] is None and all(b in M_BUCKETS for b, _ in table[:-1])
     assert all(a[1] != b[1] for a, b in zip(table, table[1:], strict=False))
-    assert {k for _, k in table} <= {"cpu.int4pack", "torch"}
+    assert {k for _, k in table} <= {"cpu.int4pack", "cpu.qdot", "torch"}
     assert qkv.kernel == next((k for _, k in table if k != "torch"), "torch")
     # the other nodes: no weight to measure, the first supporting kernel (the C++ ops) or the reference
     assert all(n.kernel in ("torch", f"cpu.cpp_{n.op}") and "kernel_by_m" not in n.attrs
                for n in once.graph.nodes if n.name != "qkv")
     (measured,) = once.stats["measured_us"].values()  # one shape measured, every bucket, both candidates
-    assert sorted(measured) == list(M_BUCKETS) and all(set(t) == {"cpu.int4pack", "torch"} for t in measured.values())
+    assert sorted(measured) == list(M_BUCKETS) and all(set(t) == {"cpu.int4pack", "cpu.qdot", "torch"}
+                                                       for t in measured.values())
     twice = make_pass("select_kernels").run(once.graph, None, PassContext(target="cpu"))
     assert not twice.changed and twice.graph.to_json() == once.graph.to_json()
 
@@ -131,7 +132,7 @@ def test_kernel_by_m_routes_each_call_by_its_rows():
         r = make_pass(name, options).run(graph, store, ctx)
         graph, store = r.graph, r.store
     kernel = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
-    reference = make_pass("select_kernels", {"disable": ("cpu.int4pack",)}).run(graph, store, ctx).graph
+    reference = make_pass("select_kernels", {"disable": ("cpu.int4pack", "cpu.qdot")}).run(graph, store, ctx).graph
     routed = kernel.copy()
     routed.nodes = [Node(n.name, n.op, n.inputs, n.outputs,
                          {**n.attrs, "kernel_by_m": [[2, "cpu.int4pack"], [None, "torch"]]}
@@ -247,7 +248,7 @@ def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
     s = summarize(build_artifact(tmp_path / "a", recipe))
     measured = next(p for p in s["passes"] if p["name"] == "select_kernels")["stats"]["measured_us"]
     assert set(measured["linear 128x64 int4_g/g32 bfloat16"]) == {"1", "8", "32", "128", "512"}  # JSON keys
-    bound = {n for n, k in s["kernels"].items() if k == "cpu.int4pack"}
+    bound = {n for n, k in s["kernels"].items() if k in ("cpu.int4pack", "cpu.qdot")}
     assert set(s["kernel_by_m"]) <= bound
     qkv = "model.layers.0.self_attn.qkv_proj"
     s["kernels"][qkv] = "cpu.int4pack"

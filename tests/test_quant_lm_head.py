@@ -181,8 +181,9 @@ def test_int_mm_lm_head_kernel_is_offered_only_when_enabled():
 
     fmt = make_format(8, None, False, "bfloat16")
     query = KernelQuery("lm_head", "bfloat16", fmt, (96, 64))
-    assert [k.name for k in candidates(query, "cpu")] == ["cpu.int8pack_logits"]
+    assert [k.name for k in candidates(query, "cpu")] == ["cpu.int8pack_logits", "cpu.qdot_logits"]
     enabled = [k.name for k in candidates(query, "cpu", ("cpu.int_mm_logits",))]
-    assert enabled == ["cpu.int8pack_logits", "cpu.int_mm_logits"]
+    assert enabled == ["cpu.int8pack_logits", "cpu.qdot_logits", "cpu.int_mm_logits"]
     f32 = KernelQuery("lm_head", "float32", make_format(8), (96, 64))
-    assert [k.name for k in candidates(f32, "cpu", ("cpu.int_mm_logits",))] == ["cpu.int8pack_logits"]
+    assert [k.name for k in candidates(f32, "cpu", ("cpu.int_mm_logits",))] == ["cpu.int8pack_logits",
+                                                                               "cpu.qdot_logits"]

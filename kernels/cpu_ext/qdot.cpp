@@ -1,0 +1,167 @@
+// Grouped integer-code linears for batch-1 / few-row decode on the CPU: y (M, N) = x (M, K) @ W^T.
+//
+// W is the artifact's own parts: codes (int4 packed k8_lsb in int32 words, or int8 row-major), a float32
+// scale per row and group of G inputs (G a multiple of 32), optionally a float32 minimum per group and an
+// integer zero point z per group (held as the float32 product s * z) or a constant code offset:
+//     w = s * (code - offset_or_z) + min
+// The activation row is quantized once per call to int16 in blocks of 32: dx = max|x| / 32767, xq = round(x / dx),
+// with the block's integer sum and its exact float sum. A block's product is then one integer dot product (codes x
+// xq, exact in int32: |code| <= 128, so 32 products stay below 2^31) and fp32 terms:
+//     sum_i w_i x_i ~= s * dx * (sum_i code_i xq_i - offset * sum_i xq_i) + min * sum_i x_i
+// The only rounding beyond fp32's is x -> dx * xq (at most dx / 2 an element: 2^-16 of the block's largest |x|).
+// Why int16 and not llama.cpp's int8 (vpmaddubsw, twice the products per instruction): with int8 activations
+// SmolLM2's kept Q4_1 build lost +0.015 KL and 4.8% top-1 against its references (docs/PERF.md), the rounding of
+// the small elements of a block that holds an outlier.
+//
+// Two ISA paths over 256-bit vectors (qdot_body.h, compiled once per ISA), chosen by the caller (`isa`): AVX2
+// (vpmaddwd + vpaddd) and AVX-512 VNNI (vpdpwssd on 256-bit registers, AVX512VL: one instruction for two).
+// Rows of W are split across threads (at::parallel_for); a pass over a weight row serves up to 4 rows of x.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK = 32;  // inputs per activation block
+constexpr int MAX_ROWS = 4;  // rows of x per pass over a weight row
+constexpr float QMAX = 32767.f;  // int16 activations
+
+enum Isa : int64_t { AVX2 = 2, AVX512_VNNI = 3 };
+
+struct Acts {  // x quantized per block: xq (M, K) int16 (quantize's layout), and per row, padded with zeros to
+              // whole chunks of 8 blocks: dx, dx * sum(xq), sum(x)
+  const int16_t* xq;
+  const float* dx;
+  const float* dxsum;
+  const float* fsum;
+  int64_t k;
+  int64_t num_blocks;
+  int64_t padded_blocks;
+};
+
+struct Weights {
+  const uint8_t* codes;  // row n: bytes [n * row_bytes, (n + 1) * row_bytes)
+  int64_t row_bytes;
+  const float* scales;  // (N, K / G)
+  const float* mins;  // (N, K / G) or null
+  const float* soff;  // (N, K / G) scale * zero point, or null: then scale * `offset`
+  float offset;
+  int64_t blocks_per_group;  // G / 32: 1, 2, 4 or 8, or any when num_groups is 1
+  int64_t num_groups;
+  int bits;
+};
+
+// x (M, K) float32 -> xq and the per-block vectors of Acts (padded rows of `padded` blocks, pads zero). With
+// `nibbles` (int4 codes) a block's xq is [x0, x2, .., x30, x1, x3, .., x31], the order in which 16 bytes of
+// k8_lsb codes unpack (low nibbles: even elements; high nibbles: odd).
+void quantize(const float* x, int64_t m, int64_t k, bool nibbles, int16_t* xq, float* dx, float* dxsum,
+              float* fsum, int64_t padded) {
+  const int64_t nb = k / BLOCK;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < padded; ++b) {
+      const int64_t at = r * padded + b;
+      if (b >= nb) {
+        dx[at] = dxsum[at] = fsum[at] = 0.f;
+        continue;
+      }
+      const float* v = x + r * k + b * BLOCK;
+      float amax = 0.f, sum = 0.f;
+      for (int i = 0; i < BLOCK; ++i) {
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float d = amax / QMAX;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int16_t* out = xq + r * k + b * BLOCK;
+      int isum = 0;
+      for (int i = 0; i < BLOCK; ++i) {
+        const int q = static_cast<int>(std::nearbyint(v[i] * id));
+        out[nibbles ? (i % 2) * 16 + i / 2 : i] = static_cast<int16_t>(q);
+        isum += q;
+      }
+      dx[at] = d;
+      dxsum[at] = d * static_cast<float>(isum);
+      fsum[at] = sum;
+    }
+  }
+}
+
+}  // namespace
+
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define QDOT_VNNI 0
+#include "qdot_body.h"
+#undef QDOT_VNNI
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#define QDOT_VNNI 1
+#include "qdot_body.h"
+#undef QDOT_VNNI
+#pragma GCC pop_options
+}  // namespace avx512
+
+// x (M, K) float32 or bfloat16; qweight (N, K / 8) int32 (bits 4) or (N, K) int8 (bits 8); scales (N, K / G)
+// float32; mins and soff (scale * zero point): (N, K / G) float32 or empty. Returns (M, N) in x's dtype.
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int64_t group_size, torch::Tensor scales,
+                      torch::Tensor mins, torch::Tensor soff, double offset, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2, "x and qweight must be 2-D");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(isa == AVX2 || isa == AVX512_VNNI, "isa must be 2 (AVX2) or 3 (AVX-512 VNNI)");
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(group_size % BLOCK == 0 && k % group_size == 0, "K must be a multiple of G, G of 32");
+  TORCH_CHECK(qweight.is_contiguous() && qweight.size(1) * qweight.element_size() * 8 == k * bits,
+              "qweight must be contiguous (N, K * bits / 8 bytes)");
+  TORCH_CHECK(bits == 4 ? qweight.scalar_type() == at::kInt : qweight.scalar_type() == at::kChar,
+              "qweight must be int32 for bits 4, int8 for bits 8");
+  const int64_t num_groups = k / group_size;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * num_groups,
+              "scales must be contiguous float32 (N, K / G)");
+  TORCH_CHECK(!mins.numel() || (mins.scalar_type() == at::kFloat && mins.is_contiguous() &&
+                                mins.numel() == n * num_groups), "mins must be contiguous float32 (N, K / G)");
+  TORCH_CHECK(!soff.numel() || (soff.scalar_type() == at::kFloat && soff.is_contiguous() &&
+                                soff.numel() == n * num_groups), "soff must be contiguous float32 (N, K / G)");
+  TORCH_CHECK(num_groups == 1 || 256 % group_size == 0, "G must divide 256 (or be K)");
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t nb = k / BLOCK, padded = (nb + 7) / 8 * 8;
+  torch::Tensor xq = torch::empty({m, k}, x.options().dtype(at::kShort));
+  torch::Tensor stats = torch::empty({3, m, padded}, x.options().dtype(at::kFloat));
+  float* st = stats.data_ptr<float>();
+  float *dx = st, *dxsum = st + m * padded, *fsum = st + 2 * m * padded;
+  quantize(xf.data_ptr<float>(), m, k, bits == 4, xq.data_ptr<int16_t>(), dx, dxsum, fsum, padded);
+  const Acts a{xq.data_ptr<int16_t>(), dx, dxsum, fsum, k, nb, padded};
+  const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8, scales.data_ptr<float>(),
+                  mins.numel() ? mins.data_ptr<float>() : nullptr, soff.numel() ? soff.data_ptr<float>() : nullptr,
+                  static_cast<float>(offset), group_size / BLOCK, num_groups, static_cast<int>(bits)};
+  torch::Tensor y = torch::empty({m, n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+    if (isa == AVX512_VNNI) {
+      avx512::rows_dot(a, w, m, lo, hi, yp, n);
+    } else {
+      avx2::rows_dot(a, w, m, lo, hi, yp, n);
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// which ISA paths this CPU runs: 2 (AVX2), 3 (AVX-512 VNNI with VL), 0 (neither)
+int64_t best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return AVX512_VNNI;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+  return 0;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "grouped integer-code linear with int8 activations per block of 32");
+  m.def("best_isa", &best_isa, "the best ISA path this CPU runs");
+}
