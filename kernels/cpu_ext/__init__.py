@@ -67,7 +67,7 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
         return cpp_extension.load(f"optc_{name}_{tag}", [str(HERE / s) for s in sources if s.endswith(".cpp")],
                                   extra_cflags=flags, build_directory=str(where), extra_include_paths=[str(HERE)])
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
-        log.warning("optc's C++ CPU kernels (%s) could not be built (%s: %s); %s run instead", name,
+        log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "", instead)
         return None
 
