@@ -8,6 +8,9 @@ from optc.core.formats import Activations, FormatKind
 from optc.kernels.spec import KernelQuery, KernelSpec, dtype_ok
 
 CPP_DTYPES = ("bfloat16", "float32")  # what ops.cpp computes in (other dtypes: their launchers run the reference)
+# ops.cpp's kernels, one per op: a build that wants every non-matmul node on its reference disables these
+CPP_KERNELS = ("cpu.cpp_rms_norm", "cpu.cpp_add_rms_norm", "cpu.cpp_gated_act", "cpu.cpp_rope_kv_store",
+               "cpu.cpp_attention")
 
 
 def _int4pack_cpu_ok(q: KernelQuery) -> bool:
