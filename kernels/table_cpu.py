@@ -7,6 +7,11 @@ from __future__ import annotations
 from optc.core.formats import Activations, FormatKind
 from optc.kernels.spec import KernelQuery, KernelSpec, dtype_ok
 
+CPP_DTYPES = ("bfloat16", "float32")  # what ops.cpp computes in (other dtypes: their launchers run the reference)
+# ops.cpp's kernels, one per op: a build that wants every non-matmul node on its reference disables these
+CPP_KERNELS = ("cpu.cpp_rms_norm", "cpu.cpp_add_rms_norm", "cpu.cpp_gated_act", "cpu.cpp_rope_kv_store",
+               "cpu.cpp_attention")
+
 
 def _int4pack_cpu_ok(q: KernelQuery) -> bool:
     w = q.weight
@@ -65,6 +70,19 @@ def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
             and h % 16 == 0 and h % w.group_size == 0 and i % w.group_size == 0)
 
 
+def _cpp_ok(q: KernelQuery) -> bool:
+    return q.dtype in CPP_DTYPES
+
+
+def _cpp_gated_act_ok(q: KernelQuery) -> bool:
+    return q.dtype in CPP_DTYPES and q.act == "silu"
+
+
+def _cpp_kv_ok(q: KernelQuery) -> bool:
+    # a float cache of the activations' dtype (a quantized or wider cache: the launcher would run the reference)
+    return q.dtype in CPP_DTYPES and (q.kv_dtype or q.dtype) == q.dtype
+
+
 CPU_KERNELS: tuple[KernelSpec, ...] = (
     # float32 int4pack loses to the reference at M >= 64: select_kernels measures per M bucket
     KernelSpec("cpu.int4pack", "linear", _int4pack_cpu_ok, "int4_cpu:int4pack_linear", target="cpu",
@@ -101,4 +119,11 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
     # an expert's M is its share of the step's tokens)
     KernelSpec("cpu.moe_packed", "moe", _moe_packed_cpu_ok, "moe_cpu:moe_packed", target="cpu",
                prepare="moe_cpu:prepare_moe_packed", layout="per-expert int8pack / int4pack_cpu(inner_k_tiles=2)"),
+    # a decode step's non-matmul ops as one C++ call each (kernels/cpu_ext/ops.cpp), the references' math; where
+    # the extension cannot be built, or for what it does not take (prefill attention), the reference runs
+    KernelSpec("cpu.cpp_rms_norm", "rms_norm", _cpp_ok, "cpu_ext.ops:rms_norm", target="cpu"),
+    KernelSpec("cpu.cpp_add_rms_norm", "add_rms_norm", _cpp_ok, "cpu_ext.ops:add_rms_norm", target="cpu"),
+    KernelSpec("cpu.cpp_gated_act", "gated_act", _cpp_gated_act_ok, "cpu_ext.ops:gated_act", target="cpu"),
+    KernelSpec("cpu.cpp_rope_kv_store", "rope_kv_store", _cpp_kv_ok, "cpu_ext.ops:rope_kv_store", target="cpu"),
+    KernelSpec("cpu.cpp_attention", "attention", _cpp_kv_ok, "cpu_ext.ops:attention", target="cpu"),
 )

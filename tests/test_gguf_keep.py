@@ -196,9 +196,12 @@ def smollm2_kept(tmp_path_factory, recipes):
     """recipes/smollm2-gguf.yaml in float32 (transformers' dtype) with the weights widened once at load
     (cpu.widened: the reference's own product at dense speed; the packed kernels in float32 are slow, and
     their numerics are the tests above)."""
+    from optc.kernels.table_cpu import CPP_KERNELS
     from optc.testing import build_artifact
 
-    select = "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int8gf_int4x2, cpu.int8gf_int4x2_logits]}}"
+    # the C++ non-matmul ops off too: the bound path's logits must equal the reference path's bit for bit
+    off = ", ".join(("cpu.int4pack", "cpu.int8gf_int4x2", "cpu.int8gf_int4x2_logits", *CPP_KERNELS))
+    select = f"{{select_kernels: {{measure: false, disable: [{off}]}}}}"
     return build_artifact(tmp_path_factory.mktemp("smollm2-kept") / "a", recipes / "smollm2-gguf.yaml",
                           "dtype=float32", "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, "
                           f"{{kv_layout: {{block_size: 16}}}}, {select}]")

@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from optc.kernels.table_cpu import CPP_KERNELS
 from optc.runtime import Engine, SamplingParams
 from optc.testing import assert_close, build_artifact
 from tests.test_kernels_e2e import assert_same_logits
 
 PASSES = "fuse_qkv, fuse_gate_up, {kv_layout: {block_size: 16}}, fuse_add_rmsnorm, fuse_rope_kv"
-CPU_SELECT = "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack, cpu.int4pack_logits, cpu.int8pack_logits]}}"
+CPU_SELECT = ("{select_kernels: {disable: [cpu.int4pack, cpu.int8pack, cpu.int4pack_logits, cpu.int8pack_logits, "
+              f"{', '.join(CPP_KERNELS)}]}}}}")
 RTOL = 1e-3
 NEW_TOKENS = 5
 # preset: (prompt lengths, what must be bound to a Triton kernel: (op, attribute or None))

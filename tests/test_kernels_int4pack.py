@@ -14,6 +14,7 @@ from optc.frontend.sources import load_source
 from optc.kernels.int4_cpu import int4pack_linear, prepare_int4pack
 from optc.kernels.int4_cuda import inner_k_tiles, int4pack_cuda_linear, nibbles_high_first, prepare_int4pack_cuda
 from optc.kernels.registry import KernelQuery, impls, select
+from optc.kernels.table_cpu import CPP_KERNELS
 
 
 def _weight(n, k, group, zero_point, seed=0) -> Param:
@@ -101,14 +102,14 @@ def test_tiny_model_logits_with_int4pack_bound():
                           ("fuse_qkv", {})):
         result = make_pass(name, options).run(graph, store, ctx)
         graph, store = result.graph, result.store
-    torch_only = {"disable": ("cpu.int4pack", "cpu.qdot")}
+    torch_only = {"disable": ("cpu.int4pack", "cpu.qdot", *CPP_KERNELS)}
     reference = make_pass("select_kernels", torch_only).run(graph, store, ctx).graph
     graph = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     bound = {n.name for n in graph.nodes if n.kernel == "cpu.int4pack"}
     assert bound and bound == {n.name for n in graph.nodes if n.op == "linear" and n.attrs["out_features"] % 16 == 0}
     params = bind_params(graph, store)
     ids = torch.randint(0, graph.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    fast = run_dense(Executor(graph, params, impls({"cpu.int4pack"})), ids)
+    fast = run_dense(Executor(graph, params, impls({n.kernel for n in graph.nodes} - {"torch"})), ids)
     ref = run_dense(Executor(reference, params), ids)
     assert (fast - ref).abs().max() <= 0.05 * ref.abs().max(), float((fast - ref).abs().max() / ref.abs().max())
     assert all("qweight" in p.parts for p in params.values() if p.format.is_quantized)  # prepared aside, not in place

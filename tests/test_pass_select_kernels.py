@@ -50,7 +50,8 @@ def test_select_kernels_binds_triton_on_cuda_and_torch_elsewhere():
                                     "o": "torch", "lm_head": "torch"}  # dense linears stay on cuBLAS
     assert cuda.stats["kernels"]["torch"] == 3
     cpu = make_pass("select_kernels", {"measure": False}).run(graph, None, PassContext(target="cpu"))
-    assert _kernels(cpu.graph) == {n.name: "cpu.int4pack" if n.name == "qkv" else "torch" for n in graph.nodes}
+    on_cpu = {"qkv": "cpu.int4pack", "norm": "cpu.cpp_rms_norm", "attention": "cpu.cpp_attention"}
+    assert _kernels(cpu.graph) == {n.name: on_cpu.get(n.name, "torch") for n in graph.nodes}
     assert "kernel" not in graph.nodes[0].attrs  # the input graph is untouched
 
 
@@ -112,7 +113,9 @@ def test_cpu_choice_is_measured_per_m_bucket_and_a_second_run_keeps_it():
     assert all(a[1] != b[1] for a, b in zip(table, table[1:], strict=False))
     assert {k for _, k in table} <= {"cpu.int4pack", "cpu.qdot", "torch"}
     assert qkv.kernel == next((k for _, k in table if k != "torch"), "torch")
-    assert all(n.kernel == "torch" and "kernel_by_m" not in n.attrs for n in once.graph.nodes if n.name != "qkv")
+    # the other nodes: no weight to measure, the first supporting kernel (the C++ ops) or the reference
+    assert all(n.kernel in ("torch", f"cpu.cpp_{n.op}") and "kernel_by_m" not in n.attrs
+               for n in once.graph.nodes if n.name != "qkv")
     (measured,) = once.stats["measured_us"].values()  # one shape measured, every bucket, both candidates
     assert sorted(measured) == list(M_BUCKETS) and all(set(t) == {"cpu.int4pack", "cpu.qdot", "torch"}
                                                        for t in measured.values())
@@ -135,8 +138,9 @@ def test_kernel_by_m_routes_each_call_by_its_rows():
                          {**n.attrs, "kernel_by_m": [[2, "cpu.int4pack"], [None, "torch"]]}
                          if n.kernel == "cpu.int4pack" else n.attrs, n.params) for n in kernel.nodes]
     params = bind_params(graph, store)
-    run = {name: Executor(g, params, impls({"cpu.int4pack"})) for name, g in
-           (("kernel", kernel), ("reference", reference), ("routed", routed))}
+    graphs = {"kernel": kernel, "reference": reference, "routed": routed}
+    bound = impls({n.kernel for g in graphs.values() for n in g.nodes} - {"torch"})  # int4pack, the C++ ops
+    run = {name: Executor(g, params, bound) for name, g in graphs.items()}
     for rows, expect, other in ((2, "kernel", "reference"), (6, "reference", "kernel")):
         ids = torch.randint(0, 256, (1, rows), generator=torch.Generator().manual_seed(rows))
         out = run_dense(run["routed"], ids)

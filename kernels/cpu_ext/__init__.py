@@ -1,10 +1,12 @@
-"""optc's own C++ CPU kernels (qdot.cpp: grouped int4 / int8 code linears with int16 activations per block of
-32), compiled on first use with torch's cpp_extension and cached on disk, and the ISA path they run.
+"""optc's own C++ CPU kernels, compiled on first use with torch's cpp_extension and cached on disk: qdot.cpp
+(grouped int4 / int8 code linears with int16 activations per block of 32) and ops.cpp (a decode step's norms,
+gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns
 the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile): the failure is
 logged once and every launcher bound to these kernels runs torch's packed kernel instead (kernels/cpu_ext/qdot.py),
-so an install without a compiler still runs every artifact. `isa()` is the path qdot runs on this CPU: AVX-512
+so an install without a compiler still runs every artifact. `load_ops()` is ops.cpp's module the same way (None:
+its launchers run the op references). `isa()` is the path qdot runs on this CPU: AVX-512
 VNNI where the CPU has it, else AVX2, capped to AVX2 when ATEN_CPU_CAPABILITY=avx2 (the cap that makes torch's
 own kernels take their AVX2 paths, so that a capped measurement compares like with like).
 """
@@ -16,6 +18,7 @@ import hashlib
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,31 +26,49 @@ import torch
 
 AVX2, AVX512_VNNI = 2, 3  # qdot.cpp's `isa` argument
 ISA_NAMES = {AVX2: "avx2", AVX512_VNNI: "avx512_vnni"}
-SOURCES = ("qdot.cpp", "qdot_body.h")
 HERE = Path(__file__).parent
 
 log = logging.getLogger("optc.kernels.cpu_ext")
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "cpu_ext"
+
+
 @functools.cache
 def load() -> ModuleType | None:
-    """The compiled extension, or None (logged) where it cannot be built on this machine."""
-    return build(Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "cpu_ext")
+    """qdot's extension, or None (logged) where it cannot be built on this machine."""
+    return build("qdot", ("qdot.cpp", "qdot_body.h"), ["-O3"], cache_root(), "torch's packed kernels")
 
 
-def build(root: Path) -> ModuleType | None:
-    """Compile qdot.cpp into root/<torch version>-<source hash> (a no-op when built there already)."""
-    digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in SOURCES)).hexdigest()[:12]
-    where = root / f"torch{torch.__version__}-{digest}"
+@functools.cache
+def load_ops() -> ModuleType | None:
+    """ops.cpp's extension, or None (logged) where it cannot be built or the CPU lacks AVX2 (its only path).
+    -ffp-contract=off: its products and sums round separately, as the references' do."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return None
+    return build("ops", ("ops.cpp",), ["-O3", "-ffp-contract=off", "-mavx2", "-mf16c"], cache_root(),
+                 "the op references")
+
+
+def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, instead: str) -> ModuleType | None:
+    """Compile the .cpp files of `sources` (all of them hashed) into root/<torch version>-<hash>, a no-op when
+    built there already; None, logged with what runs `instead`, where it fails."""
+    digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in sources) + " ".join(flags).encode())
+    tag = digest.hexdigest()[:12]
+    where = root / f"torch{torch.__version__}-{tag}"
     try:
         from torch.utils import cpp_extension
 
         where.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(f"optc_qdot_{digest}", [str(HERE / "qdot.cpp")], extra_cflags=["-O3"],
-                                  build_directory=str(where), extra_include_paths=[str(HERE)])
+        if not any(where.glob("*.so")):
+            print(f"optc: compiling its C++ CPU kernels ({name}), once: about a minute; cached in {where}",
+                  file=sys.stderr, flush=True)
+        return cpp_extension.load(f"optc_{name}_{tag}", [str(HERE / s) for s in sources if s.endswith(".cpp")],
+                                  extra_cflags=flags, build_directory=str(where), extra_include_paths=[str(HERE)])
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
-        log.warning("optc's C++ CPU kernels could not be built (%s: %s); torch's packed kernels run instead",
-                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,
+                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "", instead)
         return None
 
 

@@ -1,0 +1,245 @@
+// The decode step's non-matmul ops in one call each, for the CPU (kernels/cpu_ext/ops.py binds them).
+//
+// The torch references (optc.core.ops) run each of these as 5-15 small eager ops; at batch 1 a SmolLM2 step
+// spent most of its non-matmul time in their dispatch, not in arithmetic. Each function here is the reference's
+// math, element for element: fp32 where the reference computes in fp32, and a rounding to the activation dtype
+// wherever the reference rounds (so a norm's output rounds the normed row before the weight multiplies it, as
+// `weight * normed.to(x.dtype)` does). Sums run in a different order than torch's vectorized reductions, so
+// results can differ from the reference by the last bit of a sum (tests/test_kernels_cpu_ops.py bounds them).
+// Built with -ffp-contract=off: a fused multiply-add would round differently from the reference's separate
+// product and sum.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+template <typename T>
+void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* summed, int64_t rows, int64_t width,
+               float eps, float offset) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(width);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * width;
+      float squares = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        // x + residual is rounded to the activation dtype first (the reference adds in that dtype)
+        const float v = residual ? f32(round_to<T>(f32(xr[i]) + f32(residual[r * width + i]))) : f32(xr[i]);
+        row[i] = v;
+        squares += v * v;
+        if (summed) summed[r * width + i] = round_to<T>(v);
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+      T* o = out + r * width;
+      if (offset != 0.f) {
+        for (int64_t i = 0; i < width; ++i) o[i] = round_to<T>(row[i] * inv * (offset + f32(weight[i])));
+      } else {
+        for (int64_t i = 0; i < width; ++i) o[i] = round_to<T>(f32(weight[i]) * f32(round_to<T>(row[i] * inv)));
+      }
+    }
+  });
+}
+
+// rms_norm(x) and add_rms_norm(x, residual): x (rows, width); returns [normed] or [normed, x + residual]
+std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps,
+                                 double offset) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "x (rows, width), weight (width,)");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  auto out = at::empty_like(x);
+  at::Tensor summed;
+  if (residual) {
+    check_cpu(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+    summed = at::empty_like(x);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                        weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                        residual ? summed.data_ptr<scalar_t>() : nullptr, x.size(0), x.size(1),
+                        static_cast<float>(eps), static_cast<float>(offset));
+  });
+  if (residual) return {out, summed};
+  return {out};
+}
+
+// rope_kv_store: q (T, Hq, D), k, v (T, Hkv, D) in one dtype, positions (T,) int64, cos_sin (P, R) fp32, cache
+// (num_blocks, 2, block_size, Hkv, D) of that dtype, slots (T,) int64 (< 0: not stored). Rotates the first R
+// dims of every head of q and k (the rest pass through), writes rotated k and v at their slots; returns q.
+template <typename T>
+void rope_store(const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin, T* cache,
+                const int64_t* slots, T* q_out, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t r,
+                int64_t block_size) {
+  const int64_t half = r / 2;
+  auto rotate = [&](const T* src, T* dst, const float* cs) {
+    for (int64_t j = 0; j < half; ++j) {
+      const float x1 = f32(src[j]), x2 = f32(src[half + j]), c = cs[j], s = cs[half + j];
+      const float a = x1 * c, b = x2 * s, e = x2 * c, g = x1 * s;
+      dst[j] = round_to<T>(a - b);
+      dst[half + j] = round_to<T>(e + g);
+    }
+    for (int64_t j = r; j < d; ++j) dst[j] = src[j];
+  };
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cs = cos_sin + positions[t] * r;
+      for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * d, q_out + (t * hq + h) * d, cs);
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      // cache[block, 0 | 1, offset] is (Hkv, D): K then V of the token
+      T* key = cache + ((slot / block_size) * 2 * block_size + slot % block_size) * hkv * d;
+      T* value = key + block_size * hkv * d;
+      for (int64_t h = 0; h < hkv; ++h) rotate(k + (t * hkv + h) * d, key + h * d, cs);
+      std::copy(v + t * hkv * d, v + (t + 1) * hkv * d, value);
+    }
+  });
+}
+
+at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos_sin,
+                         at::Tensor cache, at::Tensor slots) {
+  for (auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"},
+                          {&cos_sin, "cos_sin"}, {&cache, "cache"}, {&slots, "slot_mapping"}})
+    check_cpu(*t, name);
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && cache.dim() == 5, "shapes");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  cache.scalar_type() == q.scalar_type(), "q, k, v and the cache must share a dtype");
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
+                  slots.scalar_type() == at::kLong, "cos_sin float32, positions and slots int64");
+  const int64_t d = q.size(2), r = cos_sin.size(1);
+  TORCH_CHECK(r % 2 == 0 && r <= d && cache.size(4) == d && cache.size(3) == k.size(1), "rotary and cache dims");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_kv_store", [&] {
+    rope_store<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cache.data_ptr<scalar_t>(),
+                         slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), k.size(1), d, r,
+                         cache.size(2));
+  });
+  return out;
+}
+
+// decode attention: one query per request, q (B, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype,
+// block_tables (B, W) int32, seq_lens (B,) int32; the query sits at seq_len - 1 and sees keys
+// (seq_len - 1 - window, seq_len - 1] (window 0: all). Scores in fp32, times scale, soft-capped (softcap 0:
+// none), softmax, times V in fp32, rounded to q's dtype.
+template <typename T>
+void decode(const T* q, const T* cache, const int32_t* tables, const int32_t* seq_lens, T* out, int64_t batch,
+            int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t width, float scale, float softcap,
+            int64_t window) {
+  const int64_t group = hq / hkv;
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(d), query(group * d);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / hkv, h = i % hkv, length = seq_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      scores.assign(group * (length - first), 0.f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < d; ++j) query[g * d + j] = f32(q[(b * hq + h * group + g) * d + j]);
+      auto row = [&](int64_t pos, int kv) {  // the key (kv 0) or value (1) of position pos, head h
+        const int64_t block = tables[b * width + pos / block_size];
+        return cache + (((block * 2 + kv) * block_size + pos % block_size) * hkv + h) * d;
+      };
+      for (int64_t pos = first; pos < length; ++pos) {
+        const T* key = row(pos, 0);
+        for (int64_t g = 0; g < group; ++g) {
+          float s = 0.f;
+          for (int64_t j = 0; j < d; ++j) s += query[g * d + j] * f32(key[j]);
+          s *= scale;
+          if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+          scores[g * (length - first) + pos - first] = s;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * (length - first);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < length - first; ++p) top = std::max(top, sg[p]);
+        float total = 0.f;
+        for (int64_t p = 0; p < length - first; ++p) total += (sg[p] = std::exp(sg[p] - top));
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t pos = first; pos < length; ++pos) {
+          const T* value = row(pos, 1);
+          const float w = sg[pos - first] / total;
+          for (int64_t j = 0; j < d; ++j) acc[j] += w * f32(value[j]);
+        }
+        T* o = out + (b * hq + h * group + g) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[j]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
+                            double scale, double softcap, int64_t window) {
+  for (auto& [t, name] : {std::pair{&q, "q"}, {&cache, "cache"}, {&block_tables, "block_tables"},
+                          {&seq_lens, "seq_lens"}})
+    check_cpu(*t, name);
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0,
+              "q (B, Hq, D), cache (blocks, 2, block_size, Hkv, D)");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "the cache must have q's dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens int32");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one query per request");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
+    decode<scalar_t>(q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
+                     seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), cache.size(3),
+                     q.size(2), cache.size(2), block_tables.size(1), static_cast<float>(scale),
+                     static_cast<float>(softcap), window);
+  });
+  return out;
+}
+
+// silu(gate) * up, gate and up (rows, I) with unit column stride (views of the gate_up linear's split output):
+// silu rounded to the dtype, then the product (the reference's two dtype ops)
+template <typename T>
+void silu_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t inter, int64_t gate_stride,
+                   int64_t up_stride) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g_row = gate + r * gate_stride;
+      const T* u_row = up + r * up_stride;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = f32(g_row[i]);
+        out[r * inter + i] = round_to<T>(f32(round_to<T>(g / (1.f + std::exp(-g)))) * f32(u_row[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu(), "gate and up must be CPU tensors");
+  TORCH_CHECK(gate.dim() == 2 && up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
+              "gate and up (rows, I) of one dtype");
+  TORCH_CHECK(gate.stride(1) == 1 && up.stride(1) == 1, "gate and up need unit column strides");
+  auto out = at::empty(gate.sizes(), gate.options().memory_format(at::MemoryFormat::Contiguous));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate.scalar_type(), "silu_mul", [&] {
+    silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            gate.size(0), gate.size(1), gate.stride(0), up.stride(0));
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "rms_norm / add_rms_norm");
+  m.def("rope_kv_store", &rope_kv_store, "rotary on q and k, k and v into the paged cache");
+  m.def("decode_attention", &decode_attention, "one query per request over the paged cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

@@ -1,0 +1,146 @@
+"""kernels/cpu_ext/ops.cpp: the CPU's one-call norms, gated activation, rotary + KV store and decode attention
+against their op references (bfloat16: equal but for a norm's last-bit rounding; float32: within sums' order),
+the launchers' fallbacks to the references, the build failing cleanly, and a tiny model bound to them."""
+
+import logging
+
+import pytest
+import torch
+
+from optc.core.kv_cache import KVCache
+from optc.core.ops.attention import attention_ref
+from optc.core.ops.elementwise import gated_act_ref
+from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
+from optc.core.ops.rope import rope_kv_store_ref
+from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext import ops
+
+pytestmark = pytest.mark.skipif(cpu_ext.load_ops() is None, reason="ops.cpp cannot be built here (no compiler/AVX2)")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16: at most one rounding step (2^-7 relative) where a sum's order moves a value across a rounding
+    boundary; float32: the sums' order, 1e-5 of the largest value."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    diff = (got.float() - want.float()).abs()
+    if got.dtype == torch.bfloat16:
+        assert (diff <= want.float().abs() * 2**-7 + 1e-30).all(), float(diff.max())
+        assert (diff > 0).float().mean() < 0.01  # rare, not systematic
+    else:
+        assert diff.max() <= 1e-5 * want.abs().max(), float(diff.max())
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_norms_match_their_references(dtype, offset):
+    x, r = (torch.randn(7, 192, generator=_g(s)).to(dtype) for s in (0, 1))
+    w = (torch.rand(192, generator=_g(2)) + 0.5).to(dtype)
+    _close(ops.rms_norm(x, w, 1e-6, offset), rms_norm_ref(x, w, 1e-6, offset))
+    normed, summed = ops.add_rms_norm(x, r, w, 1e-5, offset)
+    ref_normed, ref_summed = add_rms_norm_ref(x, r, w, 1e-5, offset)
+    assert torch.equal(summed, ref_summed)
+    _close(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_act_on_the_split_views_of_gate_up(dtype):
+    gate_up = torch.randn(5, 2 * 96, generator=_g(0)).to(dtype) * 4
+    gate, up = gate_up.split(96, dim=-1)  # what a fused gate_up linear's split outputs are
+    assert not gate.is_contiguous()
+    _close(ops.gated_act(gate, up), gated_act_ref(gate, up))
+    _close(ops.gated_act(gate_up), gated_act_ref(gate_up))
+    assert torch.equal(ops.gated_act(gate, up, act="gelu_tanh"), gated_act_ref(gate, up, act="gelu_tanh"))
+
+
+def _cache(dtype, blocks=20, block_size=4, kv_heads=2, head_dim=32, seed=5) -> KVCache:
+    return KVCache(torch.randn(blocks, 2, block_size, kv_heads, head_dim, generator=_g(seed)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", [32, 16])  # whole head, partial (Phi-3)
+def test_rope_kv_store_rotates_and_stores_as_the_reference(dtype, rotary):
+    t, hq, hkv, d = 5, 6, 2, 32
+    q, k, v = (torch.randn(t, h, d, generator=_g(s)).to(dtype) for s, h in ((0, hq), (1, hkv), (2, hkv)))
+    positions = torch.tensor([0, 9, 3, 40, 17])
+    cos_sin = torch.randn(64, rotary, generator=_g(3))
+    slots = torch.tensor([5, -1, 22, 47, 8])  # -1: a padding row, not stored
+    mine, ref = _cache(dtype), _cache(dtype)
+    out = ops.rope_kv_store(q, k, v, positions, cos_sin, mine, slots)
+    want = rope_kv_store_ref(q, k, v, positions, cos_sin, ref, slots)
+    assert torch.equal(out, want)  # the same products and sums, the same roundings
+    assert torch.equal(mine.data, ref.data)
+
+
+def _decode_batch(dtype, seq_lens, block_size=4, width=6):
+    b = len(seq_lens)
+    q = torch.randn(b, 6, 32, generator=_g(7)).to(dtype)
+    tables = torch.randperm(20, generator=_g(8))[: b * width].view(b, width).int()
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    start = torch.arange(b + 1, dtype=torch.int32)
+    return q, tables, lens, start
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap,window", [(None, None), (20.0, None), (None, 5)])
+def test_decode_attention_matches_the_reference(dtype, softcap, window):
+    q, tables, lens, start = _decode_batch(dtype, [1, 9, 23])
+    cache = _cache(dtype)
+    kw = {"softcap": softcap, "window": window, "max_query_len": 1, "max_seq_len": 23}
+    got = ops.attention(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
+    want = attention_ref(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
+    _close(got, want)
+
+
+def test_what_ops_cpp_does_not_take_runs_the_reference(monkeypatch):
+    dtype = torch.bfloat16
+    q, tables, lens, start = _decode_batch(dtype, [3, 7])
+    # a quantized (int8) cache: the reference reads its scales
+    data = torch.randint(-127, 128, (20, 2, 4, 2, 32), generator=_g(0), dtype=torch.int8)
+    quantized = KVCache(data, torch.rand(20, 2, 4, 2, generator=_g(1)), qmax=127.0)
+    args = (q, None, None, quantized, torch.zeros(2, dtype=torch.long), tables, lens, start, 0.2)
+    assert torch.equal(ops.attention(*args, max_query_len=1, max_seq_len=7), attention_ref(*args, 1, 7))
+    # prefill (no max_query_len of 1): the reference
+    cache = _cache(dtype)
+    args = (q, None, None, cache, torch.zeros(2, dtype=torch.long), tables, lens, start, 0.2)
+    assert torch.equal(ops.attention(*args), attention_ref(*args))
+    # no extension: every launcher is its reference
+    monkeypatch.setattr(ops, "_ext", lambda x: None)
+    x = torch.randn(3, 64, generator=_g(2)).to(dtype)
+    w = torch.rand(64, generator=_g(3)).to(dtype)
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert torch.equal(ops.attention(*args, max_query_len=1, max_seq_len=7), attention_ref(*args, 1, 7))
+
+
+def test_a_failed_build_is_logged_and_gives_none(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'optc_ops': g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with caplog.at_level(logging.WARNING, logger="optc.kernels.cpu_ext"):
+        assert cpu_ext.build("ops", ("ops.cpp",), ["-O3"], tmp_path, "the op references") is None
+    assert "could not be built" in caplog.text and "g++ not found" in caplog.text and "op references" in caplog.text
+
+
+def test_a_tiny_bf16_model_bound_to_them_decodes_like_the_references(tmp_path):
+    from optc.core.artifact import read
+    from optc.runtime import Engine, SamplingParams
+    from optc.testing import build_artifact
+
+    recipe = tmp_path / "tiny-bf16.yaml"
+    recipe.write_text("model: random:tiny\ndtype: bfloat16\ntarget: cpu\npasses: [fuse_qkv, fuse_gate_up, "
+                      "fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select_kernels: {measure: false}}]\n")
+    art = build_artifact(tmp_path / "cpp", recipe)
+    kernels = {n.kernel for n in read(art).graph.nodes}
+    assert {"cpu.cpp_add_rms_norm", "cpu.cpp_rope_kv_store", "cpu.cpp_attention", "cpu.cpp_gated_act"} <= kernels
+    prompts = [[5, 9, 13, 200, 3], [7] * 11]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    bound = Engine.load(art, enable_prefix_caching=False).generate(prompts, params)
+    reference = Engine.load(art, enable_prefix_caching=False, use_references=True).generate(prompts, params)
+    assert [c.token_ids for c in bound] == [c.token_ids for c in reference]
