@@ -172,7 +172,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       estimate 2 "measured 94 s: setup 0.3, 79 tests with their compiles 1.3"
       setup
       pytest_stage 390 120 tests/test_kernels_attention.py tests/test_kernels_norm.py tests/test_kernels_rope.py \
-        tests/test_kernels_linear.py -k "not every_autotune" ;;
+        tests/test_kernels_linear.py tests/test_kernels_w4a16_tiles.py -k "not every_autotune" ;;
     families)
       estimate 4 "setup 0.3, 20 attention tests at family shapes (~60 compiles), 8 tiny family builds served on cuda (~10 s each), 18 fused MoE cases (unmeasured, ~1)"
       setup
@@ -190,7 +190,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     autotune-all)
       estimate 4 "setup 0.5 + ~110 compiles (every w4a16/w8a16 config at two shapes) 3 + runs 0.5"
       setup
-      pytest_stage 390 300 tests/test_kernels_linear.py -k every_autotune ;;
+      pytest_stage 390 300 tests/test_kernels_linear.py tests/test_kernels_w4a16_tiles.py -k every_autotune ;;
     kernels-small)
       estimate 1.5 "measured 25 s with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
@@ -203,7 +203,7 @@ stage() {  # define (and, unless --dry-run, run) stage $1
     kernels-w4a16 | kernels-w8a16)
       estimate 1.5 "measured 37 s for w4a16 with per-call event timing; CUDA-graph timing adds 2 captures per case"
       setup
-      kernels_stage 390 "${STAGE#kernels-}$([[ $STAGE == kernels-w4a16 ]] && echo ,tinygemm)" ;;
+      kernels_stage 390 "${STAGE#kernels-}$([[ $STAGE == kernels-w4a16 ]] && echo ,tinygemm,gemlite)" ;;
     bf16-b1 | bf16-b64 | int4-b1 | int4-b64 | int4tg-b1 | int4tg-b64)
       local config=${STAGE%-b*} batch=${STAGE#*-b}
       if [[ $config == bf16 ]]; then

@@ -1,6 +1,8 @@
 """Kernel benchmarks at Llama-3-8B (or SmolLM2, or a family's: Qwen3, Gemma 2 / 3, Phi-3 / 4) decode shapes:
 each Triton kernel next to its torch equivalent, and torch's tinygemm int4 matmul (`tinygemm.*`, the
-`torch.int4pack` candidate) beside w4a16 in bfloat16.
+`torch.int4pack` candidate) beside w4a16 in bfloat16; the n8_tiles decode GEMV and prefill GEMM
+(`w4a16_decode.*`, `w4a16_prefill.*`) and, where the `gemlite` package imports, GemLite's A16W4
+(`gemlite.*`) on the same int4 weights (those rows: benchmarks/int4_cases.py).
 
     python benchmarks/kernels.py [--jsonl rows.jsonl] [--json out.json] [--repeats 50] [--only w4a16,w8a16]
     python benchmarks/kernels.py --compile-only [--arch 90] [--all-configs]    # no GPU needed
@@ -46,6 +48,7 @@ from functools import partial as bind
 
 import torch
 import torch.nn.functional as F
+from int4_cases import gemlite_cases, int4_tiles_cases
 from results import Rows
 from yardstick import fraction_of, gbps
 
@@ -213,6 +216,10 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
                 packed = prepare_int4pack_cuda({"weight": Param(p4, fmt4)})["weight"].parts
                 yield f"tinygemm.{lin}", f"M={t} N={n} K={kk}", n * kk // 2 + n * kk // m.group * 2 * e + io, \
                     bind(int4pack_cuda_linear, xl, packed, fmt4), bind(linear_ref, xl, p4, fmt4)
+            if dt in (torch.float16, torch.bfloat16):  # the n8_tiles kernels and GemLite on the same weights
+                yield from int4_tiles_cases(lin, t, n, kk, m.group, p4, fmt4, xl, io)
+                if dev == "cuda":
+                    yield from gemlite_cases(lin, t, n, kk, m.group, p4, fmt4, xl, io)
             fmt8 = Format(FormatKind.INT8_WO, dtype=name, bits=8)
             p8 = {"qweight": torch.randint(-127, 128, (n, kk), device=dev, dtype=torch.int8),
                   "scales": data(n) * 0.01}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from optc.core.formats import Format, unpack_int4
+from optc.core.formats import Format, k8_parts, unpack_int4
 from optc.core.ops import Param
 from optc.kernels.int4_cpu import packed_linear, scales_and_zeros
 
@@ -34,7 +34,7 @@ def nibbles_high_first(q: torch.Tensor) -> torch.Tensor:
 def prepare_int4pack_cuda(params: dict[str, Param]) -> dict[str, Param]:
     """A linear node's params (on a CUDA device) -> the same with the weight as {"int4pack", "scales_and_zeros"}."""
     w = params["weight"]
-    fmt, parts = w.format, w.parts
+    fmt, parts = w.format, k8_parts(w.parts, w.format)  # an n8_tiles weight's k8_lsb parts
     q = unpack_int4(parts["qweight"])  # (N, K)
     packed = torch.ops.aten._convert_weight_to_int4pack(nibbles_high_first(q), inner_k_tiles(q.shape[1]))
     return {**params, "weight": Param({"int4pack": packed, "scales_and_zeros": scales_and_zeros(parts, fmt)}, fmt)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from optc.core.formats import INT4_PACKING, Activations, FormatKind
+from optc.core.formats import INT4_PACKING, INT4_TILES_PACKING, Activations, FormatKind
 from optc.core.kv_cache import KV_DTYPES, KV_FLOAT_DTYPES
 from optc.kernels.spec import KernelQuery, KernelSpec, dtype_ok
 
@@ -52,10 +52,19 @@ def _w4a16_ok(q: KernelQuery) -> bool:
     w = q.weight
     # act_order weights (imported GPTQ desc_act) carry a `perm` part the kernel does not apply
     return (dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
+            and w.packing == INT4_PACKING
             and len(q.weight_shape) == 2 and q.weight_shape[1] % w.group_size == 0 and q.weight_shape[1] % 8 == 0)
 
 
+def _w4a16_tiles_ok(q: KernelQuery) -> bool:
+    # n8_tiles weights (select_kernels: {int4_packing: n8_tiles}); x in the scales' dtype, which it dequantizes in
+    w = q.weight
+    return (dtype_ok(q) and w is not None and w.kind is FormatKind.INT4_G and w.packing == INT4_TILES_PACKING
+            and q.dtype == w.dtype and len(q.weight_shape) == 2)
+
+
 def _int4pack_cuda_ok(q: KernelQuery) -> bool:
+    # either packing: its prepare reads the k8_lsb words (an n8_tiles weight's through untile_int4)
     w = q.weight
     return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.INT4_G and not w.act_order
             and w.group_size in (32, 64, 128, 256) and len(q.weight_shape) == 2 and q.weight_shape[0] % 8 == 0
@@ -112,6 +121,11 @@ CUDA_KERNELS: tuple[KernelSpec, ...] = (
                prepare="int4_cuda:prepare_int4pack_cuda", by_default=False,
                layout="int4pack_cuda(inner_k_tiles=8|4|2)"),
     KernelSpec("triton.w4a16", "linear", _w4a16_ok, "w4a16:w4a16_linear"),
+    # n8_tiles int4 linears: the decode GEMV (whole columns over all of K, no split) and the prefill GEMM; the
+    # default per-M table splits at 16 rows and the first load on a GPU refines it (optc.kernels.choose_cuda).
+    # Checked under the interpreter and compiled for sm_90, not yet run on a GPU (docs/PERF.md)
+    KernelSpec("triton.w4a16_decode", "linear", _w4a16_tiles_ok, "w4a16_tiles:w4a16_decode_linear"),
+    KernelSpec("triton.w4a16_prefill", "linear", _w4a16_tiles_ok, "w4a16_tiles:w4a16_prefill_linear"),
     KernelSpec("triton.w8a16", "linear", _w8a16_ok, "w8a16:w8a16_linear"),
     KernelSpec("triton.w4a16_logits", "lm_head", _w4a16_ok, "w4a16:w4a16_logits"),
     KernelSpec("triton.w8a16_logits", "lm_head", _w8a16_ok, "w8a16:w8a16_logits"),

@@ -1,6 +1,11 @@
 """Bind every node to a kernel for the recipe's target, else the torch reference.
 
-cuda: the first kernel that supports the node (a Triton kernel autotunes its tiles per M on first use).
+cuda: the first kernel that supports the node (a Triton kernel autotunes its tiles per M on first use); a
+linear that several kernels support records them all (`kernel_candidates`) and a default per-M table
+(`kernel_by_m`, optc.kernels.choose_cuda.default_by_m: e.g. the decode kernel up to 16 rows, the GEMM
+above), which the first load on a GPU refines by measuring them (cached per device). `int4_packing:
+n8_tiles` first stores the int4_g linear weights in the packing the CUDA decode kernels read
+(passes/_int4_tiles.py; the default k8_lsb keeps triton.w4a16).
 cpu: where a node has a supporting kernel, the kernels and the reference are timed on the build
 machine per M bucket (optc.kernels.choose) and the fastest per bucket is recorded: `kernel` and, when
 the winner changes with M, `kernel_by_m` (see optc.kernels.registry). `measure: false` binds the first
@@ -18,10 +23,12 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from optc.core.errors import InputError
+from optc.core.formats import INT4_PACKING, INT4_TILES_PACKING
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.kernels.registry import KERNELS, KernelQuery, KernelSpec, candidates
+from optc.passes._int4_tiles import lay_out_tiles
 
 # KernelQuery fields read off a family's op attributes -> the node attribute each comes from
 FAMILY_ATTRS = {"softcap": "softcap", "window": "window", "act": "act", "rotary_dim": "rotary_dim",
@@ -39,8 +46,19 @@ class SelectKernels(Pass):
             "choices": tuple(KERNELS), "help": "kernels that are off unless named here (a default one: no effect)"})
         measure: bool = field(default=True, metadata={
             "help": "cpu: time the candidates per M bucket on the build machine (false: first supporting kernel)"})
+        int4_packing: str = field(default=INT4_PACKING, metadata={
+            "choices": (INT4_PACKING, INT4_TILES_PACKING),
+            "help": "cuda: how int4_g linear weights are stored; n8_tiles lays them out for triton.w4a16_decode "
+                    "and triton.w4a16_prefill (docs/FORMATS.md)"})
 
     def run(self, graph: Graph, store: TensorStore, ctx: PassContext) -> PassResult:
+        layout_stats, relaid = None, False
+        if self.options.int4_packing == INT4_TILES_PACKING:
+            if ctx.target != "cuda":
+                raise InputError(f"select_kernels: int4_packing {INT4_TILES_PACKING} is for target cuda (its kernels "
+                                 f"are Triton's), not {ctx.target}")
+            graph, store, layout_stats = lay_out_tiles(graph, store)
+            relaid = layout_stats["laid_out"] > 0
         chooser = None
         if ctx.target == "cpu" and self.options.measure:
             from optc.kernels.choose import Chooser
@@ -59,7 +77,9 @@ class SelectKernels(Pass):
             stats["kernel_by_m"] = by_m
         if timings:
             stats["measured_us"] = timings
-        if all(_binding(n.attrs) == a for n, a in zip(graph.nodes, attrs, strict=True)):
+        if layout_stats is not None:
+            stats["int4_layout"] = layout_stats
+        if not relaid and all(_binding(n.attrs) == a for n, a in zip(graph.nodes, attrs, strict=True)):
             return PassResult(graph, store, changed=False, stats=stats)
         graph = graph.copy()
         graph.nodes = [Node(n.name, n.op, n.inputs, n.outputs, _rebind(n.attrs, a), n.params)
@@ -78,6 +98,13 @@ class SelectKernels(Pass):
         specs = [s for s in candidates(query, target, self.options.enable) if s.name not in self.options.disable]
         if not specs:
             return {"kernel": REFERENCE_KERNEL}, None
+        if target == "cuda" and node.op == "linear" and len(specs) > 1:  # measured at the first load on a GPU
+            from optc.kernels.choose_cuda import default_by_m
+
+            names = [s.name for s in specs]
+            table = default_by_m(names)
+            return {"kernel": table[0][1], **({"kernel_by_m": table} if len(table) > 1 else {}),
+                    "kernel_candidates": names}, None
         if chooser is None or len(query.weight_shape) != 2:  # measured: matmuls over one (N, K) weight
             return {"kernel": specs[0].name}, None
         bound = {node.attrs.get("kernel")} | {k for _, k in node.attrs.get("kernel_by_m", ())}
@@ -92,9 +119,11 @@ class SelectKernels(Pass):
 
 def check_bound(graph: Graph, node: Node) -> None:
     """Raise an InputError naming node, shape and kernel when a kernel the node is bound to (its
-    `kernel` or one in `kernel_by_m`) does not support the node: the op attribute it cannot take and
-    the model's architecture when an attribute is the reason, and what to do."""
+    `kernel`, one in `kernel_by_m` or a candidate the first load on a GPU may choose) does not support
+    the node: the op attribute it cannot take and the model's architecture when an attribute is the
+    reason, and what to do."""
     names = {node.kernel} | {k for _, k in node.attrs.get("kernel_by_m", ())}
+    names |= set(node.attrs.get("kernel_candidates", ()))
     for name in sorted(names - {REFERENCE_KERNEL}):
         spec = KERNELS.get(name)
         query = _query(graph, node)
@@ -123,12 +152,15 @@ def _refused_attr(spec: KernelSpec, query: KernelQuery) -> tuple[str, object] | 
     return None
 
 
+BINDING = ("kernel", "kernel_by_m", "kernel_candidates")
+
+
 def _binding(attrs: dict) -> dict:
-    return {k: attrs[k] for k in ("kernel", "kernel_by_m") if k in attrs}
+    return {k: attrs[k] for k in BINDING if k in attrs}
 
 
 def _rebind(attrs: dict, binding: dict) -> dict:
-    return {**{k: v for k, v in attrs.items() if k not in ("kernel", "kernel_by_m")}, **binding}
+    return {**{k: v for k, v in attrs.items() if k not in BINDING}, **binding}
 
 
 def _shape_key(graph: Graph, node: Node) -> str:

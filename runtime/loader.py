@@ -3,11 +3,14 @@
 The artifact is opened (and checked: schema, sizes, sha256, target, graph against weights) by
 `optc.core.artifact.read`; only JSON and safetensors are read, nothing is unpickled. A weights file that is
 truncated, rewritten or replaced after `read` checked it and before the weights are read is an ArtifactError
-naming it (`check_unchanged`), not a crash or another model's weights. The runtime never
-imports the sources or the passes.
+naming it (`check_unchanged`), not a crash or another model's weights. On a GPU, the per-M kernel tables
+the build left to measure are measured first (`_refine_kernel_choice`). The runtime never imports the
+sources or the passes.
 """
 
 from __future__ import annotations
+
+import os
 
 from optc.core.artifact import Artifact, check_unchanged
 from optc.core.ir import REFERENCE_KERNEL, Graph
@@ -23,6 +26,8 @@ def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_siz
     the model does not split that many ways), its collectives over `group`."""
     graph, store = (artifact.graph, artifact.store) if group is None else shard(
         artifact.graph, artifact.store, rank, world_size)
+    if not use_references and str(device).startswith("cuda"):
+        graph = _refine_kernel_choice(graph, device)
     impls = {} if use_references else _impls(graph)
     try:
         model = Model(graph, store, device, kv_spec=artifact.manifest.kv_layout, impls=impls, group=group,
@@ -32,6 +37,20 @@ def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_siz
         raise
     check_unchanged(artifact)  # a file replaced whole reads without error, as another model's weights
     return model
+
+
+def _refine_kernel_choice(graph: Graph, device: str) -> Graph:
+    """The graph with the per-M tables of its nodes with several candidate kernels measured on this GPU
+    (optc.kernels.choose_cuda; cached per device, so only a first load measures); OPTC_KERNEL_REFINE=0
+    keeps the build's default tables."""
+    if os.environ.get("OPTC_KERNEL_REFINE", "1") == "0" or not any("kernel_candidates" in n.attrs for n in graph.nodes):
+        return graph
+    import torch
+
+    from optc.kernels.choose_cuda import refine
+
+    with torch.cuda.device(torch.device(device)):
+        return refine(graph, torch.cuda.get_device_name())[0]
 
 
 def _impls(graph: Graph) -> dict:

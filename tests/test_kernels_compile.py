@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from optc.kernels import w4a16, w8a16
+from optc.kernels import w4a16, w4a16_tiles, w8a16
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
 FAMILIES = {"_w4a16_kernel", "_w8a16_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel",
-            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_act_kernel", "_reduce_kernel"}
+            "_rms_norm_kernel", "_rope_kv_store_kernel", "_gated_act_kernel", "_reduce_kernel", "_w4a16_tiles_kernel"}
+TILES_CONFIGS = w4a16_tiles.M1_CONFIGS + w4a16_tiles.DECODE_CONFIGS + w4a16_tiles.PREFILL_CONFIGS
 
 
 def _env():
@@ -59,6 +60,18 @@ def test_kernels_compile_sm90_every_autotune_config_bf16_without_spills(tmp_path
               if c["kernel"] in ("_w4a16_kernel", "_w8a16_kernel") and c["config"]["BLOCK_K"] >= 64
               and ("4" in c["loads"] or "16" not in c["loads"])]
     assert not narrow
+    # the n8_tiles kernel: every config, and 16-byte loads carry most of what each program text loads (the codes;
+    # the rest is x and one 4-byte scale/zero word per row and group)
+    tiles = [c for c in report["compiled"] if c["kernel"] == "_w4a16_tiles_kernel"]
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+    assert {(*(c["config"][k] for k in keys), c["config"]["num_warps"], c["config"]["num_stages"]) for c in tiles} == {
+        (*(c.kwargs[k] for k in keys), c.num_warps, c.num_stages) for c in TILES_CONFIGS}
+    assert not [(c["config"], c["loads"]) for c in tiles if _wide_share(c["loads"]) < 0.7]
+
+
+def _wide_share(loads: dict) -> float:
+    """The share of the bytes of a program's global-load instructions that 16-byte instructions load."""
+    return int(loads.get("16", 0)) * 16 / sum(int(w) * n for w, n in loads.items())
 
 
 def test_kernels_compile_sm90_fp16_fp32(tmp_path):

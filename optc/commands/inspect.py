@@ -40,6 +40,9 @@ def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict
         "kernel_by_m": {n.name: n.attrs["kernel_by_m"] for n in graph.nodes if n.attrs.get("kernel_by_m")},
         "kernel_layouts": _layouts({n.kernel for n in graph.nodes}
                                    | {k for n in graph.nodes for _, k in n.attrs.get("kernel_by_m", ())}),
+        "kernel_candidates": {n.name: n.attrs["kernel_candidates"] for n in graph.nodes
+                              if n.attrs.get("kernel_candidates")},
+        "kernel_choice_cache": _cached_choices(graph),
         **({"tensor_parallel": tensor_parallel(graph, tensor_parallel_size)} if tensor_parallel_size else {}),
     }
 
@@ -96,9 +99,14 @@ def render(s: dict) -> str:
     lines.append(f"kernels    {', '.join(f'{k} x{v}' for k, v in sorted(kernels.items()))}")
     for k, layout in s.get("kernel_layouts", {}).items():
         lines.append(f"  {k} repacks its weights at load into {layout} (the artifact keeps the format's parts)")
-    by_m = s.get("kernel_by_m", {})
+    by_m, candidates = s.get("kernel_by_m", {}), s.get("kernel_candidates", {})
     for name, k in s["kernels"].items():
-        lines.append(f"  {name:<48} {_by_m(by_m[name]) if name in by_m else k}")
+        refined = (f" (default; measured per M at the first load on a GPU among {', '.join(candidates[name])})"
+                   if name in candidates else "")
+        lines.append(f"  {name:<48} {_by_m(by_m[name]) if name in by_m else k}{refined}")
+    for shape, devices in s.get("kernel_choice_cache", {}).items():
+        for device, table in devices.items():
+            lines.append(f"  measured on {device}: {shape}: {_by_m(table)}")
     tp = s.get("tensor_parallel")
     if tp:
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp["rank_weight_bytes"])
@@ -157,6 +165,13 @@ def _by_m(table: list) -> str:
         parts.append(f"M<={bound} {k}" if bound is not None else f"M>{prev} {k}")
         prev = bound
     return ", ".join(parts)
+
+
+def _cached_choices(graph) -> dict[str, dict[str, list]]:
+    """Per node shape, the per-M tables a GPU's first load measured and cached on this machine, by device."""
+    from optc.kernels.choose_cuda import cached_choices
+
+    return cached_choices(graph)
 
 
 def _layouts(names: set[str]) -> dict[str, str]:

@@ -23,16 +23,18 @@ import torch
 from optc.core.errors import InputError
 from optc.core.formats.float_groups import GF_GROUP_SIZES, Int4Gf, Int8Gf
 from optc.core.formats.fp8_e4m3 import Fp8E4M3
-from optc.core.formats.int4_g import INT4_GROUP_SIZES, INT4_PACKING, Int4G, pack_int4, unpack_int4
+from optc.core.formats.int4_g import INT4_GROUP_SIZES, INT4_PACKING, Int4G, k8_parts, pack_int4, unpack_int4
+from optc.core.formats.int4_tiles import INT4_TILES_PACKING, tile_int4, tiles_format, tiles_refusal, untile_int4
 from optc.core.formats.int8_wo import Int8Wo
 from optc.core.formats.scheme import Activations, Dense, Scheme
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 __all__ = [
-    "Activations", "DENSE_F32", "DTYPES", "GF_GROUP_SIZES", "INT4_GROUP_SIZES", "INT4_PACKING", "SCHEMES", "Format",
-    "FormatKind", "Scheme",
-    "dequantize", "linear_ref", "pack_int4", "part_name", "quantized_format", "kind_for_bits", "unpack_int4",
+    "Activations", "DENSE_F32", "DTYPES", "GF_GROUP_SIZES", "INT4_GROUP_SIZES", "INT4_PACKING", "INT4_TILES_PACKING",
+    "SCHEMES", "Format", "FormatKind", "Scheme",
+    "dequantize", "k8_parts", "linear_ref", "pack_int4", "part_name", "quantized_format", "kind_for_bits",
+    "tile_int4", "tiles_format", "tiles_refusal", "unpack_int4", "untile_int4",
 ]
 
 

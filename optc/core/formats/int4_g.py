@@ -7,6 +7,10 @@ w[n, k] = (q[n, k] - z[n, k // G]) * s[n, k // G], with z = 8 when symmetric.
 Packing `k8_lsb`: the 8 values k = 8j .. 8j + 7 of row n live in qweight[n, j], value k at bits
 4 * (k % 8) .. 4 * (k % 8) + 3 (the lowest nibble is the lowest k). Rows stay contiguous along K,
 which is what the w4a16 GEMV streams.
+Packing `n8_tiles` (optc/core/formats/int4_tiles.py; the CUDA decode kernels' layout, written by
+`select_kernels: {int4_packing: n8_tiles}`): one part `qtiles` (N/8, K/G, G + 8) int32, the same codes
+in tiles of 8 rows with each group's scale and zero point beside its codes; every method here that is
+not about that layout reads it through `untile_int4` (k8_lsb parts, bit for bit).
 With `act_order` (only for imported GPTQ desc_act checkpoints) a part `perm`: (K,) int32 says stored
 column j is input channel perm[j]: the groups are contiguous in the permuted order,
 y = x[..., perm] @ W_stored^T, and dequantize returns W in input order. Siblings with their own
@@ -24,18 +28,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from optc.core.errors import InputError
+from optc.core.formats.int4_tiles import (
+    INT4_TILES_PACKING,
+    TILE_DTYPES,
+    TILE_ROWS,
+    tile_int4,
+    tiles_shape,
+    untile_int4,
+)
 from optc.core.formats.scheme import PartShapes, Ranges, Scheme, check_2d, round_scale
 
 if TYPE_CHECKING:
     from optc.core.formats import Format
 
 INT4_PACKING = "k8_lsb"
+INT4_PACKINGS = (INT4_PACKING, INT4_TILES_PACKING)
 INT4_GROUP_SIZES = (32, 64, 128)
 PORTABLE_GROUP_SIZES = (64, 128)  # what TensorRT's blocked int4 DequantizeLinear takes
 
 
 class Int4G(Scheme):
-    """int4 weight-only, grouped along the input dimension, packed k8_lsb."""
+    """int4 weight-only, grouped along the input dimension, packed k8_lsb (or n8_tiles for the CUDA decode kernels)."""
 
     is_quantized = True
     bits = 4
@@ -43,15 +56,24 @@ class Int4G(Scheme):
     supports_act_order = True
 
     def check_format(self, fmt: Format) -> None:
-        if fmt.bits != 4 or fmt.packing != INT4_PACKING:
-            raise ValueError(f"int4_g needs bits=4 and packing={INT4_PACKING!r}")
+        if fmt.bits != 4 or fmt.packing not in INT4_PACKINGS:
+            raise ValueError(f"int4_g needs bits=4 and a packing in {INT4_PACKINGS}")
         if fmt.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size {fmt.group_size} not in {INT4_GROUP_SIZES}")
+        if fmt.packing == INT4_TILES_PACKING and (fmt.dtype not in TILE_DTYPES or fmt.act_order):
+            raise ValueError(f"int4_g packed {INT4_TILES_PACKING} needs 16-bit scales ({', '.join(TILE_DTYPES)}) "
+                             f"and no act_order")
         super().check_format(fmt)
+
+    def label(self, fmt: Format) -> str:
+        label = super().label(fmt)
+        return label if fmt.packing == INT4_PACKING else f"{label}/{fmt.packing}"
 
     def part_shapes(self, fmt: Format, shape: tuple[int, ...]) -> PartShapes:
         n, k = shape
         g = fmt.group_size
+        if fmt.packing == INT4_TILES_PACKING:
+            return {"qtiles": (tiles_shape(n, k, g), torch.int32)}
         parts = {"qweight": ((n, k // 8), torch.int32), "scales": ((n, k // g), fmt.torch_dtype)}
         if fmt.zero_point:
             parts["zeros"] = ((n, k // g), torch.uint8)
@@ -68,6 +90,9 @@ class Int4G(Scheme):
                 f"(allowed group sizes dividing {k}: "
                 f"{[g for g in INT4_GROUP_SIZES if k % g == 0] or 'none'})"
             )
+        if fmt.packing == INT4_TILES_PACKING and shape[0] % TILE_ROWS:
+            raise InputError(f"{what}: {shape[0]} output rows are not whole tiles of {TILE_ROWS} "
+                             f"(packing {INT4_TILES_PACKING})")
 
     def part_slices(self, fmt: Format, shape: tuple[int, ...], axis: int, ranges: Ranges) -> dict:
         if axis == 1 and fmt.act_order:  # stored columns are permuted: a slice of inputs is no slice of parts
@@ -75,10 +100,18 @@ class Int4G(Scheme):
         return super().part_slices(fmt, shape, axis, ranges)
 
     def can_concat_rows(self, fmt: Format) -> bool:
-        return not fmt.act_order
+        return not fmt.act_order  # n8_tiles: whole tiles of rows, so fused tiles are the siblings' tiles in order
+
+    def split_rows(self, role: str, part: torch.Tensor, sizes: list[int], fmt: Format) -> list[torch.Tensor]:
+        if fmt.packing != INT4_TILES_PACKING:
+            return super().split_rows(role, part, sizes, fmt)
+        if any(s % TILE_ROWS for s in sizes):
+            raise ValueError(f"rows {sizes} cut a tile of {TILE_ROWS} rows (packing {INT4_TILES_PACKING})")
+        return [p.contiguous() for p in part.split([s // TILE_ROWS for s in sizes], 0)]
 
     def dequantize(self, parts: dict[str, torch.Tensor], fmt: Format, out_dtype: torch.dtype) -> torch.Tensor:
         # fp32 (q - z) * s, then one cast, so every caller gets the same bits
+        parts = k8_parts(parts, fmt)
         scales = parts["scales"].float()
         q = unpack_int4(parts["qweight"]).float()
         n, k = q.shape
@@ -116,9 +149,12 @@ class Int4G(Scheme):
         parts = {"qweight": pack_int4(q.to(torch.int64)), "scales": scales.to(fmt.torch_dtype)}
         if fmt.zero_point:
             parts["zeros"] = zeros.to(torch.uint8)
-        return parts
+        return tile_int4(parts, fmt) if fmt.packing == INT4_TILES_PACKING else parts
 
     def export_refusal(self, fmt: Format, flavor: str) -> str | None:
+        if flavor != "hf" and fmt.packing == INT4_TILES_PACKING:
+            return (f"int4_g packed {INT4_TILES_PACKING} (laid out for the CUDA decode kernels); the ONNX lowering "
+                    f"reads k8_lsb: rebuild without `select_kernels: {{int4_packing: {INT4_TILES_PACKING}}}`")
         if flavor == "hf" and fmt.act_order:
             return ("int4_g with act_order (a GPTQ desc_act import: groups of scattered input channels); "
                     "compressed-tensors has no per-channel group index (its `actorder: group` and g_idx were "
@@ -139,6 +175,7 @@ class Int4G(Scheme):
         # 4-bit packing puts element k of a row at bits 4·(k mod 8) of word k / 8, which is k8_lsb, so
         # weight_packed is qweight itself; zero points are packed the same way down the output rows.
         n, k = shape
+        parts = k8_parts(parts, fmt)
         out = {"weight_packed": parts["qweight"], "weight_scale": parts["scales"], "weight_shape": torch.tensor([n, k])}
         if fmt.zero_point:
             zeros = parts["zeros"].T  # (K/G, N)
@@ -153,7 +190,13 @@ class Int4G(Scheme):
         parts = {"qweight": tensors["weight_packed"].contiguous(), "scales": tensors["weight_scale"].contiguous()}
         if fmt.zero_point:
             parts["zeros"] = unpack_int4(tensors["weight_zero_point"].T.contiguous())[:, :n].T.contiguous()
-        return parts
+        return tile_int4(parts, fmt) if fmt.packing == INT4_TILES_PACKING else parts
+
+
+def k8_parts(parts: dict[str, torch.Tensor], fmt: Format) -> dict[str, torch.Tensor]:
+    """An int4_g weight's parts in k8_lsb (qweight, scales, zeros if any, perm if any), whatever its packing:
+    what every reader other than the n8_tiles kernels reads."""
+    return untile_int4(parts["qtiles"], fmt) if fmt.packing == INT4_TILES_PACKING else parts
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
