@@ -47,8 +47,10 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather")
 
 
 def host_syncing_nodes(graph: Graph) -> list[Node]:
-    """Nodes that run a torch reference which syncs with the host: what blocks a CUDA-graph capture."""
-    return [n for n in graph.nodes if n.kernel == REFERENCE_KERNEL and OPS[n.op].reference_syncs_host]
+    """Nodes that run a torch reference which syncs with the host: what blocks a CUDA-graph capture. A node
+    bound to a CPU kernel (`cpu.*`: a CPU-target artifact loaded on a GPU) runs its op's reference there."""
+    return [n for n in graph.nodes if (n.kernel == REFERENCE_KERNEL or n.kernel.startswith("cpu."))
+            and OPS[n.op].reference_syncs_host]
 
 
 class VerifyError(ValueError):
