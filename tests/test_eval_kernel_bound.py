@@ -9,6 +9,7 @@ from optc.commands.compare.measure import measure_quality
 from optc.commands.eval import evaluate
 from optc.core.artifact import read
 from optc.core.ir import REFERENCE_KERNEL
+from optc.kernels.registry import KERNELS
 from optc.testing import build_artifact
 
 CUDA_PASSES = ("passes=[fuse_qkv, fuse_gate_up, kv_layout, fuse_add_rmsnorm, fuse_rope_kv, select_kernels, "
@@ -33,7 +34,7 @@ def builds(recipes, tmp_path_factory):
 def test_the_cuda_build_binds_triton_kernels(builds):
     cuda, cpu = builds
     assert {n.kernel for n in read(cuda).graph.nodes} - {REFERENCE_KERNEL}
-    assert {n.kernel for n in read(cpu).graph.nodes} == {REFERENCE_KERNEL}
+    assert {KERNELS[k].target for k in {n.kernel for n in read(cpu).graph.nodes} - {REFERENCE_KERNEL}} <= {"cpu"}
 
 
 def test_eval_scores_a_kernel_bound_graph_as_its_reference_graph(builds, text):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from optc.frontend import build
+from optc.kernels.registry import KERNELS
 from optc.runtime import Engine, SamplingParams
 from optc.testing import assert_close
 
@@ -53,9 +54,12 @@ CASES = {
 }
 
 
+CPU_KERNELS = [k for k, spec in KERNELS.items() if spec.target == "cpu"]
+
+
 def _build(tmp: Path, target: str, quant: str, kv: str, block_size: int) -> Path:
     # the CPU build is the reference: every node on its torch reference (no packed CPU kernel)
-    select = "{select_kernels: {disable: [cpu.int4pack, cpu.int8pack, cpu.int4pack_logits, cpu.int8pack_logits]}}"
+    select = f"{{select_kernels: {{disable: [{', '.join(CPU_KERNELS)}]}}}}"
     passes = FUSIONS.format(quant=quant, block_size=block_size, kv=kv) + ", " + (
         select if target == "cpu" else "select_kernels")
     recipe = tmp / f"{target}.yaml"

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from optc.kernels.table_cpu import CPP_KERNELS
+from optc.kernels.registry import KERNELS
 from optc.runtime import Engine, SamplingParams
 from optc.testing import assert_close, build_artifact
 from tests.test_kernels_e2e import assert_same_logits
 
 PASSES = "fuse_qkv, fuse_gate_up, {kv_layout: {block_size: 16}}, fuse_add_rmsnorm, fuse_rope_kv"
-CPU_SELECT = ("{select_kernels: {disable: [cpu.int4pack, cpu.int8pack, cpu.int4pack_logits, cpu.int8pack_logits, "
-              f"{', '.join(CPP_KERNELS)}]}}}}")
+# the CPU build is the reference: every CPU kernel off
+CPU_SELECT = f"{{select_kernels: {{disable: [{', '.join(k for k, s in KERNELS.items() if s.target == 'cpu')}]}}}}"
 RTOL = 1e-3
 NEW_TOKENS = 5
 # preset: (prompt lengths, what must be bound to a Triton kernel: (op, attribute or None))
