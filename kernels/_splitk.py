@@ -196,13 +196,10 @@ def launch(
     """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype through `kernels` (from `autotune`); `weight`
     holds the kernel's own arguments. `split_k` (or `split_heuristic(n, k)` for the GEMV; the GEMM
     does not split) is rounded so every split covers whole multiples of `k_align` of K."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
+    x2, out = rows_and_output(x, n)
+    if x2 is None:
+        return out
+    m, k = x2.shape
     split_k, k_per_split = splits(m, n, k, split_k, k_align, split_heuristic)
     is_split = split_k > 1
     dest = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if is_split else out
@@ -216,6 +213,16 @@ def launch(
     if is_split:
         reduce_splits(dest, bias, out)
     return out.view(*x.shape[:-1], n)
+
+
+def rows_and_output(x: torch.Tensor, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A launch's prelude: x (..., K) as rows (M, K) with a unit inner stride, and the output (M, N) in x's
+    dtype; (None, the empty output shaped (..., N)) when there are no rows. Callers return
+    `out.view(*x.shape[:-1], n)`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    return (None, out.view(*x.shape[:-1], n)) if x2.shape[0] == 0 else (x2, out)
 
 
 def splits(m: int, n: int, k: int, split_k: int | None, k_align: int,

@@ -109,13 +109,7 @@ def _row_times_nibbles(x_row, qweight_ptr, scales_ptr, zeros_ptr, rows_n, mask_n
                         + offs_w)[None, :], mask=mask_n[:, None], other=0)
         # x[8w + j] for w in the tile, as 8 vectors (one per nibble j): one contiguous load, split in registers
         x = tl.load(x_row + k0 + offs_w[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.float32)
-        even, odd = tl.split(tl.reshape(x, (BLOCK_K // 8, 2, 2, 2)))  # the last axis: j % 2
-        x04, x26 = tl.split(even)
-        x15, x37 = tl.split(odd)
-        x0, x4 = tl.split(x04)
-        x2, x6 = tl.split(x26)
-        x1, x5 = tl.split(x15)
-        x3, x7 = tl.split(x37)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (BLOCK_K // 8, 2, 2, 2)))
         qx = (_nibble(words, 0) * x0[None, :] + _nibble(words, 1) * x1[None, :] + _nibble(words, 2) * x2[None, :]
               + _nibble(words, 3) * x3[None, :] + _nibble(words, 4) * x4[None, :] + _nibble(words, 5) * x5[None, :]
               + _nibble(words, 6) * x6[None, :] + _nibble(words, 7) * x7[None, :])
@@ -123,6 +117,19 @@ def _row_times_nibbles(x_row, qweight_ptr, scales_ptr, zeros_ptr, rows_n, mask_n
                                  HAS_ZEROS, BLOCK_N)
         acc += s * (tl.sum(qx, axis=1) - z * tl.sum(tl.sum(x, axis=1), axis=0))
     return acc
+
+
+@triton.jit
+def _split8(x):
+    # x (..., 2, 2, 2), an axis of 8 reshaped: its 8 slices j = 0..7 (the last axis of 2 is j % 2)
+    even, odd = tl.split(x)
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit

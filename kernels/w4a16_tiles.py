@@ -43,7 +43,7 @@ import triton.language as tl
 from optc.core.formats import INT4_TILES_PACKING, Format
 from optc.kernels import _splitk
 from optc.kernels._dot import dot, fp32_dot, interpreting, rne_bf16, to_dtype
-from optc.kernels.w4a16 import _nibble  # nibble J of a word as an exact fp32, through the exponent bits
+from optc.kernels.w4a16 import _nibble, _split8  # a word's nibble as an exact fp32; x split by nibble index
 
 
 def config(m: int, n: int, k: int, warps: int, stages: int) -> triton.Config:
@@ -139,13 +139,7 @@ def _row_fma(x_row, tiles_ptr, codes0, meta0, mask_n, K, GROUP: tl.constexpr, SC
         # x[k0 + G g + 8 w + j] as (GROUPS, G/8, 8): one contiguous load, split in registers by j
         x = tl.load(x_row + k0 + offs_g[:, None, None] * GROUP + offs_w[None, :, None] * 8
                     + tl.arange(0, 8)[None, None, :], mask=mask_g[:, None, None], other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(x, (GROUPS, GROUP // 8, 2, 2, 2)))  # the last axis: j % 2
-        x04, x26 = tl.split(even)
-        x15, x37 = tl.split(odd)
-        x0, x4 = tl.split(x04)
-        x2, x6 = tl.split(x26)
-        x1, x5 = tl.split(x15)
-        x3, x7 = tl.split(x37)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(x, (GROUPS, GROUP // 8, 2, 2, 2)))
         qx = (_nibble(words, 0) * x0[:, None] + _nibble(words, 1) * x1[:, None] + _nibble(words, 2) * x2[:, None]
               + _nibble(words, 3) * x3[:, None] + _nibble(words, 4) * x4[:, None] + _nibble(words, 5) * x5[:, None]
               + _nibble(words, 6) * x6[:, None] + _nibble(words, 7) * x7[:, None])
@@ -217,12 +211,10 @@ def _launch(x, parts, fmt, bias, prefill: bool) -> torch.Tensor:
     assert x.shape[-1] == k, f"x has {x.shape[-1]} features, the weight {k}"
     assert x.dtype == fmt.torch_dtype, f"x is {x.dtype}, the weight's scales {fmt.dtype}: the kernel dequantizes in x's"
     assert bias is None or bias.shape == (n,), f"bias {None if bias is None else list(bias.shape)} != ({n},)"
-    x2 = x.reshape(-1, k)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2, out = _splitk.rows_and_output(x, n)
+    if x2 is None:
+        return out
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], n)
     kernel = _PREFILL if prefill else _M1 if m == 1 else _DECODE
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
     kernel[grid](
