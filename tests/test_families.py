@@ -101,3 +101,19 @@ def test_unsupported_configs_are_user_errors_naming_what(config, message):
             "vocab_size": 256}
     with pytest.raises(UnsupportedModelError, match="x/config.json: .*" + message.replace("(", r"\(")):
         config_from_hf({**base, **config}, "x/config.json")
+
+
+def test_inspect_shows_the_kv_cache_groups_of_sliding_window_families(family):
+    from optc.commands.inspect import render, summarize
+
+    preset, hf, plain, *_ = family
+    s = summarize(plain)
+    windows = {getattr(hf.config, "sliding_window", None) if t == "sliding_attention" else None
+               for t in getattr(hf.config, "layer_types", None) or ["full_attention"]}
+    assert {g["window"] for g in s["kv_cache_groups"]} == windows
+    assert sorted(i for g in s["kv_cache_groups"] for i in g["layers"]) == list(range(hf.config.num_hidden_layers))
+    line = [x for x in render(s).splitlines() if x.startswith("kv groups")]
+    assert (len(line) == 1) == (len(s["kv_cache_groups"]) > 1)
+    if line:
+        for w in windows - {None}:
+            assert f"window {w}: layers" in line[0]

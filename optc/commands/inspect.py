@@ -6,7 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from optc.core.artifact import read
-from optc.core.kv_cache import KVCacheSpec
+from optc.core.kv_cache import KVCacheSpec, kv_cache_groups
 
 
 def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict:
@@ -26,6 +26,7 @@ def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict
         "quantization": m.get("quantization"),
         "kv_layout": m.get("kv_layout"),
         "kv_bytes_per_token": KVCacheSpec.from_json(m["kv_layout"]).bytes_per_token(graph.config),
+        "kv_cache_groups": [g.to_json() for g in kv_cache_groups(graph.config)],
         "target": m["target"],
         "toolchain": m["toolchain"],
         "quality": m.get("quality"),
@@ -73,6 +74,7 @@ def render(s: dict) -> str:
         f"target     {s['target']['device']}   dtype {s['recipe']['dtype']}   kv {s['kv_layout']}",
         f"kv cache   {s['kv_bytes_per_token']:.0f} bytes per token over {model['num_layers']} layers"
         + (" (scales included)" if s["kv_layout"].get("scales", "none") != "none" else ""),
+        *([f"kv groups  {_groups(s['kv_cache_groups'])}"] if len(s.get("kv_cache_groups", ())) > 1 else []),
         *([f"moe        {s['moe']['num_experts']} experts of intermediate {s['moe']['moe_intermediate_size']}, "
            f"top-{s['moe']['top_k']}{' renormalized' if s['moe']['norm_topk_prob'] else ''}, in layers "
            f"{_ranges(s['moe']['moe_layers'])}" + (f" (dense MLP: {_ranges(s['moe']['dense_layers'])})"
@@ -152,6 +154,12 @@ def _mla(config) -> dict | None:
             "q_lora_rank": config.q_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
             "v_head_dim": config.v_head_dim,
             "mha_values": config.num_heads * (config.qk_nope_head_dim + config.head_dim + config.v_head_dim)}
+
+
+def _groups(groups: list[dict]) -> str:
+    """The KV-cache groups (one block table each) as "full attention: layers 5, 11; window 512: layers 0, ..."."""
+    return "; ".join(f"{'full attention' if g['window'] is None else 'window ' + str(g['window'])}: layers "
+                     f"{_ranges(g['layers'])}" for g in groups)
 
 
 def _ranges(layers: list[int]) -> str:
