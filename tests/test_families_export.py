@@ -1,19 +1,21 @@
 """The families beyond Llama through the exports: `optc export --format hf` writes the family's own
 transformers architecture (fused projections cut back where the family names them apart, Phi-3's kept
 whole), transformers loads the folder and gives the runtime's logits, dense and int4 (compressed-tensors),
-and `optc build` from the folder gives byte-identical weights; ONNX export refuses, by node and
-attribute, what it does not lower."""
+and `optc build` from the folder gives byte-identical weights. The ONNX export (both flavors) lowers every
+family attribute (offset norms, per-head q/k norms, the embedding scale, gelu-tanh, soft-capped scores and
+logits, sliding windows, Gemma 3's local rotary table, partial rotary, LongRoPE's per-position table) and
+gives the runtime's logits over a prompt and decode steps past the windows."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from optc.cli import app
-from optc.commands.export import ExportFormat, ExportOptions, export
+from optc.commands.export import ExportFormat, ExportOptions, Flavor, export
+from optc.commands.export.onnxrt import feeds, session
 from optc.core.artifact import read
 from optc.runtime.loader import load_model
 from optc.testing import assert_close, build_artifact, prefill_logits
@@ -25,6 +27,7 @@ ARCHITECTURES = {"qwen3-tiny": "Qwen3ForCausalLM", "gemma2-tiny": "Gemma2ForCaus
                  "gemma3-tiny": "Gemma3ForCausalLM", "phi3-tiny": "Phi3ForCausalLM"}
 FUSED = "passes=[fuse_qkv, fuse_gate_up{extra}]"
 INT4 = ", {quantize_rtn: {bits: 4, group_size: 32}}"  # symmetric: transformers loads it without dequantize=True
+ONNX_PASSES = "passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, kv_layout]"
 PROMPTS = [[5, 17, 200, 3, 9, 44, 81, 2, 70, 71, 72, 73, 74, 75, 76, 77], [120, 7, 63, 1, 250, 33, 90, 11] * 2]
 
 
@@ -56,13 +59,21 @@ def test_hf_export_loads_in_transformers_as_the_family(preset, quantized, tmp_pa
             assert torch.equal(first.store.get(name), second.store.get(name)), name
 
 
-@pytest.mark.parametrize("preset", ["qwen3-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-tiny"])
-def test_onnx_export_refuses_what_it_does_not_lower(preset, tmp_path):
-    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=f"random:{preset}")
-    result = CliRunner().invoke(app, ["export", str(artifact), "--out", str(tmp_path / "onnx")])
-    assert result.exit_code == 2, result.output
-    assert "has no ONNX lowering" in result.output and "--format hf" in result.output
-    attribute = {"qwen3-tiny": "head_dim=32", "gemma2-tiny": "scale=8.0", "gemma3-tiny": "scale=8.0",
-                 "phi3-tiny": "rotary_dim=12"}[preset]
-    assert attribute in result.output, result.output
-    assert not (tmp_path / "onnx").exists()
+@pytest.mark.parametrize("flavor", list(Flavor), ids=[f.value for f in Flavor])
+@pytest.mark.parametrize("preset", list(ARCHITECTURES))
+def test_onnx_export_gives_the_runtimes_logits_across_windows(preset, flavor, tmp_path):
+    # a 24-token prompt, then 10 tokens one step at a time over the ONNX model's own past: past Gemma's
+    # sliding windows (12, 20) and Phi-3's LongRoPE original length (32); every fusion the runtime has
+    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", ONNX_PASSES, model=f"random:{preset}")
+    folder = export(ExportOptions(artifact, tmp_path / "onnx", flavor=flavor, quiet=True)).out
+    cfg = read(artifact).graph.config
+    sess = session(folder)
+    prompt = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits, *past = sess.run(None, feeds(cfg, np.array([prompt]), None))
+    steps, ids = [torch.from_numpy(logits[0])], list(prompt)
+    for _ in range(10):
+        ids.append(int(steps[-1][-1].argmax()))
+        logits, *past = sess.run(None, feeds(cfg, np.array([ids[-1:]]), past))
+        steps.append(torch.from_numpy(logits[0]))
+    expected = prefill_logits(load_model(read(artifact)), ids, every_position=True)
+    assert_close(torch.cat(steps), expected, atol=2e-4, rtol=1e-3, what=f"{preset} {flavor.value} logits")

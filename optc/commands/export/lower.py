@@ -8,7 +8,11 @@ Values between ONNX nodes are (B, S, features) where optc's are (T, features). T
 and the ops both flavors write the same way (embedding, add, linear with its weight formats, gated_act,
 lm_head, rms_norm as standard ops, which ONNX Runtime fuses itself) live in `Lowering`; the flavors
 (optc.commands.export.ort, optc.commands.export.portable) supply attention, rotary embedding, the residual-add norm and
-int4 matmuls. Activations are float32 whatever the artifact's dtype (bf16 and fp16 weights widen
+int4 matmuls. The families' attributes lower as the references compute them: an offset norm's weight is
+`offset + w`, a per-head norm (`head_dim`) reshapes to heads, an embedding `scale` and a soft-cap (scores,
+logits) are a Mul and a Tanh, a sliding `window` narrows the mask (portable) or sets GroupQueryAttention's
+`local_window_size` (ort), `rope_table` picks the rotary caches and `rotary_dim` rotates part of each head.
+Activations are float32 whatever the artifact's dtype (bf16 and fp16 weights widen
 exactly); the KV cache is plain past/present tensors, not optc's paged blocks.
 """
 
@@ -42,10 +46,6 @@ LOWERED_OPS = ("embedding", "rms_norm", "add_rms_norm", "add", "linear", "rope",
 # a graph holding one is refused by check_lowerable, naming the node (refused ops before any attribute)
 REFUSED_WHY = {"moe": "a Mixture-of-Experts block", "mla_attention": "Multi-head Latent Attention over a latent cache"}
 REFUSED_OPS = tuple(REFUSED_WHY)
-# op attributes of the families beyond Llama that no flavor lowers: a graph holding one is refused by name
-UNLOWERED_ATTRS = {"rms_norm": ("offset", "head_dim"), "add_rms_norm": ("offset",), "embedding": ("scale",),
-                   "attention": ("softcap", "window"), "lm_head": ("softcap",), "rope": ("rope_table", "rotary_dim"),
-                   "rope_kv_store": ("rope_table", "rotary_dim")}
 PAST_KEY = "past_key_values.{}.key"
 PAST_VALUE = "past_key_values.{}.value"
 PRESENT_KEY = "present.{}.key"
@@ -53,19 +53,11 @@ PRESENT_VALUE = "present.{}.value"
 
 
 def check_lowerable(graph: Graph) -> None:
-    """Raise a UserError naming the first node whose op (then attributes) the ONNX export cannot lower."""
+    """Raise a UserError naming the first node whose op the ONNX export cannot lower."""
     for node in graph.nodes:
         if node.op in REFUSED_OPS:
             raise UserError(f"node {node.name} ({node.op}) of a {graph.config.architecture} graph has no ONNX "
                             f"lowering ({REFUSED_WHY[node.op]}); export it with --format hf instead")
-    for node in graph.nodes:
-        attrs = [a for a in UNLOWERED_ATTRS.get(node.op, ()) if node.attrs.get(a)]
-        if node.op == "gated_act" and node.attrs["act"] != "silu":
-            attrs.append("act")
-        if attrs:
-            shown = ", ".join(f"{a}={node.attrs[a]!r}" for a in attrs)
-            raise UserError(f"node {node.name} ({node.op}, {shown}) of a {graph.config.architecture} graph has no "
-                            f"ONNX lowering; export it with --format hf instead")
 
 
 class Lowering:
@@ -82,7 +74,9 @@ class Lowering:
         self._cache: dict[str, str] = {}  # per-graph values a flavor builds once (masks, rotary tables)
 
     # --- the flavor's part ------------------------------------------------------------------------
-    def rope(self, x: str, num_heads: int, base: str) -> str:
+    def rope(self, x: str, num_heads: int, node: Node, base: str) -> str:
+        """x (B, S, H * D) rotated at position_ids: the first `rotary_dim` dims of each head (node attr,
+        default D) through the table the node's `rope_table` names."""
         raise NotImplementedError
 
     def attention(self, q: str, k: str, v: str, node: Node) -> str:
@@ -135,7 +129,12 @@ class Lowering:
     def _lower(self, node: Node, ins: list[str]) -> list[str]:
         b, a, base = self.b, node.attrs, node.name
         if node.op == "embedding":
-            return [b.op1("Gather", [self._table(node.params["weight"]), ins[0]], base=base)]
+            hidden = b.op1("Gather", [self._table(node.params["weight"]), ins[0]], base=base)
+            return [b.op1("Mul", [hidden, b.const(a["scale"], np.float32)], base=base) if a.get("scale") else hidden]
+        if node.op == "rms_norm" and a.get("head_dim"):  # per head (Qwen3's q/k norms)
+            heads = b.op1("Reshape", [ins[0], b.const([0, 0, -1, a["head_dim"]])], base=base)
+            normed = self.rms_norm(heads, self._norm_weight(node), a["eps"], base)
+            return [b.op1("Reshape", [normed, b.const([0, 0, -1])], base=base)]
         if node.op == "rms_norm":
             return [self.rms_norm(ins[0], self._norm_weight(node), a["eps"], base)]
         if node.op == "add_rms_norm":
@@ -149,22 +148,28 @@ class Lowering:
             split = a.get("split")
             return b.op("Split", [y, b.const(split)], len(split), base=base, axis=-1) if split else [y]
         if node.op == "rope":
-            return [self.rope(ins[0], a["num_heads"], f"{base}/q"), self.rope(ins[1], a["num_kv_heads"], f"{base}/k")]
+            return [self.rope(ins[0], a["num_heads"], node, f"{base}/q"),
+                    self.rope(ins[1], a["num_kv_heads"], node, f"{base}/k")]
         if node.op == "rope_kv_store":
-            self._pending_kv[a["layer"]] = (self.rope(ins[1], a["num_kv_heads"], f"{base}/k"), ins[2])
-            return [self.rope(ins[0], a["num_heads"], f"{base}/q")]
+            self._pending_kv[a["layer"]] = (self.rope(ins[1], a["num_kv_heads"], node, f"{base}/k"), ins[2])
+            return [self.rope(ins[0], a["num_heads"], node, f"{base}/q")]
         if node.op == "attention":
             k, v = self._pending_kv.pop(a["layer"]) if a.get("kv_stored") else (ins[1], ins[2])
             return [self.attention(ins[0], k, v, node)]
         if node.op == "gated_act":
             gate, up = ins
-            silu = b.op1("Mul", [gate, b.op1("Sigmoid", [gate], base=base)], base=base)
-            return [b.op1("Mul", [silu, up], base=base)]
+            if a["act"] == "gelu_tanh":
+                act = b.op1("Gelu", [gate], base=base, approximate="tanh")
+            else:
+                act = b.op1("Mul", [gate, b.op1("Sigmoid", [gate], base=base)], base=base)
+            return [b.op1("Mul", [act, up], base=base)]
         if node.op == "lm_head":
             tensor = node.params["weight"]
             if tensor in self._tables:  # tied embeddings: one table, transposed once at load
-                return [b.op1("MatMul", [ins[0], b.op1("Transpose", [self._tables[tensor]], base=base)], base=base)]
-            return [self.matmul(ins[0], tensor)]
+                logits = b.op1("MatMul", [ins[0], b.op1("Transpose", [self._tables[tensor]], base=base)], base=base)
+            else:
+                logits = self.matmul(ins[0], tensor)
+            return [self.soft_cap(logits, a["softcap"], base) if a.get("softcap") else logits]
         raise ValueError(f"node {node.name!r}: op {node.op!r} has no ONNX lowering")
 
     # --- shared pieces ----------------------------------------------------------------------------
@@ -185,19 +190,27 @@ class Lowering:
                     base=base)
         return b.op1("Mul", [b.op1("Mul", [x, inv], base=base), weight], base=base)
 
-    def cos_sin(self) -> tuple[np.ndarray, np.ndarray]:
-        """(P, D / 2) cos and sin tables over the model's max positions (rope scaling included)."""
-        table = cos_sin_tables(self.cfg, self.cfg.max_position_embeddings)[GLOBAL].numpy()
-        half = self.cfg.head_dim // 2
-        return table[:, :half], table[:, half:]
+    def soft_cap(self, x: str, cap: float, base: str) -> str:
+        """cap * tanh(x / cap): Gemma 2's soft-capping of scores and logits."""
+        b = self.b
+        return b.op1("Mul", [b.op1("Tanh", [b.op1("Div", [x, b.const(cap, np.float32)], base=base)], base=base),
+                             b.const(cap, np.float32)], base=base)
 
-    def rotary_caches(self) -> tuple[str, str]:
-        """The cos and sin initializers, (P, D / 2) each, written once per model."""
-        if "cos_cache" not in self._cache:
-            cos, sin = self.cos_sin()
-            self._cache["cos_cache"] = self.b.initializer("cos_cache", cos)
-            self._cache["sin_cache"] = self.b.initializer("sin_cache", sin)
-        return self._cache["cos_cache"], self._cache["sin_cache"]
+    def cos_sin(self, table: str = GLOBAL) -> tuple[np.ndarray, np.ndarray]:
+        """(P, R / 2) cos and sin of rotary table `table` over the model's max positions (rope scaling
+        included; R the rotary width)."""
+        rows = cos_sin_tables(self.cfg, self.cfg.max_position_embeddings)[table].numpy()
+        half = rows.shape[1] // 2
+        return rows[:, :half], rows[:, half:]
+
+    def rotary_caches(self, table: str = GLOBAL) -> tuple[str, str]:
+        """The cos and sin initializers of rotary table `table`, (P, R / 2) each, written once per model."""
+        suffix = "" if table == GLOBAL else f"_{table}"
+        if f"cos_cache{suffix}" not in self._cache:
+            cos, sin = self.cos_sin(table)
+            self._cache[f"cos_cache{suffix}"] = self.b.initializer(f"cos_cache{suffix}", cos)
+            self._cache[f"sin_cache{suffix}"] = self.b.initializer(f"sin_cache{suffix}", sin)
+        return self._cache[f"cos_cache{suffix}"], self._cache[f"sin_cache{suffix}"]
 
     def once(self, key: str, make: Callable[[], str]) -> str:
         if key not in self._cache:
@@ -213,8 +226,10 @@ class Lowering:
         return float32(self._parts(tensor)["weight"])
 
     def _norm_weight(self, node: Node) -> str:
-        tensor = node.params["weight"]
-        return self.once(f"norm:{tensor}", lambda: self.b.initializer(tensor, self._dense(tensor)))
+        """The norm's weight as a float32 initializer; an offset norm's (Gemma's) is `offset + w`, the factor
+        rms_norm_ref multiplies by in float32."""
+        tensor, offset = node.params["weight"], node.attrs.get("offset", 0.0)
+        return self.once(f"norm:{tensor}", lambda: self.b.initializer(tensor, self._dense(tensor) + np.float32(offset)))
 
     def _table(self, tensor: str) -> str:
         if tensor not in self._tables:

@@ -24,6 +24,7 @@ from optc.commands.export.lower import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESEN
 from optc.commands.export.onnx_builder import MS_DOMAIN, matmulnbits_inputs
 from optc.core.formats import Format
 from optc.core.ir import ModelConfig, Node
+from optc.core.rope import GLOBAL
 
 MATMULNBITS_ACCURACY_LEVEL = 1  # float32 activations
 
@@ -31,9 +32,11 @@ MATMULNBITS_ACCURACY_LEVEL = 1  # float32 activations
 class OrtLowering(Lowering):
     flavor = "ort"
 
-    def rope(self, x: str, num_heads: int, base: str) -> str:
-        cos, sin = self.rotary_caches()
-        return self.b.op1("RotaryEmbedding", [x, "position_ids", cos, sin], MS_DOMAIN, base, interleaved=0)
+    def rope(self, x: str, num_heads: int, node: Node, base: str) -> str:
+        cos, sin = self.rotary_caches(node.attrs.get("rope_table", GLOBAL))
+        partial = node.attrs.get("rotary_dim")
+        extra = {"rotary_embedding_dim": partial, "num_heads": num_heads} if partial else {}
+        return self.b.op1("RotaryEmbedding", [x, "position_ids", cos, sin], MS_DOMAIN, base, interleaved=0, **extra)
 
     def attention(self, q: str, k: str, v: str, node: Node) -> str:
         a, b, layer = node.attrs, self.b, node.attrs["layer"]
@@ -48,6 +51,8 @@ class OrtLowering(Lowering):
             num_heads=a["num_heads"],
             kv_num_heads=a["num_kv_heads"],
             scale=float(a["scale"]),
+            **({"softcap": float(a["softcap"])} if a.get("softcap") else {}),
+            **({"local_window_size": a["window"]} if a.get("window") else {}),  # the w keys up to the query
         )
         return out
 

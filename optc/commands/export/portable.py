@@ -23,6 +23,7 @@ from optc.commands.export.matmuls import ExportFormatError
 from optc.commands.export.onnx_builder import matmul_operand_int4_blocked
 from optc.core.formats import Format
 from optc.core.ir import Graph, Node
+from optc.core.rope import GLOBAL
 
 MASK_VALUE = float(np.finfo(np.float32).min)
 
@@ -40,15 +41,18 @@ def check_formats(graph: Graph, flavor: str) -> None:
 class PortableLowering(Lowering):
     flavor = "portable"
 
-    def rope(self, x: str, num_heads: int, base: str) -> str:
-        # out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin] per head, x = [x1 | x2]
+    def rope(self, x: str, num_heads: int, node: Node, base: str) -> str:
+        # out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin | x_pass] per head, x = [x1 | x2 | x_pass]
         b, d = self.b, self.cfg.head_dim
-        cos, sin = self.once("rope_cos", lambda: self._gathered(0)), self.once("rope_sin", lambda: self._gathered(1))
+        table = node.attrs.get("rope_table", GLOBAL)
+        cos, sin = (self.once(f"rope_{which}:{table}", lambda w=which: self._gathered(table, w)) for which in (0, 1))
+        r = node.attrs.get("rotary_dim") or d
         heads = b.op1("Reshape", [x, b.const([0, 0, num_heads, d])], base=base)  # (B, S, H, D)
-        x1, x2 = b.op("Split", [heads, b.const([d // 2, d // 2])], 2, base=base, axis=-1)
+        x1, x2, *rest = b.op("Split", [heads, b.const([r // 2, r // 2] + ([d - r] if r < d else []))],
+                             3 if r < d else 2, base=base, axis=-1)
         first = b.op1("Sub", [b.op1("Mul", [x1, cos], base=base), b.op1("Mul", [x2, sin], base=base)], base=base)
         second = b.op1("Add", [b.op1("Mul", [x2, cos], base=base), b.op1("Mul", [x1, sin], base=base)], base=base)
-        rotated = b.op1("Concat", [first, second], base=base, axis=-1)
+        rotated = b.op1("Concat", [first, second, *rest], base=base, axis=-1)
         return b.op1("Reshape", [rotated, b.const([0, 0, num_heads * d])], base=base)
 
     def attention(self, q: str, k: str, v: str, node: Node) -> str:
@@ -66,7 +70,11 @@ class PortableLowering(Lowering):
             present.append(b.op1("Unsqueeze", [out, b.const([2])], base=base))  # (B, H_kv, 1, T, D)
         k_t = b.op1("Transpose", [present[0]], base=base, perm=[0, 1, 2, 4, 3])  # (B, H_kv, 1, D, T)
         scores = b.op1("Mul", [b.op1("MatMul", [qg, k_t], base=base), b.const(a["scale"], np.float32)], base=base)
-        probs = b.op1("Softmax", [b.op1("Add", [scores, self.once("mask", self._mask)], base=base)], base=base, axis=-1)
+        if a.get("softcap"):
+            scores = self.soft_cap(scores, a["softcap"], base)
+        window = a.get("window")
+        mask = self.once(f"mask:{window}", lambda: self._mask(window))
+        probs = b.op1("Softmax", [b.op1("Add", [scores, mask], base=base)], base=base, axis=-1)
         out = b.op1("MatMul", [probs, present[1]], base=base)  # (B, H_kv, G, S, D)
         out = b.op1("Transpose", [out], base=base, perm=[0, 3, 1, 2, 4])  # (B, S, H_kv, G, D)
         return b.op1("Reshape", [out, b.const([0, 0, h * d])], base=base)
@@ -74,22 +82,28 @@ class PortableLowering(Lowering):
     def int4_matmul(self, x: str, tensor: str, parts: dict[str, torch.Tensor], fmt: Format) -> str:
         return self.b.op1("MatMul", [x, matmul_operand_int4_blocked(self.b, tensor, parts, fmt)], base=tensor)
 
-    def _gathered(self, which: int) -> str:
-        """cos (which=0) or sin (1) at position_ids: (B, S, 1, D / 2), broadcast over heads."""
-        table = self.rotary_caches()[which]
-        g = self.b.op1("Gather", [table, "position_ids"], base="rope", axis=0)
+    def _gathered(self, table: str, which: int) -> str:
+        """cos (which=0) or sin (1) of rotary table `table` at position_ids: (B, S, 1, R / 2), broadcast
+        over heads."""
+        cache = self.rotary_caches(table)[which]
+        g = self.b.op1("Gather", [cache, "position_ids"], base="rope", axis=0)
         return self.b.op1("Unsqueeze", [g, self.b.const([2])], base="rope")
 
-    def _mask(self) -> str:
-        """(B, 1, 1, S, T) additive mask: 0 where key j is visible to query i, float32 min elsewhere."""
+    def _mask(self, window: int | None) -> str:
+        """(B, 1, 1, S, T) additive mask: 0 where key j is visible to query i, float32 min elsewhere; with a
+        sliding `window`, only keys j > P + i - window are (attention_ref's rule)."""
         b = self.b
         total = b.op1("Shape", ["attention_mask"], base="mask", start=1, end=2)  # [T]
         seq = b.op1("Shape", ["input_ids"], base="mask", start=1, end=2)  # [S]
         t, s = (b.op1("Squeeze", [v, b.const([0])], base="mask") for v in (total, seq))
         rows = b.op1("Range", [b.op1("Sub", [t, s], base="mask"), t, b.const(1)], base="mask")  # P .. T - 1
         cols = b.op1("Range", [b.const(0), t, b.const(1)], base="mask")
-        causal = b.op1("LessOrEqual", [b.op1("Unsqueeze", [cols, b.const([0])], base="mask"),
-                                       b.op1("Unsqueeze", [rows, b.const([1])], base="mask")], base="mask")  # (S, T)
+        cols, rows = b.op1("Unsqueeze", [cols, b.const([0])], base="mask"), b.op1("Unsqueeze", [rows, b.const([1])],
+                                                                                  base="mask")
+        causal = b.op1("LessOrEqual", [cols, rows], base="mask")  # (S, T)
+        if window is not None:
+            recent = b.op1("Greater", [cols, b.op1("Sub", [rows, b.const(window)], base="mask")], base="mask")
+            causal = b.op1("And", [causal, recent], base="mask")
         keys = b.op1("Unsqueeze", [b.op1("Cast", ["attention_mask"], base="mask", to=TensorProto.BOOL),
                                    b.const([1])], base="mask")  # (B, 1, T)
         allowed = b.op1("And", [causal, keys], base="mask")  # (B, S, T)
