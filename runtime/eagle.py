@@ -48,26 +48,27 @@ class _HeadState:
 
 
 def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
-    """The artifact's draft head on `model`'s device, reading the target's embedding and lm_head from
-    `model`; InputError when the artifact has none."""
+    """The artifact's draft head on `model`'s device, with the target's embedding and lm_head rows read
+    whole from the artifact (a tensor-parallel rank's own copies are slices); InputError when the artifact
+    has none."""
     section = artifact.manifest.draft_head
     if section is None:
         raise InputError(f"artifact {artifact.path} has no draft head, which --speculative eagle needs: build it "
                          "with a recipe whose passes include train_draft_head")
     config = EagleHeadConfig.from_json(section["config"])
     dtype = torch.float32 if model.device.type == "cpu" else model.dtype  # CPU matmuls: fp32 is the fast kind
-    weights = {}
-    for name in config.tensor_shapes():
+
+    def dense(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
         fmt = artifact.graph.tensors[name].format
         parts = {role: artifact.store.get(part_name(name, role, fmt)).to(model.device)
                  for role in fmt.part_shapes(artifact.graph.tensors[name].shape)}
-        weights[name] = Param(parts, fmt).dense(dtype)
-    nodes = {n.op: n for n in model.graph.nodes if n.op in ("embedding", "lm_head")}
-    params = model.executor.params
-    embedding = params[nodes["embedding"].params["weight"]].dense()
+        return Param(parts, fmt).dense(as_dtype)
+
+    weights = {name: dense(name, dtype) for name in config.tensor_shapes()}
+    nodes = {n.op: n for n in artifact.graph.nodes if n.op in ("embedding", "lm_head")}
     vocab_ids = torch.tensor(config.vocab_ids, device=model.device)
-    lm_rows = params[nodes["lm_head"].params["weight"]].dense(dtype)[vocab_ids]
-    return EagleHead(config, weights, embedding, lm_rows)
+    lm_rows = dense(nodes["lm_head"].params["weight"], dtype)[vocab_ids]
+    return EagleHead(config, weights, dense(nodes["embedding"].params["weight"]), lm_rows)
 
 
 class EagleProposer:

@@ -1,7 +1,7 @@
 """EAGLE draft heads on random:tiny: the train_draft_head pass (deterministic given its seed, idempotent,
 stored in the artifact), `--speculative eagle` greedy identical to plain decoding under batching,
-chunked prefill, preemption and prefix caching, the sampled distribution preserved (a chi-square test),
-and the refusals (a headless artifact, bad options)."""
+chunked prefill, preemption, prefix caching and tensor parallelism, the sampled distribution preserved
+(a chi-square test), and the refusals (a headless artifact, bad options)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,17 @@ def test_greedy_identical_with_eagle(headed, plain, config):
         assert stats.num_prefix_cache_hit_tokens > 0
     assert_no_leaks(engine)
     assert engine.speculator.proposer._states == {}  # every request's head state released
+
+
+def test_greedy_identical_with_eagle_under_tensor_parallelism(headed, plain):
+    """Rank 0 drafts from the whole features (replicated after each all-reduce) with the head's own copies of
+    the target's embedding and lm_head rows (its model's are vocabulary slices)."""
+    engine = Engine.load(headed, speculative=EAGLE, tensor_parallel_size=2)
+    try:
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
+        assert engine.stats().num_accepted_tokens > 0
+    finally:
+        engine.close()
 
 
 def test_sampling_matches_the_target_distribution(headed):
