@@ -104,6 +104,10 @@ class Executor:
         self._fused[start] = (stop, inputs, outputs, fn, dead)
         return True
 
+    def unfuse(self) -> None:
+        """Run every node one by one again (what `fuse` set up is dropped)."""
+        self._fused.clear()
+
     def run(
         self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None
     ) -> dict[str, torch.Tensor]:
