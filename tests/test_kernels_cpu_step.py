@@ -34,8 +34,8 @@ def _artifact(tmp_path, name):
     return build_artifact(tmp_path / name, recipe)
 
 
-def _logits_per_step(engine: Engine, fused: dict) -> list[torch.Tensor]:
-    """The logits of every step of a greedy run of two prompts, with the executor's fused runs set to `fused`."""
+def _logits_per_step(engine: Engine, fused: dict, prompts=((5, 9, 13, 200, 3), (7,) * 11)) -> list[torch.Tensor]:
+    """The logits of every step of a greedy run of `prompts`, with the executor's fused runs set to `fused`."""
     model = engine.model
     model.executor._fused = dict(fused)
     seen = []
@@ -48,7 +48,7 @@ def _logits_per_step(engine: Engine, fused: dict) -> list[torch.Tensor]:
 
     model.forward = recording
     try:
-        engine.generate([[5, 9, 13, 200, 3], [7] * 11], SamplingParams(max_tokens=10, ignore_eos=True))
+        engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=10, ignore_eos=True))
     finally:
         del model.forward
     return seen
@@ -114,3 +114,30 @@ def test_a_fused_run_replaces_its_nodes_and_may_decline():
     assert executor.fuse(1, 3, ("x",), ("z",), lambda v, s: answers.pop(0))
     assert torch.equal(executor.run(ids, step)["z"], want)  # declined: the nodes ran
     assert torch.equal(executor.run(ids, step)["z"], torch.tensor([-1.0, -1.0]))
+
+
+@needs_ext
+def test_a_reference_route_for_more_rows_bounds_the_fused_steps(tmp_path):
+    # a measured build may route a prefill's M of a quantized linear to its reference, which step.cpp does not run:
+    # the fused run then takes steps up to the bound below it and declines larger ones
+    engine = Engine.load(_artifact(tmp_path, "int4pack"), enable_prefix_caching=False)
+    model = engine.model
+    for node in model.graph.nodes:
+        if node.op == "linear":
+            node.attrs["kernel_by_m"] = [[1, "cpu.int4pack"], [None, "torch"]]
+    model.executor.unfuse()
+    assert cpu_step.fuse_decoder_layers(model.graph, model.executor)
+    (start, (stop, names, outs, fn, dead)), = model.executor._fused.items()
+    assert fn.max_rows == 1
+    taken = []
+
+    def counted(values, step):
+        out = fn(values, step)
+        taken.append((values[0].shape[0], out is not None))
+        return out
+
+    for prompts in (((5, 9, 13, 200, 3),), ((5, 9, 13, 200, 3), (7,) * 11)):
+        with_fused = _logits_per_step(engine, {start: (stop, names, outs, counted, dead)}, prompts)
+        node_by_node = _logits_per_step(engine, {}, prompts)
+        assert all(torch.equal(a, b) for a, b in zip(with_fused, node_by_node, strict=True))
+    assert (2, False) in taken and (1, True) in taken and (2, True) not in taken  # one request: fused; two: not

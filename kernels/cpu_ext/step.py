@@ -46,8 +46,9 @@ def load_step():
 class DecoderRun:
     """The executor's fused run: inputs (normed x, residual), outputs the last layer's (normed, summed)."""
 
-    def __init__(self, stack, cache_layers: list[int], dtype: torch.dtype):
+    def __init__(self, stack, cache_layers: list[int], dtype: torch.dtype, max_rows: int | None = None):
         self.stack = stack
+        self.max_rows = max_rows  # steps of more rows decline (a linear's kernel for them is not step.cpp's)
         self.cache_layers = cache_layers
         self.dtype = dtype
         self._caches: tuple[object, list[torch.Tensor] | None] = (None, None)
@@ -55,7 +56,9 @@ class DecoderRun:
     def __call__(self, inputs: list[torch.Tensor], step) -> list[torch.Tensor] | None:
         x, residual = inputs
         b = step.batch
-        if (getattr(b, "max_query_len", None) != 1 or x.dtype != self.dtype or x.shape[0] != b.seq_lens.shape[0]
+        rows = x.shape[0]
+        if (getattr(b, "max_query_len", None) != 1 or x.dtype != self.dtype or rows != b.seq_lens.shape[0]
+                or (self.max_rows is not None and rows > self.max_rows)
                 or getattr(b, "group_tables", ()) or not x.is_contiguous() or not residual.is_contiguous()):
             return None
         caches = self._cache_data(step.kv_caches)
@@ -90,11 +93,15 @@ def fuse_decoder_layers(graph: Graph, executor) -> bool:
         return False
     nodes = graph.nodes
     stack = ext.Stack()
+    max_rows = None  # the most rows every layer's linears take (None: any)
     for first in layers:
         group = nodes[first:first + len(LAYER_OPS)]
-        linears = [_choices(group[i], executor, first + i) for i in LINEARS]
-        if any(c is None for c in linears):
+        found = [_choices(group[i], executor, first + i) for i in LINEARS]
+        if any(c is None for c in found):
             return False
+        linears = [choices for choices, _ in found]
+        for _, bound in found:
+            max_rows = bound if max_rows is None else min(max_rows, bound or max_rows)
         rope, attention, post, nxt = group[1].attrs, group[2].attrs, group[4], group[8]
         stack.add(linears, [list(group[i].attrs.get("split") or [group[i].attrs["out_features"]]) for i in LINEARS],
                   _norm_weight(executor, post), post.attrs["eps"], _norm_weight(executor, nxt), nxt.attrs["eps"],
@@ -103,7 +110,7 @@ def fuse_decoder_layers(graph: Graph, executor) -> bool:
     head = nodes[first]
     inputs = (head.inputs[0], nodes[first + 4].inputs[0])
     dtype = torch.bfloat16 if graph.config.dtype == "bfloat16" else torch.float32
-    run = DecoderRun(stack, [nodes[i + 1].attrs["layer"] for i in layers], dtype)
+    run = DecoderRun(stack, [nodes[i + 1].attrs["layer"] for i in layers], dtype, max_rows)
     return executor.fuse(first, stop, inputs, tuple(nodes[stop - 1].outputs), run)
 
 
@@ -157,9 +164,11 @@ def _norm_weight(executor, node: Node) -> torch.Tensor:
     return w.dense().contiguous()
 
 
-def _choices(node: Node, executor, index: int) -> list[tuple] | None:
-    """step.cpp's kernels for a linear node, per M bucket (its `kernel_by_m`, else its kernel for every M), with
-    the params its own launchers read; None where one of them is not a kernel step.cpp runs."""
+def _choices(node: Node, executor, index: int) -> tuple[list[tuple], int | None] | None:
+    """step.cpp's kernels for a linear node per M bucket (its `kernel_by_m`, else its kernel for every M), with the
+    params its own launchers read, and the most rows they take (None: any): the buckets up to the first whose
+    kernel step.cpp does not run (a prefill's reference matmul of a quantized weight). None where that is the
+    first bucket."""
     table = node.attrs.get("kernel_by_m") or [[None, node.kernel]]
     impl = executor.impl(index)
     params = executor.node_params(index)
@@ -167,9 +176,9 @@ def _choices(node: Node, executor, index: int) -> list[tuple] | None:
     for max_rows, name in table:
         choice = _choice(name, node, impl.bound.get(name, node.op) if hasattr(impl, "bound") else impl, params)
         if choice is None:
-            return None
+            return (choices, choices[-1][0]) if choices else None
         choices.append((-1 if max_rows is None else max_rows, *choice))
-    return choices
+    return choices, None
 
 
 def _choice(name: str, node: Node, impl, params) -> tuple | None:
