@@ -18,6 +18,7 @@ needs_ext = pytest.mark.skipif(cpu_ext.load_ops() is None or cpu_ext.isa() is No
 PASSES = "fuse_qkv, fuse_gate_up, {quant}fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select}"
 CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options)
     "bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
+    "phi3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # partial rotary, LongRoPE
     "f32": ("float32", "", "{select_kernels: {measure: false}}"),
     "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
                  "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
@@ -29,7 +30,8 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options)
 def _artifact(tmp_path, name):
     dtype, quant, select = CONFIGS[name]
     recipe = tmp_path / f"{name}.yaml"
-    recipe.write_text(f"model: random:tiny\ndtype: {dtype}\ntarget: cpu\n"
+    model = "phi3-tiny" if name.startswith("phi3") else "tiny"
+    recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
                       f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
     return build_artifact(tmp_path / name, recipe)
 
