@@ -147,6 +147,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the core count)")
+    p.add_argument("--node-by-node", action="append", default=[], metavar="NAME=CONFIG",
+                   help="also run CONFIG's artifact as NAME with its decoder layers node by node, not as one C++ "
+                   "call (kernels/cpu_ext/step.py): the fused step's ablation, in the same rounds")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -170,6 +173,9 @@ def main() -> None:
             build_artifact(paths[name], REPO / "recipes" / recipe, *overrides)
     batches = [int(b) for b in args.batches.split(",")]
     engines = {n: Engine.load(paths[n], max_num_seqs=max(batches), enable_prefix_caching=False) for n in paths}
+    for name, config in (a.split("=", 1) for a in args.node_by_node):
+        engines[name] = Engine.load(paths[config], max_num_seqs=max(batches), enable_prefix_caching=False)
+        engines[name].model.executor.unfuse()
     tokenizer = next(iter(engines.values())).tokenizer
     runs = {}
     if HF in names:

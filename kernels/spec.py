@@ -72,10 +72,14 @@ class PreparedImpl:
         self._prepared: dict[str, tuple[dict[str, Param], dict[str, Param]]] = {}
 
     def __call__(self, node, inputs, params, step):
+        return self.impl(node, inputs, self.params(node, params), step)
+
+    def params(self, node, params: dict[str, Param]) -> dict[str, Param]:
+        """The node's prepared params (prepared now if this is the first time): what its launcher reads."""
         hit = self._prepared.get(node.name)
         if hit is None or hit[0] is not params:
             hit = self._prepared[node.name] = (params, self.prepare(params))
-        return self.impl(node, inputs, hit[1], step)
+        return hit[1]
 
 
 def _load(path: str) -> Callable:

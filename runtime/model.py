@@ -55,6 +55,10 @@ class Model:
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.executor = Executor(run_graph, bind_params(graph, store, self.device), impls, use_references)
+        # on the CPU, a decode step's plain decoder layers as one C++ call (kernels/cpu_ext/step.py), where the
+        # graph's nodes are bound to the kernels it runs
+        self.fused_layers = (self.device.type == "cpu" and not use_references and group is None
+                             and _fuse_decoder_layers(run_graph, self.executor))
         self.group = group
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
@@ -83,6 +87,14 @@ class Model:
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
         out = self.executor.run(batch.input_ids, step)
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
+
+
+def _fuse_decoder_layers(graph: Graph, executor: Executor) -> bool:
+    if not any(n.kernel.startswith("cpu.cpp_") for n in graph.nodes):
+        return False
+    from optc.kernels.cpu_ext.step import fuse_decoder_layers
+
+    return fuse_decoder_layers(graph, executor)
 
 
 def kv_windows(model: Any) -> tuple[int | None, ...]:

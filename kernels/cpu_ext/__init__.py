@@ -51,9 +51,11 @@ def load_ops() -> ModuleType | None:
                  "the op references")
 
 
-def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, instead: str) -> ModuleType | None:
-    """Compile the .cpp files of `sources` (all of them hashed) into root/<torch version>-<hash>, a no-op when
-    built there already; None, logged with what runs `instead`, where it fails."""
+def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, instead: str,
+          compile_only: tuple[str, ...] | None = None) -> ModuleType | None:
+    """Compile the .cpp files of `sources` (all of them hashed; `compile_only`: just these, which include the
+    others) into root/<torch version>-<hash>, a no-op when built there already; None, logged with what runs
+    `instead`, where it fails."""
     digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in sources) + " ".join(flags).encode())
     tag = digest.hexdigest()[:12]
     where = root / f"torch{torch.__version__}-{tag}"
@@ -64,7 +66,8 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
         if not any(where.glob("*.so")):
             print(f"optc: compiling its C++ CPU kernels ({name}), once: about a minute; cached in {where}",
                   file=sys.stderr, flush=True)
-        return cpp_extension.load(f"optc_{name}_{tag}", [str(HERE / s) for s in sources if s.endswith(".cpp")],
+        compiled = [str(HERE / s) for s in compile_only or sources if s.endswith(".cpp")]
+        return cpp_extension.load(f"optc_{name}_{tag}", compiled,
                                   extra_cflags=flags, build_directory=str(where), extra_include_paths=[str(HERE)])
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
         log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,

@@ -75,20 +75,68 @@ class Executor:
         self._dead_after = [
             [v for v in n.inputs if last_use[v] == i and v not in graph.outputs] for i, n in enumerate(graph.nodes)
         ]
+        # first node -> (stop, inputs, outputs, fn, inputs dead after the run): runs of nodes as one call (`fuse`)
+        self._fused: dict[int, tuple] = {}
+
+    def impl(self, i: int) -> Impl:
+        """Node i's bound implementation."""
+        return self._impls[i]
+
+    def node_params(self, i: int) -> dict[str, Param]:
+        """Node i's params by role, the dict its implementation receives on every call."""
+        return self._node_params[i]
+
+    def fuse(self, start: int, stop: int, inputs: tuple[str, ...], outputs: tuple[str, ...],
+             fn: Callable[[list, Step], list | None]) -> bool:
+        """Run nodes [start, stop) as one call where it can: `fn(values of inputs, step)` returns the values of
+        `outputs`, or None to decline (the nodes then run one by one). `outputs` must hold every value of the
+        range that a later node or the graph's outputs read; False (nothing changed) when they do not, or
+        when a node of the range reads a value defined before it that `inputs` does not list."""
+        nodes = self.graph.nodes
+        inside = {v for n in nodes[start:stop] for v in n.outputs}
+        read_later = {v for n in nodes[stop:] for v in n.inputs} | set(self.graph.outputs)
+        read_before = {v for n in nodes[start:stop] for v in n.inputs} - inside
+        if not (inside & read_later) <= set(outputs) or not set(outputs) <= inside:
+            return False
+        if not read_before <= set(inputs) | {"positions"}:  # positions: every step carries them (step.positions)
+            return False
+        dead = [v for v in inputs if v not in read_later]
+        self._fused[start] = (stop, inputs, outputs, fn, dead)
+        return True
+
+    def unfuse(self) -> None:
+        """Run every node one by one again (what `fuse` set up is dropped)."""
+        self._fused.clear()
 
     def run(
         self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None
     ) -> dict[str, torch.Tensor]:
-        """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values. Returns outputs."""
+        """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values (and runs every
+        node one by one). Returns outputs."""
         env = {"input_ids": input_ids, "positions": step.positions}
-        for i, node in enumerate(self.graph.nodes):
+        fused = self._fused if hook is None else {}
+        nodes, impls, params, dead_after = self.graph.nodes, self._impls, self._node_params, self._dead_after
+        i, n = 0, len(nodes)
+        while i < n:
+            run = fused.get(i)
+            if run is not None:
+                stop, names, outs, fn, dead = run
+                values = fn([env[v] for v in names], step)
+                if values is not None:
+                    env.update(zip(outs, values, strict=True))
+                    for v in dead:
+                        del env[v]
+                    i = stop
+                    continue
+            node = nodes[i]
             inputs = [env[v] for v in node.inputs]
-            outputs = self._impls[i](node, inputs, self._node_params[i], step)
+            outputs = impls[i](node, inputs, params[i], step)
             if hook is not None:
                 hook(i, node, inputs, outputs)
             env.update(zip(node.outputs, outputs, strict=True))
-            for v in self._dead_after[i]:
+            for v in dead_after[i]:
                 del env[v]
+            i += 1
         return {v: env[v] for v in self.graph.outputs}
 
 

@@ -1,0 +1,145 @@
+"""kernels/cpu_ext/step.cpp: a decode step's decoder layers as one C++ call give the node-by-node step's logits
+bit for bit (dense bfloat16 and float32 weights, int4 on torch's int4pack and on qdot), decline what they do not
+take (prefill steps run node by node), and leave a model whose extension cannot be built node by node; the
+executor's fused runs refuse a range whose values escape it."""
+
+import pytest
+import torch
+
+from optc.core.execute import Executor
+from optc.core.ir import Graph, Node
+from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext import step as cpu_step
+from optc.runtime import Engine, SamplingParams
+from optc.testing import build_artifact
+
+needs_ext = pytest.mark.skipif(cpu_ext.load_ops() is None or cpu_ext.isa() is None,
+                               reason="the C++ CPU kernels cannot be built here (no compiler/AVX2)")
+PASSES = "fuse_qkv, fuse_gate_up, {quant}fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select}"
+CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options)
+    "bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
+    "phi3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # partial rotary, LongRoPE
+    "f32": ("float32", "", "{select_kernels: {measure: false}}"),
+    "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
+                 "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
+    "qdot": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: false}}, ",
+             "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
+}
+
+
+def _artifact(tmp_path, name):
+    dtype, quant, select = CONFIGS[name]
+    recipe = tmp_path / f"{name}.yaml"
+    model = "phi3-tiny" if name.startswith("phi3") else "tiny"
+    recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
+                      f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
+    return build_artifact(tmp_path / name, recipe)
+
+
+def _logits_per_step(engine: Engine, fused: dict, prompts=((5, 9, 13, 200, 3), (7,) * 11)) -> list[torch.Tensor]:
+    """The logits of every step of a greedy run of `prompts`, with the executor's fused runs set to `fused`."""
+    model = engine.model
+    model.executor._fused = dict(fused)
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(out.clone())
+        return out
+
+    model.forward = recording
+    try:
+        engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=10, ignore_eos=True))
+    finally:
+        del model.forward
+    return seen
+
+
+@needs_ext
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
+    engine = Engine.load(_artifact(tmp_path, name), enable_prefix_caching=False)
+    model = engine.model
+    assert model.fused_layers
+    kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
+    assert kernels == {"torch": {"torch"}, "int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}}.get(name, {"torch"})
+    fused = dict(model.executor._fused)
+    calls = []
+    (start, (stop, names, outs, fn, dead)), = fused.items()
+    assert (start, stop) == (2, 2 + 9 * model.graph.config.num_layers)  # after the embedding and the first norm
+
+    def counted(values, step):
+        out = fn(values, step)
+        calls.append(out is not None)
+        return out
+
+    with_fused = _logits_per_step(engine, {start: (stop, names, outs, counted, dead)})
+    node_by_node = _logits_per_step(engine, {})
+    assert len(with_fused) == len(node_by_node) > 2
+    for got, want in zip(with_fused, node_by_node, strict=True):
+        assert torch.equal(got, want)
+    assert calls[0] is False and all(calls[1:]) and len(calls) == len(with_fused)  # the prefill step declines
+
+
+@needs_ext
+def test_without_the_extension_the_model_runs_node_by_node(tmp_path, monkeypatch):
+    art = _artifact(tmp_path, "bf16")
+    monkeypatch.setattr(cpu_step, "load_step", lambda: None)
+    engine = Engine.load(art, enable_prefix_caching=False)
+    assert not engine.model.fused_layers and not engine.model.executor._fused
+    out = engine.generate([[5, 9, 13]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+def _chain_graph() -> Graph:
+    from optc.core.ir import ModelConfig
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1,
+                      num_kv_heads=1, head_dim=4, vocab_size=8, max_position_embeddings=8, rms_norm_eps=1e-5,
+                      rope_theta=1e4, tie_word_embeddings=False, dtype="float32")
+    nodes = [Node("a", "add", ("input_ids", "positions"), ("x",), {}, {}),
+             Node("b", "add", ("x", "x"), ("y",), {}, {}),
+             Node("c", "add", ("y", "x"), ("z",), {}, {})]
+    return Graph(cfg, nodes, {}, ("input_ids", "positions"), ("z",))
+
+
+def test_a_fused_run_replaces_its_nodes_and_may_decline():
+    graph = _chain_graph()
+    executor = Executor(graph, {})
+    ids = torch.tensor([1.0, 2.0])
+    step = type("S", (), {"positions": torch.zeros(2)})()
+    want = executor.run(ids, step)["z"]
+    assert not executor.fuse(1, 2, ("x",), (), lambda v, s: [v[0] * 2])  # y escapes to node c
+    assert not executor.fuse(1, 3, (), ("z",), lambda v, s: [v[0] * 3])  # x is read inside but not an input
+    answers = [None, [torch.tensor([-1.0, -1.0])]]
+    assert executor.fuse(1, 3, ("x",), ("z",), lambda v, s: answers.pop(0))
+    assert torch.equal(executor.run(ids, step)["z"], want)  # declined: the nodes ran
+    assert torch.equal(executor.run(ids, step)["z"], torch.tensor([-1.0, -1.0]))
+
+
+@needs_ext
+def test_a_reference_route_for_more_rows_bounds_the_fused_steps(tmp_path):
+    # a measured build may route a prefill's M of a quantized linear to its reference, which step.cpp does not run:
+    # the fused run then takes steps up to the bound below it and declines larger ones
+    engine = Engine.load(_artifact(tmp_path, "int4pack"), enable_prefix_caching=False)
+    model = engine.model
+    for node in model.graph.nodes:
+        if node.op == "linear":
+            node.attrs["kernel_by_m"] = [[1, "cpu.int4pack"], [None, "torch"]]
+    model.executor.unfuse()
+    assert cpu_step.fuse_decoder_layers(model.graph, model.executor)
+    (start, (stop, names, outs, fn, dead)), = model.executor._fused.items()
+    assert fn.max_rows == 1
+    taken = []
+
+    def counted(values, step):
+        out = fn(values, step)
+        taken.append((values[0].shape[0], out is not None))
+        return out
+
+    for prompts in (((5, 9, 13, 200, 3),), ((5, 9, 13, 200, 3), (7,) * 11)):
+        with_fused = _logits_per_step(engine, {start: (stop, names, outs, counted, dead)}, prompts)
+        node_by_node = _logits_per_step(engine, {}, prompts)
+        assert all(torch.equal(a, b) for a, b in zip(with_fused, node_by_node, strict=True))
+    assert (2, False) in taken and (1, True) in taken and (2, True) not in taken  # one request: fused; two: not
