@@ -35,7 +35,8 @@ from optc.kernels.registry import KernelQuery, KernelSpec
 M_BUCKETS = (1, 8, 32, 128, 512)  # upper bounds, measured at the bound; the last one holds for any larger M
 MIN_ROUNDS = 3  # timed rounds per bucket, at least
 MAX_ROUNDS = 25  # and at most: more rounds only until ROUND_BUDGET_S is spent
-ROUND_BUDGET_S = 0.3
+ROUND_BUDGET_S = 0.3  # after the first MIN_ROUNDS, spent on the contenders
+CONTENDER_RATIO = 2.0  # a candidate this much slower than the fastest after MIN_ROUNDS is not timed further
 
 
 class KernelShapeError(UserError):
@@ -112,16 +113,26 @@ class Chooser:
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Fastest seconds per call of each callable, timed in rounds A B A B ... (MIN_ROUNDS, then more
-    while the bucket's ROUND_BUDGET_S lasts). Every candidate gets every round: dropping a slow one
-    after one call let a single preempted call (up to ~0.4 s at load 13) decide."""
+    """Fastest seconds per call of each callable, timed in rounds A B A B ...: MIN_ROUNDS with every
+    candidate, then more while ROUND_BUDGET_S lasts with the contenders only, those within CONTENDER_RATIO of
+    the fastest so far. Every candidate gets the first rounds: dropping a slow one after one call let a single
+    preempted call (up to ~0.4 s at load 13) decide; and a reference 100x slower than the kernels (an lm_head's
+    dequantizing matmul, ~0.3 s a call) no longer spends the budget that would give the close ones their
+    rounds (with three rounds under load, a 2.2 ms kernel once measured 6.6 ms and lost to a 3.5 ms one)."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
     start = time.perf_counter()
     for r in range(MAX_ROUNDS):
-        for name, call in calls.items():
+        if r < MIN_ROUNDS:
+            names = list(calls)
+        else:
+            best = min(min(s) for s in samples.values())
+            names = [n for n in calls if min(samples[n]) <= CONTENDER_RATIO * best]
+        for name in names:
             t0 = time.perf_counter()
-            call()
+            calls[name]()
             samples[name].append(time.perf_counter() - t0)
+        if r + 1 == MIN_ROUNDS:
+            start = time.perf_counter()  # the budget is the contenders'
         if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
             break
     return {name: min(s) for name, s in samples.items()}

@@ -258,3 +258,25 @@ def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
     assert "qkv_proj" in text and "M<=1 cpu.int4pack, M<=128 torch, M>128 cpu.int4pack" in text
     assert "cpu.int4pack repacks its weights at load into int4pack_cpu(inner_k_tiles=2)" in text
     assert "linear 128x64 int4_g/g32 bfloat16 (µs, 1 thread) M=1: cpu.int4pack" in text
+
+
+def test_timing_spends_its_rounds_on_the_contenders(monkeypatch):
+    """After the first rounds a candidate 100x slower than the fastest is not timed again, so the budget goes to
+    the close ones: their every call is counted, the slow one's only MIN_ROUNDS."""
+    import pytest
+
+    from optc.kernels import choose
+
+    clock = {"t": 0.0}
+    cost = {"fast": 0.002, "close": 0.003, "slow": 0.3}
+    counts = dict.fromkeys(cost, 0)
+
+    def call(name):
+        counts[name] += 1
+        clock["t"] += cost[name]
+
+    monkeypatch.setattr(choose.time, "perf_counter", lambda: clock["t"])
+    best = choose.time_interleaved({n: (lambda n=n: call(n)) for n in cost})
+    assert best == pytest.approx(cost)
+    assert counts["slow"] == choose.MIN_ROUNDS
+    assert counts["fast"] == counts["close"] == choose.MAX_ROUNDS
