@@ -1,12 +1,14 @@
 """Launchers for ops.cpp (kernels/cpu_ext): a decode step's norms, gated activation, rotary + KV store and
-decode attention, each one C++ call instead of the reference's 5-15 eager torch ops.
+attention (decode and speculative verification rows), each one C++ call instead of the reference's 5-15 eager
+torch ops.
 
 At batch 1 the CPU step's non-matmul ops cost more in dispatch than in arithmetic (docs/PERF.md, "the decode
 step's host cost"): compiling each reference with torch.compile made the step slower (its guards cost more per
 call than the ops it fused), so these are plain C++ loops with the references' math and roundings. Each launcher
 has its op reference's signature and runs the reference for what ops.cpp does not take (a quantized KV cache,
-prefill attention, an activation other than silu, a dtype other than bfloat16 / float32), and wherever the
-extension cannot be built (kernels/cpu_ext `load`), so an artifact bound to them runs everywhere.
+prefill attention: a request of more than MAX_ROWS query rows, an activation other than silu, a dtype other
+than bfloat16 / float32), and wherever the extension cannot be built (kernels/cpu_ext `load`), so an artifact
+bound to them runs everywhere.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from optc.core.ops.attention import attention_ref, kv_store_ref
 from optc.core.ops.elementwise import gated_act_ref
 from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
 from optc.core.ops.rope import rope_kv_store_ref
+from optc.core.settings import MAX_SPECULATIVE_TOKENS
 from optc.kernels import cpu_ext
 
 DTYPES = (torch.bfloat16, torch.float32)
+# a request with at most this many query rows runs row_attention: a verification of the most drafts, k + 1
+MAX_ROWS = MAX_SPECULATIVE_TOKENS + 1
 
 
 def _ext(x: torch.Tensor):
@@ -72,14 +77,35 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
               max_seq_len: int | None = None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
-    """attention_ref; a decode step (one query per request, as the batch says with `max_query_len` 1) over a
-    float cache of q's dtype runs ops.cpp's decode_attention, everything else the reference."""
+    """attention_ref's math; over a float cache of q's dtype, every row of a request with at most `MAX_ROWS`
+    query rows (a decode step's one, a verification's k + 1) runs ops.cpp's row_attention, and only the longer
+    requests (prefill) the reference.
+
+    row_attention computes each query row alone, in one order of sums, so a row's output is the same whatever
+    else its batch holds: a speculative verification of k + 1 rows gives the bits plain decoding would give one
+    row at a time, which keeps greedy speculative output identical to plain decoding in bfloat16 (the
+    reference's prefill path, SDPA, rounds differently from its one-query path). That guarantee holds where
+    this launcher runs ops.cpp: not where the extension cannot be built, not for a quantized cache, not for a
+    request past `MAX_ROWS` rows."""
     ext = _ext(q)
-    decoding = max_query_len == 1 and q.shape[0] == seq_lens.shape[0] > 0
-    if ext is None or not decoding or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
+    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0:
+        return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                             max_query_len, max_seq_len, softcap, window)
+    starts = query_start_loc.int().contiguous()
+    lengths = None if max_query_len is not None and max_query_len <= MAX_ROWS else starts[1:] - starts[:-1]
+    if lengths is not None and not bool((lengths <= MAX_ROWS).any()):  # prefills only
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                              max_query_len, max_seq_len, softcap, window)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
-    return ext.decode_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
-                                seq_lens.int().contiguous(), scale, softcap or 0.0, window or 0)
+    out = ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
+                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, MAX_ROWS)
+    if lengths is None:
+        return out
+    long = (lengths > MAX_ROWS).nonzero().flatten().tolist()
+    if long:  # the prefills beside them: the reference over those requests alone, into their rows
+        rows = torch.cat([torch.arange(int(starts[b]), int(starts[b + 1])) for b in long])
+        sub_starts = torch.nn.functional.pad(lengths[long].cumsum(0), (1, 0)).int()
+        out[rows] = attention_ref(q[rows], None, None, kv_cache, slot_mapping, block_tables[long], seq_lens[long],
+                                  sub_starts, scale, None, None, softcap, window)
+    return out
