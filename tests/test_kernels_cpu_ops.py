@@ -143,6 +143,49 @@ def test_a_row_is_the_same_bits_in_a_decode_step_and_in_a_verification(dtype, so
         assert torch.equal(one[0], verified[i]), i
 
 
+def _tree_masks(parents_per_request: list[list[int]]) -> torch.Tensor:
+    """Each node's bit mask of itself and its ancestors (bit j: node j of its request)."""
+    masks = []
+    for parents in parents_per_request:
+        own: list[int] = []
+        for j, parent in enumerate(parents):
+            own.append((1 << j) | (own[parent] if parent >= 0 else 0))
+        masks += own
+    return torch.tensor(masks, dtype=torch.int64)
+
+
+TREES = [[-1, -1, 0, 0, 1, 2, 5], [-1], [-1, 0, 1, 2]]  # a tree, one node, a chain
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_tree_attention_matches_its_reference(dtype, softcap):
+    q, cache, tables, seq_lens, starts = _rows_batch(dtype, [len(t) for t in TREES], [19, 4, 30])
+    masks = _tree_masks(TREES)
+    got = ops.tree_attention(q, cache, tables, seq_lens, starts, 0.2, masks, softcap)
+    _close(got, ops._tree_attention_ref(q, cache, tables, seq_lens, starts, 0.2, masks, softcap))
+
+
+def test_a_chain_mask_is_causal_attention_bit_for_bit():
+    dtype = torch.bfloat16
+    q, cache, tables, seq_lens, starts = _rows_batch(dtype, [4, 1, 6], [9, 23, 14])
+    masks = _tree_masks([[-1, 0, 1, 2], [-1], [-1, 0, 1, 2, 3, 4]])
+    slots = torch.zeros(len(q), dtype=torch.long)
+    causal = ops.attention(q, None, None, cache, slots, tables, seq_lens, starts, 0.2)
+    assert torch.equal(ops.tree_attention(q, cache, tables, seq_lens, starts, 0.2, masks), causal)
+    # and the reference's chain is the op's fp32 specification
+    spec = paged_attention_ref(q, cache.data, tables, seq_lens, starts, 0.2)
+    _close(ops._tree_attention_ref(q, cache, tables, seq_lens, starts, 0.2, masks, None), spec)
+
+
+def test_tree_attention_without_the_extension_is_its_reference(monkeypatch):
+    q, cache, tables, seq_lens, starts = _rows_batch(torch.float32, [len(t) for t in TREES], [19, 4, 30])
+    masks = _tree_masks(TREES)
+    monkeypatch.setattr(ops, "_ext", lambda x: None)
+    assert torch.equal(ops.tree_attention(q, cache, tables, seq_lens, starts, 0.2, masks),
+                       ops._tree_attention_ref(q, cache, tables, seq_lens, starts, 0.2, masks, None))
+
+
 def test_what_ops_cpp_does_not_take_runs_the_reference(monkeypatch):
     dtype = torch.bfloat16
     q, tables, lens, start = _decode_batch(dtype, [3, 7])

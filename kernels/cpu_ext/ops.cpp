@@ -158,11 +158,14 @@ inline float sum8(__m256 v) {
 // rows sits at position seq_len - n + i and sees keys (position - window, position] (window 0: all). Scores in
 // fp32, times scale, soft-capped (softcap 0: none), softmax, times V in fp32, rounded to q's dtype. A request
 // with more than max_rows rows (a prefill) is skipped: its output rows are left for the caller to fill.
+// tree_mask (T,) int64, or null: the rows of a request are a draft tree (at most 64 rows, no window), and row i
+// sees the context (positions before seq_len - n) and the query rows j of its request whose bit j is set in
+// tree_mask[row] (its ancestors and itself): query row j's key sits at position seq_len - n + j.
 template <typename T>
 void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const int32_t* seq_lens,
                         const int32_t* query_start, T* out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                         int64_t block_size, int64_t width, float scale, float softcap, int64_t window,
-                        int64_t max_rows) {
+                        int64_t max_rows, const int64_t* tree_mask) {
   const int64_t group = hq / hkv, vec = d / 8 * 8;  // dims [0, vec) in 8 fp32 lanes, the rest one by one
   std::vector<int64_t> short_requests;  // the requests computed here: those with at most max_rows rows
   for (int64_t b = 0; b < batch; ++b)
@@ -176,15 +179,22 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
       const int64_t b = short_requests[item / hkv], h = item % hkv, t0 = query_start[b];
       const int64_t n = query_start[b + 1] - t0, length = seq_lens[b];
       if (n == 0) continue;
-      // row i sits at position length - n + i and sees keys [first(i), length - n + 1 + i)
-      auto stop = [&](int64_t i) { return length - n + 1 + i; };
-      auto first = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, stop(i) - window) : int64_t{0}; };
+      // row i sits at position length - n + i and sees keys [first(i), length - n + 1 + i), or with a tree
+      // mask the context and its ancestors
+      const int64_t context = length - n;
+      auto first = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, context + 1 + i - window) : 0L; };
+      auto sees = [&](int64_t i, int64_t pos) {
+        if (pos < first(i)) return false;
+        if (pos < context) return true;
+        return tree_mask ? ((tree_mask[t0 + i] >> (pos - context)) & 1) != 0 : pos <= context + i;
+      };
       const int64_t lo = first(0), span = length - lo, chains = n * group;  // chain c: row c / group, head c % group
       scores.assign(chains * span, 0.f);
       query.resize(chains * d);
       for (int64_t i = 0; i < n; ++i)
         for (int64_t g = 0; g < group; ++g)
-          for (int64_t j = 0; j < d; ++j) query[(i * group + g) * d + j] = f32(q[((t0 + i) * hq + h * group + g) * d + j]);
+          for (int64_t j = 0; j < d; ++j)
+            query[(i * group + g) * d + j] = f32(q[((t0 + i) * hq + h * group + g) * d + j]);
       auto row = [&](int64_t pos, int kv) {  // the key (kv 0) or value (1) of position pos, head h
         const int64_t block = tables[b * width + pos / block_size];
         return cache + (((block * 2 + kv) * block_size + pos % block_size) * hkv + h) * d;
@@ -193,55 +203,52 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
         for (int64_t j = 0; j < vec; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
         for (int64_t j = vec; j < d; ++j) dst[j] = f32(src[j]);
       };
-      // each position in order, its key (kv 0) or value (1) widened into buf, with the rows that see it:
-      // body(pos, the first chain, one past the last chain)
+      // each position in order, its key (kv 0) or value (1) widened into buf, and body(pos, c) for every chain c
+      // whose row sees it
       auto each_position = [&](int kv, float* buf, auto&& body) {
         for (int64_t pos = lo; pos < length; ++pos) {
-          const int64_t i_lo = std::max<int64_t>(0, pos - (length - n));  // the rows with stop(i) > pos
-          int64_t i_hi = n;
-          while (i_hi > i_lo && first(i_hi - 1) > pos) --i_hi;
-          if (i_lo >= i_hi) continue;
-          widen(row(pos, kv), buf);
-          body(pos, i_lo * group, i_hi * group);
+          bool widened = false;
+          for (int64_t i = 0; i < n; ++i) {
+            if (!sees(i, pos)) continue;
+            if (!widened) widen(row(pos, kv), buf), widened = true;
+            for (int64_t c = i * group; c < (i + 1) * group; ++c) body(pos, c);
+          }
         }
       };
       // scores: q . k per lane over [0, vec), the lanes summed (sum8), then the tail dims in order
-      each_position(0, key.data(), [&](int64_t pos, int64_t c_lo, int64_t c_hi) {
-        for (int64_t c = c_lo; c < c_hi; ++c) {
-          const float* qc = query.data() + c * d;
-          __m256 lanes = _mm256_setzero_ps();
-          for (int64_t j = 0; j < vec; j += 8)
-            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qc + j), _mm256_loadu_ps(key.data() + j)));
-          float s = sum8(lanes);
-          for (int64_t j = vec; j < d; ++j) s += qc[j] * key[j];
-          s *= scale;
-          if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
-          scores[c * span + pos - lo] = s;
-        }
+      each_position(0, key.data(), [&](int64_t pos, int64_t c) {
+        const float* qc = query.data() + c * d;
+        __m256 lanes = _mm256_setzero_ps();
+        for (int64_t j = 0; j < vec; j += 8)
+          lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qc + j), _mm256_loadu_ps(key.data() + j)));
+        float s = sum8(lanes);
+        for (int64_t j = vec; j < d; ++j) s += qc[j] * key[j];
+        s *= scale;
+        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+        scores[c * span + pos - lo] = s;
       });
       // softmax of each chain over its keys, in position order
       totals.resize(chains);
       for (int64_t c = 0; c < chains; ++c) {
-        float* sc = scores.data() + c * span - lo;  // sc[pos]
-        const int64_t from = first(c / group), to = stop(c / group);
+        float* sc = scores.data() + c * span;  // sc[pos - lo]
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t pos = from; pos < to; ++pos) top = std::max(top, sc[pos]);
+        for (int64_t pos = lo; pos < length; ++pos)
+          if (sees(c / group, pos)) top = std::max(top, sc[pos - lo]);
         float total = 0.f;
-        for (int64_t pos = from; pos < to; ++pos) total += (sc[pos] = std::exp(sc[pos] - top));
+        for (int64_t pos = lo; pos < length; ++pos)
+          if (sees(c / group, pos)) total += (sc[pos - lo] = std::exp(sc[pos - lo] - top));
         totals[c] = total;
       }
       // out = sum over positions, in order, of (e^s / total) * v: each dim its own running sum
       acc.assign(chains * d, 0.f);
-      each_position(1, value.data(), [&](int64_t pos, int64_t c_lo, int64_t c_hi) {
-        for (int64_t c = c_lo; c < c_hi; ++c) {
-          const float w = scores[c * span + pos - lo] / totals[c];
-          float* a = acc.data() + c * d;
-          const __m256 w8 = _mm256_set1_ps(w);
-          for (int64_t j = 0; j < vec; j += 8)
-            _mm256_storeu_ps(a + j, _mm256_add_ps(_mm256_loadu_ps(a + j),
-                                                  _mm256_mul_ps(w8, _mm256_loadu_ps(value.data() + j))));
-          for (int64_t j = vec; j < d; ++j) a[j] += w * value[j];
-        }
+      each_position(1, value.data(), [&](int64_t pos, int64_t c) {
+        const float w = scores[c * span + pos - lo] / totals[c];
+        float* a = acc.data() + c * d;
+        const __m256 w8 = _mm256_set1_ps(w);
+        for (int64_t j = 0; j < vec; j += 8)
+          _mm256_storeu_ps(a + j, _mm256_add_ps(_mm256_loadu_ps(a + j),
+                                                _mm256_mul_ps(w8, _mm256_loadu_ps(value.data() + j))));
+        for (int64_t j = vec; j < d; ++j) a[j] += w * value[j];
       });
       for (int64_t c = 0; c < chains; ++c) {
         T* o = out + ((t0 + c / group) * hq + h * group + c % group) * d;
@@ -252,7 +259,8 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
 }
 
 at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
-                         at::Tensor query_start_loc, double scale, double softcap, int64_t window, int64_t max_rows) {
+                         at::Tensor query_start_loc, double scale, double softcap, int64_t window, int64_t max_rows,
+                         c10::optional<at::Tensor> tree_mask) {
   for (auto& [t, name] : {std::pair{&q, "q"}, {&cache, "cache"}, {&block_tables, "block_tables"},
                           {&seq_lens, "seq_lens"}, {&query_start_loc, "query_start_loc"}})
     check_cpu(*t, name);
@@ -270,13 +278,21 @@ at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables
     TORCH_CHECK(starts[b] <= starts[b + 1] && starts[b + 1] - starts[b] <= lens[b] &&
                     (lens[b] + cache.size(2) - 1) / cache.size(2) <= block_tables.size(1),
                 "request ", b, ": rows within its context, its context within its block table");
+  const int64_t* mask = nullptr;
+  if (tree_mask) {
+    check_cpu(*tree_mask, "tree_mask");
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->dim() == 1 && tree_mask->size(0) == q.size(0),
+                "tree_mask: (T,) int64, one per query row");
+    TORCH_CHECK(window == 0 && max_rows <= 64, "a tree mask takes no window and at most 64 rows per request");
+    mask = tree_mask->data_ptr<int64_t>();
+  }
   auto out = at::empty_like(q);
   auto run = [&](auto* typed_q) {
     using T = std::remove_pointer_t<decltype(typed_q)>;
     row_attention_impl<T>(typed_q, cache.data_ptr<T>(), block_tables.data_ptr<int32_t>(), lens, starts,
                           out.data_ptr<T>(), batch, q.size(1), cache.size(3), q.size(2), cache.size(2),
                           block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap), window,
-                          max_rows);
+                          max_rows, mask);
   };
   if (q.scalar_type() == at::kFloat) {
     run(q.data_ptr<float>());

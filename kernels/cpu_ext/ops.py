@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import KVCache, dequantize
 from optc.core.ops.attention import attention_ref, kv_store_ref
 from optc.core.ops.elementwise import gated_act_ref
 from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
@@ -99,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
     out = ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
-                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, MAX_ROWS)
+                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, MAX_ROWS,
+                            None)
     if lengths is None:
         return out
     long = (lengths > MAX_ROWS).nonzero().flatten().tolist()
@@ -108,4 +109,47 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
         sub_starts = torch.nn.functional.pad(lengths[long].cumsum(0), (1, 0)).int()
         out[rows] = attention_ref(q[rows], None, None, kv_cache, slot_mapping, block_tables[long], seq_lens[long],
                                   sub_starts, scale, None, None, softcap, window)
+    return out
+
+
+def tree_attention(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, scale: float, tree_mask: torch.Tensor,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Attention of draft trees whose K/V are stored: request b's n rows are tree nodes whose keys sit at positions
+    seq_lens[b] - n .. seq_lens[b] - 1, and row t sees the context before them and the nodes j of its request
+    whose bit j is set in tree_mask[t] (itself and its ancestors; at most 64 nodes). q (T, H_q, D) -> (T, H_q, D).
+    Each row computes as row_attention's decode row does, so a chain's mask gives decoding's bits; a quantized
+    cache, or no extension: the reference below."""
+    ext = _ext(q)
+    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
+        return _tree_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask, softcap)
+    return ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
+                             seq_lens.int().contiguous(), query_start_loc.int().contiguous(), scale, softcap or 0.0,
+                             0, 64, tree_mask.long().contiguous())
+
+
+def _tree_attention_ref(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, tree_mask: torch.Tensor,
+                        softcap: float | None) -> torch.Tensor:
+    """tree_attention in fp32 torch ops, request by request: each row's visible keys by mask, softmax, times V."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads, head_dim = kv_cache.block_size, kv_cache.data.shape[3], q.shape[-1]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        n = starts[b + 1] - starts[b]
+        if n == 0:
+            continue
+        table = block_tables[b, : -(-length // block_size)].long()
+        kv = dequantize(kv_cache.data[table], None if kv_cache.scales is None else kv_cache.scales[table],
+                        torch.float32).transpose(0, 1).reshape(2, -1, num_kv_heads, head_dim)[:, :length]
+        k, v = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)  # (L, H_q, D)
+        rows = q[starts[b] : starts[b + 1]].float()  # (n, H_q, D)
+        scores = torch.einsum("nhd,lhd->hnl", rows, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        bits = (tree_mask[starts[b] : starts[b + 1], None].long() >> torch.arange(n)) & 1  # (n, n)
+        seen = torch.cat([torch.ones(n, length - n, dtype=torch.bool), bits.bool()], dim=1)  # (n, L)
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hnl,lhd->nhd", weights, v).to(q.dtype)
     return out
