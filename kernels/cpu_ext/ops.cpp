@@ -174,7 +174,7 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
   // one item: a request's rows on one KV head; each key and value is read once for all its rows, and each
   // (row, query head) is computed alone, in the same order whatever the number of rows
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, query, key(d), value(d), totals;
+    std::vector<float> scores, acc, query, keys, values, totals;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = short_requests[item / hkv], h = item % hkv, t0 = query_start[b];
       const int64_t n = query_start[b + 1] - t0, length = seq_lens[b];
@@ -203,30 +203,52 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
         for (int64_t j = 0; j < vec; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
         for (int64_t j = vec; j < d; ++j) dst[j] = f32(src[j]);
       };
-      // each position in order, its key (kv 0) or value (1) widened into buf, and body(pos, c) for every chain c
-      // whose row sees it
-      auto each_position = [&](int kv, float* buf, auto&& body) {
-        for (int64_t pos = lo; pos < length; ++pos) {
-          bool widened = false;
-          for (int64_t i = 0; i < n; ++i) {
-            if (!sees(i, pos)) continue;
-            if (!widened) widen(row(pos, kv), buf), widened = true;
-            for (int64_t c = i * group; c < (i + 1) * group; ++c) body(pos, c);
-          }
-        }
-      };
-      // scores: q . k per lane over [0, vec), the lanes summed (sum8), then the tail dims in order
-      each_position(0, key.data(), [&](int64_t pos, int64_t c) {
-        const float* qc = query.data() + c * d;
-        __m256 lanes = _mm256_setzero_ps();
-        for (int64_t j = 0; j < vec; j += 8)
-          lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qc + j), _mm256_loadu_ps(key.data() + j)));
+      // K and V of positions lo .. length - 1 in fp32, read once for all the request's rows: [(pos - lo) * d + j]
+      keys.resize(span * d);
+      values.resize(span * d);
+      for (int64_t pos = lo; pos < length; ++pos) {
+        widen(row(pos, 0), keys.data() + (pos - lo) * d);
+        widen(row(pos, 1), values.data() + (pos - lo) * d);
+      }
+      // a score: q . k per lane over [0, vec), the lanes summed (sum8), then the tail dims in order, scaled,
+      // soft-capped; four positions at a time where a row sees all four (each score's sums are the same)
+      auto finish = [&](__m256 lanes, const float* qc, const float* k) {
         float s = sum8(lanes);
-        for (int64_t j = vec; j < d; ++j) s += qc[j] * key[j];
+        for (int64_t j = vec; j < d; ++j) s += qc[j] * k[j];
         s *= scale;
-        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
-        scores[c * span + pos - lo] = s;
-      });
+        return softcap > 0.f ? std::tanh(s / softcap) * softcap : s;
+      };
+      for (int64_t c = 0; c < chains; ++c) {
+        const int64_t i = c / group;
+        const float* qc = query.data() + c * d;
+        float* sc = scores.data() + c * span;  // sc[pos - lo]
+        for (int64_t pos = lo; pos < length;) {
+          const float* k = keys.data() + (pos - lo) * d;
+          if (pos + 4 <= length && sees(i, pos) && sees(i, pos + 3) && sees(i, pos + 1) && sees(i, pos + 2)) {
+            __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+            for (int64_t j = 0; j < vec; j += 8) {
+              const __m256 qj = _mm256_loadu_ps(qc + j);
+              l0 = _mm256_add_ps(l0, _mm256_mul_ps(qj, _mm256_loadu_ps(k + j)));
+              l1 = _mm256_add_ps(l1, _mm256_mul_ps(qj, _mm256_loadu_ps(k + d + j)));
+              l2 = _mm256_add_ps(l2, _mm256_mul_ps(qj, _mm256_loadu_ps(k + 2 * d + j)));
+              l3 = _mm256_add_ps(l3, _mm256_mul_ps(qj, _mm256_loadu_ps(k + 3 * d + j)));
+            }
+            sc[pos - lo] = finish(l0, qc, k);
+            sc[pos - lo + 1] = finish(l1, qc, k + d);
+            sc[pos - lo + 2] = finish(l2, qc, k + 2 * d);
+            sc[pos - lo + 3] = finish(l3, qc, k + 3 * d);
+            pos += 4;
+            continue;
+          }
+          if (sees(i, pos)) {
+            __m256 lanes = _mm256_setzero_ps();
+            for (int64_t j = 0; j < vec; j += 8)
+              lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qc + j), _mm256_loadu_ps(k + j)));
+            sc[pos - lo] = finish(lanes, qc, k);
+          }
+          ++pos;
+        }
+      }
       // softmax of each chain over its keys, in position order
       totals.resize(chains);
       for (int64_t c = 0; c < chains; ++c) {
@@ -237,19 +259,40 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
         float total = 0.f;
         for (int64_t pos = lo; pos < length; ++pos)
           if (sees(c / group, pos)) total += (sc[pos - lo] = std::exp(sc[pos - lo] - top));
-        totals[c] = total;
+        // the weights e^s / total, 0 where the row does not see the position
+        for (int64_t pos = lo; pos < length; ++pos) sc[pos - lo] = sees(c / group, pos) ? sc[pos - lo] / total : 0.f;
       }
-      // out = sum over positions, in order, of (e^s / total) * v: each dim its own running sum
+      // out = sum over the positions a row sees, in order, of weight * v: each dim its own running sum, held in
+      // registers 64 dims at a time
       acc.assign(chains * d, 0.f);
-      each_position(1, value.data(), [&](int64_t pos, int64_t c) {
-        const float w = scores[c * span + pos - lo] / totals[c];
+      for (int64_t c = 0; c < chains; ++c) {
+        const int64_t i = c / group;
+        const float* w = scores.data() + c * span;
         float* a = acc.data() + c * d;
-        const __m256 w8 = _mm256_set1_ps(w);
-        for (int64_t j = 0; j < vec; j += 8)
-          _mm256_storeu_ps(a + j, _mm256_add_ps(_mm256_loadu_ps(a + j),
-                                                _mm256_mul_ps(w8, _mm256_loadu_ps(value.data() + j))));
-        for (int64_t j = vec; j < d; ++j) a[j] += w * value[j];
-      });
+        int64_t j0 = 0;
+        for (; j0 + 64 <= vec; j0 += 64) {
+          __m256 r[8];
+          for (int u = 0; u < 8; ++u) r[u] = _mm256_setzero_ps();
+          for (int64_t pos = lo; pos < length; ++pos) {
+            if (!sees(i, pos)) continue;
+            const __m256 w8 = _mm256_set1_ps(w[pos - lo]);
+            const float* v = values.data() + (pos - lo) * d + j0;
+            for (int u = 0; u < 8; ++u) r[u] = _mm256_add_ps(r[u], _mm256_mul_ps(w8, _mm256_loadu_ps(v + 8 * u)));
+          }
+          for (int u = 0; u < 8; ++u) _mm256_storeu_ps(a + j0 + 8 * u, r[u]);
+        }
+        for (; j0 < vec; j0 += 8) {
+          __m256 r = _mm256_setzero_ps();
+          for (int64_t pos = lo; pos < length; ++pos)
+            if (sees(i, pos))
+              r = _mm256_add_ps(r, _mm256_mul_ps(_mm256_set1_ps(w[pos - lo]),
+                                                 _mm256_loadu_ps(values.data() + (pos - lo) * d + j0)));
+          _mm256_storeu_ps(a + j0, r);
+        }
+        for (int64_t j = vec; j < d; ++j)
+          for (int64_t pos = lo; pos < length; ++pos)
+            if (sees(i, pos)) a[j] += w[pos - lo] * values[(pos - lo) * d + j];
+      }
       for (int64_t c = 0; c < chains; ++c) {
         T* o = out + ((t0 + c / group) * hq + h * group + c % group) * d;
         for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[c * d + j]);
