@@ -164,6 +164,9 @@ def test_tree_attention_matches_its_reference(dtype, softcap):
     masks = _tree_masks(TREES)
     got = ops.tree_attention(q, cache, tables, seq_lens, starts, 0.2, masks, softcap)
     _close(got, ops._tree_attention_ref(q, cache, tables, seq_lens, starts, 0.2, masks, softcap))
+    big = _rows_batch(dtype, [ops.MAX_TREE_NODES + 1], [70], width=20)
+    with pytest.raises(ValueError, match="at most 64 nodes"):
+        ops.tree_attention(*big, 0.2, torch.zeros(ops.MAX_TREE_NODES + 1, dtype=torch.long))
 
 
 def test_a_chain_mask_is_causal_attention_bit_for_bit():

@@ -26,6 +26,7 @@ from optc.kernels import cpu_ext
 DTYPES = (torch.bfloat16, torch.float32)
 # a request with at most this many query rows runs row_attention: a verification of the most drafts, k + 1
 MAX_ROWS = MAX_SPECULATIVE_TOKENS + 1
+MAX_TREE_NODES = 64  # tree_attention's rows per request: a bit each in an int64 mask
 
 
 def _ext(x: torch.Tensor):
@@ -120,12 +121,14 @@ def tree_attention(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tenso
     whose bit j is set in tree_mask[t] (itself and its ancestors; at most 64 nodes). q (T, H_q, D) -> (T, H_q, D).
     Each row computes as row_attention's decode row does, so a chain's mask gives decoding's bits; a quantized
     cache, or no extension: the reference below."""
+    if seq_lens.shape[0] and int((query_start_loc[1:] - query_start_loc[:-1]).max()) > MAX_TREE_NODES:
+        raise ValueError(f"a draft tree has at most {MAX_TREE_NODES} nodes (one bit each in tree_mask)")
     ext = _ext(q)
     if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
         return _tree_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask, softcap)
     return ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
                              seq_lens.int().contiguous(), query_start_loc.int().contiguous(), scale, softcap or 0.0,
-                             0, 64, tree_mask.long().contiguous())
+                             0, MAX_TREE_NODES, tree_mask.long().contiguous())
 
 
 def _tree_attention_ref(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
