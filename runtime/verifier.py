@@ -14,6 +14,10 @@ a one-hot q: accept with probability p_i(x_i), else resample from p_i with x_i r
 requests use the one-hot p of the target's argmax, which makes the test "accept while the draft
 equals the argmax, then emit the argmax": no randomness, and the same tokens as plain decoding.
 
+A draft tree (several candidates per position, `tree_rejection_sample`) runs the same test child by child,
+carrying the residual across siblings: lossless too, and greedy rows take the longest path of drafts equal to
+the argmax. Its target forward attends each node to its ancestors only (kernels/cpu_ext's tree_attention).
+
 Not here: proposing drafts (runtime/speculative.py, runtime/draft.py) or the KV rollback (engine).
 """
 
@@ -106,3 +110,69 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total can round up to total: then take the last index with weight
     last = ((weights > 0) * torch.arange(weights.shape[-1], device=weights.device)).argmax(dim=-1)
     return torch.minimum(index, last)
+
+
+def tree_rejection_sample(
+    p: torch.Tensor,
+    parents: Sequence[int],
+    draft_token_ids: torch.Tensor,
+    q: torch.Tensor | None,
+    u_accept: torch.Tensor,
+    u_resample: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Verify N draft trees of one shape at once (EAGLE's and SpecInfer's multi-candidate rejection sampling).
+
+    The tree: nodes 0..m-1, node j drafted below `parents[j]` (-1: the root, the request's last token), parents
+    before their children, siblings in the order they are tried. p: (N, m + 1, V) target probabilities, row 0
+    at the root, row j + 1 after node j; draft_token_ids: (N, m); q: (N, m, V), the distribution node j was
+    drawn from given the siblings tried before it (siblings drawn independently from one q share its row), or
+    None for one-hot drafts (top-k siblings, n-gram); u_accept: (N, m), u_resample: (N,) uniforms in [0, 1).
+
+    From the root, each child x of the current node in turn:
+
+        accept x if u * q(x) < r(x), r the current residual (first p at the node)   (probability min(1, r/q))
+        else r = norm(max(r - q, 0))   (one-hot q: r with x removed) and try the next sibling;
+
+    an accepted child becomes the current node (r = p after it); when every child is rejected, or the node has
+    none, emit one token from r and stop. Each step is the chain's rejection sampler with the residual carried
+    across siblings, so every emitted token is distributed as p (lossless); greedy rows (one-hot p) follow the
+    longest path of drafts equal to the target's argmax and then emit the argmax, as plain decoding does.
+
+    Returns (path (N, depth) node ids of the accepted drafts, -1 past num_accepted; num_accepted (N,); final
+    token (N,)): row n emits draft_token_ids[n, path[n, :num_accepted[n]]], then its final token.
+    """
+    num_rows, num_nodes = draft_token_ids.shape
+    depth = _depths(parents)
+    rows = torch.arange(num_rows, device=p.device)
+    current = torch.full((num_rows,), -1, dtype=torch.long, device=p.device)
+    residual = p[:, 0].clone()
+    num_accepted = torch.zeros(num_rows, dtype=torch.long, device=p.device)
+    path = torch.full((num_rows, max(depth, default=0)), -1, dtype=torch.long, device=p.device)
+    for j, parent in enumerate(parents):
+        tried = current == parent  # (N,): rows at node j's parent, no sibling before it accepted
+        x = draft_token_ids[:, j]
+        q_x = q[rows, j, x] if q is not None else torch.ones_like(residual[:, 0])
+        accepted = tried & (u_accept[:, j] * q_x < residual[rows, x])
+        rejected = tried & ~accepted
+        if q is not None:
+            reduced = (residual - q[:, j]).clamp(min=0.0)
+        else:
+            reduced = residual.scatter(-1, x[:, None], 0.0)
+        total = reduced.sum(-1, keepdim=True)
+        # no residual mass left (r == q): that rejection had probability 0; keep r
+        reduced = torch.where(total > 0, reduced / total.clamp(min=torch.finfo(reduced.dtype).tiny), residual)
+        residual = torch.where(rejected[:, None], reduced, torch.where(accepted[:, None], p[:, j + 1], residual))
+        path[accepted, depth[j] - 1] = j
+        current = torch.where(accepted, j, current)
+        num_accepted += accepted.long()
+    return path, num_accepted, _inverse_cdf(residual, u_resample)
+
+
+def _depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (a root child: 1); parents must come before their children."""
+    depth: list[int] = []
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"tree node {j}'s parent {parent} must be -1 (the root) or an earlier node")
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return depth

@@ -1,7 +1,8 @@
-"""Speculative decoding on the real model: SmolLM2 (float32) gives the same greedy tokens with and
-without speculation, for prompt lookup and for its int4 RTN build as the draft, on 24 chat prompts
-that mix input-grounded tasks (repeat, extract, summarize a given text, edit code) and open ones;
-batched, at batch 1, and with chunked prefill and preemption; no leaked blocks in either pool."""
+"""Speculative decoding on the real model: SmolLM2 (float32; bfloat16 on the C++ ops for prompt lookup) gives
+the same greedy tokens with and without speculation, for prompt lookup and for its int4 RTN build as the
+draft, on 24 chat prompts that mix input-grounded tasks (repeat, extract, summarize a given text, edit code)
+and open ones; batched, at batch 1, and with chunked prefill and preemption; no leaked blocks in either
+pool."""
 
 from __future__ import annotations
 
@@ -79,5 +80,23 @@ def test_smollm2_batch_one(smollm2_f32_artifact, plain, method, request):
     engine = Engine.load(smollm2_f32_artifact, speculative=spec(method, request))
     for i in (0, 5, 13, 20):  # grounded, grounded, code, open
         assert engine.generate([PROMPTS[i]], GREEDY, chat=True)[0].token_ids == plain[i]
+    assert engine.stats().num_accepted_tokens > 0
+    assert_no_leaks(engine)
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_greedy_identical(tmp_path_factory, smollm2_hf_dir, recipes):
+    """bfloat16 on the CPU's C++ ops (recipes/smollm2-bf16.yaml): verification rows are decode's bits
+    (docs/ARCHITECTURE.md), so n-gram speculation keeps every greedy token, batched and at batch 1."""
+    from optc.kernels import cpu_ext
+
+    if cpu_ext.load_ops() is None:
+        pytest.skip("ops.cpp cannot be built here: bfloat16 identity is not guaranteed on the references")
+    artifact = build_artifact(tmp_path_factory.mktemp("smollm2-bf16") / "a", recipes / "smollm2-bf16.yaml")
+    plain = [c.token_ids for c in Engine.load(artifact).generate(PROMPTS, GREEDY, chat=True)]
+    engine = Engine.load(artifact, speculative=SpeculativeConfig("ngram", 4, disable_above_num_requests=64))
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, chat=True)] == plain
+    assert [engine.generate([PROMPTS[i]], GREEDY, chat=True)[0].token_ids for i in (0, 13, 20)] == [
+        plain[i] for i in (0, 13, 20)]
     assert engine.stats().num_accepted_tokens > 0
     assert_no_leaks(engine)

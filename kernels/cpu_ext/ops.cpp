@@ -12,8 +12,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -134,74 +137,212 @@ at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor po
   return out;
 }
 
-// decode attention: one query per request, q (B, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype,
-// block_tables (B, W) int32, seq_lens (B,) int32; the query sits at seq_len - 1 and sees keys
-// (seq_len - 1 - window, seq_len - 1] (window 0: all). Scores in fp32, times scale, soft-capped (softcap 0:
-// none), softmax, times V in fp32, rounded to q's dtype.
+// 8 values as fp32 lanes (AVX2): a bfloat16 is the high half of its float32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// the lanes' sum in one fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// row attention: each query row on its own, as a decode step computes its one query, for decode (one row per
+// request) and speculative verification (k + 1 rows), so that a row's result does not depend on how many rows
+// its request or its batch has. q (T, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype,
+// block_tables (B, W) int32, seq_lens (B,) int32, query_start_loc (B + 1,) int32. Row i of a request with n
+// rows sits at position seq_len - n + i and sees keys (position - window, position] (window 0: all). Scores in
+// fp32, times scale, soft-capped (softcap 0: none), softmax, times V in fp32, rounded to q's dtype. A request
+// with more than max_rows rows (a prefill) is skipped: its output rows are left for the caller to fill.
+// tree_mask (T,) int64, or null: the rows of a request are a draft tree (at most 64 rows, no window), and row i
+// sees the context (positions before seq_len - n) and the query rows j of its request whose bit j is set in
+// tree_mask[row] (its ancestors and itself): query row j's key sits at position seq_len - n + j.
 template <typename T>
-void decode(const T* q, const T* cache, const int32_t* tables, const int32_t* seq_lens, T* out, int64_t batch,
-            int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t width, float scale, float softcap,
-            int64_t window) {
-  const int64_t group = hq / hkv;
-  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(d), query(group * d);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / hkv, h = i % hkv, length = seq_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
-      scores.assign(group * (length - first), 0.f);
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = 0; j < d; ++j) query[g * d + j] = f32(q[(b * hq + h * group + g) * d + j]);
+void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const int32_t* seq_lens,
+                        const int32_t* query_start, T* out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+                        int64_t block_size, int64_t width, float scale, float softcap, int64_t window,
+                        int64_t max_rows, const int64_t* tree_mask) {
+  const int64_t group = hq / hkv, vec = d / 8 * 8;  // dims [0, vec) in 8 fp32 lanes, the rest one by one
+  std::vector<int64_t> short_requests;  // the requests computed here: those with at most max_rows rows
+  for (int64_t b = 0; b < batch; ++b)
+    if (query_start[b + 1] - query_start[b] <= max_rows) short_requests.push_back(b);
+  const int64_t num_items = static_cast<int64_t>(short_requests.size()) * hkv;
+  // one item: a request's rows on one KV head; each key and value is read once for all its rows, and each
+  // (row, query head) is computed alone, in the same order whatever the number of rows
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, query, keys, values, totals;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = short_requests[item / hkv], h = item % hkv, t0 = query_start[b];
+      const int64_t n = query_start[b + 1] - t0, length = seq_lens[b];
+      if (n == 0) continue;
+      // row i sits at position length - n + i and sees keys [first(i), length - n + 1 + i), or with a tree
+      // mask the context and its ancestors
+      const int64_t context = length - n;
+      auto first = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, context + 1 + i - window) : 0L; };
+      auto sees = [&](int64_t i, int64_t pos) {
+        if (pos < first(i)) return false;
+        if (pos < context) return true;
+        return tree_mask ? ((tree_mask[t0 + i] >> (pos - context)) & 1) != 0 : pos <= context + i;
+      };
+      const int64_t lo = first(0), span = length - lo, chains = n * group;  // chain c: row c / group, head c % group
+      scores.assign(chains * span, 0.f);
+      query.resize(chains * d);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t j = 0; j < d; ++j)
+            query[(i * group + g) * d + j] = f32(q[((t0 + i) * hq + h * group + g) * d + j]);
       auto row = [&](int64_t pos, int kv) {  // the key (kv 0) or value (1) of position pos, head h
         const int64_t block = tables[b * width + pos / block_size];
         return cache + (((block * 2 + kv) * block_size + pos % block_size) * hkv + h) * d;
       };
-      for (int64_t pos = first; pos < length; ++pos) {
-        const T* key = row(pos, 0);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = 0.f;
-          for (int64_t j = 0; j < d; ++j) s += query[g * d + j] * f32(key[j]);
-          s *= scale;
-          if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
-          scores[g * (length - first) + pos - first] = s;
+      auto widen = [&](const T* src, float* dst) {
+        for (int64_t j = 0; j < vec; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
+        for (int64_t j = vec; j < d; ++j) dst[j] = f32(src[j]);
+      };
+      // K and V of positions lo .. length - 1 in fp32, read once for all the request's rows: [(pos - lo) * d + j]
+      keys.resize(span * d);
+      values.resize(span * d);
+      for (int64_t pos = lo; pos < length; ++pos) {
+        widen(row(pos, 0), keys.data() + (pos - lo) * d);
+        widen(row(pos, 1), values.data() + (pos - lo) * d);
+      }
+      // a score: q . k per lane over [0, vec), the lanes summed (sum8), then the tail dims in order, scaled,
+      // soft-capped; four positions at a time where a row sees all four (each score's sums are the same)
+      auto finish = [&](__m256 lanes, const float* qc, const float* k) {
+        float s = sum8(lanes);
+        for (int64_t j = vec; j < d; ++j) s += qc[j] * k[j];
+        s *= scale;
+        return softcap > 0.f ? std::tanh(s / softcap) * softcap : s;
+      };
+      for (int64_t c = 0; c < chains; ++c) {
+        const int64_t i = c / group;
+        const float* qc = query.data() + c * d;
+        float* sc = scores.data() + c * span;  // sc[pos - lo]
+        for (int64_t pos = lo; pos < length;) {
+          const float* k = keys.data() + (pos - lo) * d;
+          if (pos + 4 <= length && sees(i, pos) && sees(i, pos + 3) && sees(i, pos + 1) && sees(i, pos + 2)) {
+            __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+            for (int64_t j = 0; j < vec; j += 8) {
+              const __m256 qj = _mm256_loadu_ps(qc + j);
+              l0 = _mm256_add_ps(l0, _mm256_mul_ps(qj, _mm256_loadu_ps(k + j)));
+              l1 = _mm256_add_ps(l1, _mm256_mul_ps(qj, _mm256_loadu_ps(k + d + j)));
+              l2 = _mm256_add_ps(l2, _mm256_mul_ps(qj, _mm256_loadu_ps(k + 2 * d + j)));
+              l3 = _mm256_add_ps(l3, _mm256_mul_ps(qj, _mm256_loadu_ps(k + 3 * d + j)));
+            }
+            sc[pos - lo] = finish(l0, qc, k);
+            sc[pos - lo + 1] = finish(l1, qc, k + d);
+            sc[pos - lo + 2] = finish(l2, qc, k + 2 * d);
+            sc[pos - lo + 3] = finish(l3, qc, k + 3 * d);
+            pos += 4;
+            continue;
+          }
+          if (sees(i, pos)) {
+            __m256 lanes = _mm256_setzero_ps();
+            for (int64_t j = 0; j < vec; j += 8)
+              lanes = _mm256_add_ps(lanes, _mm256_mul_ps(_mm256_loadu_ps(qc + j), _mm256_loadu_ps(k + j)));
+            sc[pos - lo] = finish(lanes, qc, k);
+          }
+          ++pos;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * (length - first);
+      // softmax of each chain over its keys, in position order
+      totals.resize(chains);
+      for (int64_t c = 0; c < chains; ++c) {
+        float* sc = scores.data() + c * span;  // sc[pos - lo]
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < length - first; ++p) top = std::max(top, sg[p]);
+        for (int64_t pos = lo; pos < length; ++pos)
+          if (sees(c / group, pos)) top = std::max(top, sc[pos - lo]);
         float total = 0.f;
-        for (int64_t p = 0; p < length - first; ++p) total += (sg[p] = std::exp(sg[p] - top));
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t pos = first; pos < length; ++pos) {
-          const T* value = row(pos, 1);
-          const float w = sg[pos - first] / total;
-          for (int64_t j = 0; j < d; ++j) acc[j] += w * f32(value[j]);
+        for (int64_t pos = lo; pos < length; ++pos)
+          if (sees(c / group, pos)) total += (sc[pos - lo] = std::exp(sc[pos - lo] - top));
+        // the weights e^s / total, 0 where the row does not see the position
+        for (int64_t pos = lo; pos < length; ++pos) sc[pos - lo] = sees(c / group, pos) ? sc[pos - lo] / total : 0.f;
+      }
+      // out = sum over the positions a row sees, in order, of weight * v: each dim its own running sum, held in
+      // registers 64 dims at a time
+      acc.assign(chains * d, 0.f);
+      for (int64_t c = 0; c < chains; ++c) {
+        const int64_t i = c / group;
+        const float* w = scores.data() + c * span;
+        float* a = acc.data() + c * d;
+        int64_t j0 = 0;
+        for (; j0 + 64 <= vec; j0 += 64) {
+          __m256 r[8];
+          for (int u = 0; u < 8; ++u) r[u] = _mm256_setzero_ps();
+          for (int64_t pos = lo; pos < length; ++pos) {
+            if (!sees(i, pos)) continue;
+            const __m256 w8 = _mm256_set1_ps(w[pos - lo]);
+            const float* v = values.data() + (pos - lo) * d + j0;
+            for (int u = 0; u < 8; ++u) r[u] = _mm256_add_ps(r[u], _mm256_mul_ps(w8, _mm256_loadu_ps(v + 8 * u)));
+          }
+          for (int u = 0; u < 8; ++u) _mm256_storeu_ps(a + j0 + 8 * u, r[u]);
         }
-        T* o = out + (b * hq + h * group + g) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[j]);
+        for (; j0 < vec; j0 += 8) {
+          __m256 r = _mm256_setzero_ps();
+          for (int64_t pos = lo; pos < length; ++pos)
+            if (sees(i, pos))
+              r = _mm256_add_ps(r, _mm256_mul_ps(_mm256_set1_ps(w[pos - lo]),
+                                                 _mm256_loadu_ps(values.data() + (pos - lo) * d + j0)));
+          _mm256_storeu_ps(a + j0, r);
+        }
+        for (int64_t j = vec; j < d; ++j)
+          for (int64_t pos = lo; pos < length; ++pos)
+            if (sees(i, pos)) a[j] += w[pos - lo] * values[(pos - lo) * d + j];
+      }
+      for (int64_t c = 0; c < chains; ++c) {
+        T* o = out + ((t0 + c / group) * hq + h * group + c % group) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = round_to<T>(acc[c * d + j]);
       }
     }
   });
 }
 
-at::Tensor decode_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
-                            double scale, double softcap, int64_t window) {
+at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
+                         at::Tensor query_start_loc, double scale, double softcap, int64_t window, int64_t max_rows,
+                         c10::optional<at::Tensor> tree_mask) {
   for (auto& [t, name] : {std::pair{&q, "q"}, {&cache, "cache"}, {&block_tables, "block_tables"},
-                          {&seq_lens, "seq_lens"}})
+                          {&seq_lens, "seq_lens"}, {&query_start_loc, "query_start_loc"}})
     check_cpu(*t, name);
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0,
-              "q (B, Hq, D), cache (blocks, 2, block_size, Hkv, D)");
+              "q (T, Hq, D), cache (blocks, 2, block_size, Hkv, D)");
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "the cache must have q's dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens int32");
-  TORCH_CHECK(block_tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "one query per request");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt, "block_tables, seq_lens and query_start_loc int32");
+  const int64_t batch = seq_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == batch && query_start_loc.size(0) == batch + 1, "one table row per request");
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[batch] == q.size(0), "query_start_loc must span q's rows");
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(starts[b] <= starts[b + 1] && starts[b + 1] - starts[b] <= lens[b] &&
+                    (lens[b] + cache.size(2) - 1) / cache.size(2) <= block_tables.size(1),
+                "request ", b, ": rows within its context, its context within its block table");
+  const int64_t* mask = nullptr;
+  if (tree_mask) {
+    check_cpu(*tree_mask, "tree_mask");
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->dim() == 1 && tree_mask->size(0) == q.size(0),
+                "tree_mask: (T,) int64, one per query row");
+    TORCH_CHECK(window == 0 && max_rows <= 64, "a tree mask takes no window and at most 64 rows per request");
+    mask = tree_mask->data_ptr<int64_t>();
+  }
   auto out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
-    decode<scalar_t>(q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(),
-                     seq_lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), cache.size(3),
-                     q.size(2), cache.size(2), block_tables.size(1), static_cast<float>(scale),
-                     static_cast<float>(softcap), window);
-  });
+  auto run = [&](auto* typed_q) {
+    using T = std::remove_pointer_t<decltype(typed_q)>;
+    row_attention_impl<T>(typed_q, cache.data_ptr<T>(), block_tables.data_ptr<int32_t>(), lens, starts,
+                          out.data_ptr<T>(), batch, q.size(1), cache.size(3), q.size(2), cache.size(2),
+                          block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap), window,
+                          max_rows, mask);
+  };
+  if (q.scalar_type() == at::kFloat) {
+    run(q.data_ptr<float>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "row_attention takes bfloat16 or float32");
+    run(q.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
@@ -240,6 +381,6 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm / add_rms_norm");
   m.def("rope_kv_store", &rope_kv_store, "rotary on q and k, k and v into the paged cache");
-  m.def("decode_attention", &decode_attention, "one query per request over the paged cache");
+  m.def("row_attention", &row_attention, "each query row on its own over the paged cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }

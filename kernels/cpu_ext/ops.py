@@ -1,26 +1,32 @@
 """Launchers for ops.cpp (kernels/cpu_ext): a decode step's norms, gated activation, rotary + KV store and
-decode attention, each one C++ call instead of the reference's 5-15 eager torch ops.
+attention (decode and speculative verification rows), each one C++ call instead of the reference's 5-15 eager
+torch ops.
 
 At batch 1 the CPU step's non-matmul ops cost more in dispatch than in arithmetic (docs/PERF.md, "the decode
 step's host cost"): compiling each reference with torch.compile made the step slower (its guards cost more per
 call than the ops it fused), so these are plain C++ loops with the references' math and roundings. Each launcher
 has its op reference's signature and runs the reference for what ops.cpp does not take (a quantized KV cache,
-prefill attention, an activation other than silu, a dtype other than bfloat16 / float32), and wherever the
-extension cannot be built (kernels/cpu_ext `load`), so an artifact bound to them runs everywhere.
+prefill attention: a request of more than MAX_ROWS query rows, an activation other than silu, a dtype other
+than bfloat16 / float32), and wherever the extension cannot be built (kernels/cpu_ext `load`), so an artifact
+bound to them runs everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import KVCache, dequantize
 from optc.core.ops.attention import attention_ref, kv_store_ref
 from optc.core.ops.elementwise import gated_act_ref
 from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
 from optc.core.ops.rope import rope_kv_store_ref
+from optc.core.settings import MAX_SPECULATIVE_TOKENS
 from optc.kernels import cpu_ext
 
 DTYPES = (torch.bfloat16, torch.float32)
+# a request with at most this many query rows runs row_attention: a verification of the most drafts, k + 1
+MAX_ROWS = MAX_SPECULATIVE_TOKENS + 1
+MAX_TREE_NODES = 64  # tree_attention's rows per request: a bit each in an int64 mask
 
 
 def _ext(x: torch.Tensor):
@@ -72,14 +78,81 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
               max_seq_len: int | None = None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
-    """attention_ref; a decode step (one query per request, as the batch says with `max_query_len` 1) over a
-    float cache of q's dtype runs ops.cpp's decode_attention, everything else the reference."""
+    """attention_ref's math; over a float cache of q's dtype, every row of a request with at most `MAX_ROWS`
+    query rows (a decode step's one, a verification's k + 1) runs ops.cpp's row_attention, and only the longer
+    requests (prefill) the reference.
+
+    row_attention computes each query row alone, in one order of sums, so a row's output is the same whatever
+    else its batch holds: a speculative verification of k + 1 rows gives the bits plain decoding would give one
+    row at a time, which keeps greedy speculative output identical to plain decoding in bfloat16 (the
+    reference's prefill path, SDPA, rounds differently from its one-query path). That guarantee holds where
+    this launcher runs ops.cpp: not where the extension cannot be built, not for a quantized cache, not for a
+    request past `MAX_ROWS` rows."""
     ext = _ext(q)
-    decoding = max_query_len == 1 and q.shape[0] == seq_lens.shape[0] > 0
-    if ext is None or not decoding or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
+    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0:
+        return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                             max_query_len, max_seq_len, softcap, window)
+    starts = query_start_loc.int().contiguous()
+    lengths = None if max_query_len is not None and max_query_len <= MAX_ROWS else starts[1:] - starts[:-1]
+    if lengths is not None and not bool((lengths <= MAX_ROWS).any()):  # prefills only
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                              max_query_len, max_seq_len, softcap, window)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
-    return ext.decode_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
-                                seq_lens.int().contiguous(), scale, softcap or 0.0, window or 0)
+    out = ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
+                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, MAX_ROWS,
+                            None)
+    if lengths is None:
+        return out
+    long = (lengths > MAX_ROWS).nonzero().flatten().tolist()
+    if long:  # the prefills beside them: the reference over those requests alone, into their rows
+        rows = torch.cat([torch.arange(int(starts[b]), int(starts[b + 1])) for b in long])
+        sub_starts = torch.nn.functional.pad(lengths[long].cumsum(0), (1, 0)).int()
+        out[rows] = attention_ref(q[rows], None, None, kv_cache, slot_mapping, block_tables[long], seq_lens[long],
+                                  sub_starts, scale, None, None, softcap, window)
+    return out
+
+
+def tree_attention(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, scale: float, tree_mask: torch.Tensor,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Attention of draft trees whose K/V are stored: request b's n rows are tree nodes whose keys sit at positions
+    seq_lens[b] - n .. seq_lens[b] - 1, and row t sees the context before them and the nodes j of its request
+    whose bit j is set in tree_mask[t] (itself and its ancestors; at most 64 nodes). q (T, H_q, D) -> (T, H_q, D).
+    Each row computes as row_attention's decode row does, so a chain's mask gives decoding's bits; a quantized
+    cache, or no extension: the reference below."""
+    if seq_lens.shape[0] and int((query_start_loc[1:] - query_start_loc[:-1]).max()) > MAX_TREE_NODES:
+        raise ValueError(f"a draft tree has at most {MAX_TREE_NODES} nodes (one bit each in tree_mask)")
+    ext = _ext(q)
+    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
+        return _tree_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask, softcap)
+    return ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
+                             seq_lens.int().contiguous(), query_start_loc.int().contiguous(), scale, softcap or 0.0,
+                             0, MAX_TREE_NODES, tree_mask.long().contiguous())
+
+
+def _tree_attention_ref(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float, tree_mask: torch.Tensor,
+                        softcap: float | None) -> torch.Tensor:
+    """tree_attention in fp32 torch ops, request by request: each row's visible keys by mask, softmax, times V."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads, head_dim = kv_cache.block_size, kv_cache.data.shape[3], q.shape[-1]
+    group = q.shape[1] // num_kv_heads
+    starts = query_start_loc.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        n = starts[b + 1] - starts[b]
+        if n == 0:
+            continue
+        table = block_tables[b, : -(-length // block_size)].long()
+        kv = dequantize(kv_cache.data[table], None if kv_cache.scales is None else kv_cache.scales[table],
+                        torch.float32).transpose(0, 1).reshape(2, -1, num_kv_heads, head_dim)[:, :length]
+        k, v = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)  # (L, H_q, D)
+        rows = q[starts[b] : starts[b + 1]].float()  # (n, H_q, D)
+        scores = torch.einsum("nhd,lhd->hnl", rows, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        bits = (tree_mask[starts[b] : starts[b + 1], None].long() >> torch.arange(n)) & 1  # (n, n)
+        seen = torch.cat([torch.ones(n, length - n, dtype=torch.bool), bits.bool()], dim=1)  # (n, L)
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hnl,lhd->nhd", weights, v).to(q.dtype)
+    return out

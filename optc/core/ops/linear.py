@@ -52,7 +52,9 @@ def exact_top_logits(logits: torch.Tensor, x: torch.Tensor, parts: dict[str, tor
     # every part but act_order's input permutation is indexed by output row
     rows = dequantize({r: p if r == "perm" else p.index_select(0, ids) for r, p in parts.items()}, fmt,
                       torch.float32)  # (M * k, K)
-    exact = torch.bmm(rows.view(*top.shape, -1), x.float()[:, :, None])[..., 0]  # (M, k)
+    # a product and a sum per row, not bmm: torch's batched matmul takes another path for M > 1 than for one row,
+    # so a row's logits would depend on how many rows its step has (speculative verification against decoding)
+    exact = rows.view(*top.shape, -1).mul_(x.float()[:, None, :]).sum(-1)  # (M, k)
     return logits.scatter_(-1, top, exact)
 
 
@@ -81,8 +83,15 @@ def _embedding_call(fn, node, inputs, params, step):
 
 def _linear_call(fn, node, inputs, params, step):
     # linear(x) {split?} [weight, bias?] -> y, or its split along features
-    w = params["weight"]
-    y = fn(inputs[0], w.parts, w.format, params["bias"].dense() if "bias" in params else None)
+    w, x = params["weight"], inputs[0]
+    bias = params["bias"].dense() if "bias" in params else None
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not w.format.is_quantized:
+        # torch computes a one-row bfloat16 matmul with its own gemv, whose sums run in another order than the
+        # GEMM (oneDNN) every larger row count takes (SmolLM2's down_proj, K = 1536: rows differ in the last
+        # bit); as two rows, a decode step's row rounds as the same row in a speculative verification does
+        y = fn(x.expand(2, -1).contiguous(), w.parts, w.format, bias)[:1]
+    else:
+        y = fn(x, w.parts, w.format, bias)
     split = node.attrs.get("split")
     return list(y.split(split, dim=-1)) if split else [y]
 
