@@ -25,7 +25,9 @@
 
 namespace {
 
-enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2 };
+// DENSE_ROWS2: a dense bfloat16 weight whose one-row product runs as two rows, as the linear node's does (torch's
+// one-row gemv sums in another order than the GEMM of more rows; optc/core/ops/linear.py)
+enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3 };
 
 // one kernel of a linear, for calls of at most `max_rows` rows (< 0: any); tensors by kind:
 // DENSE {weight (N, K)}; INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff}
@@ -54,6 +56,10 @@ struct Linear {
     }
     switch (c->kind) {
       case DENSE: return at::linear(x, c->t[0]);
+      case DENSE_ROWS2:
+        if (m == 1 && x.scalar_type() == at::kBFloat16)
+          return at::linear(x.expand({2, -1}).contiguous(), c->t[0]).narrow(0, 0, 1);
+        return at::linear(x, c->t[0]);
       case INT4PACK: return at::_weight_int4pack_mm_for_cpu(x.contiguous(), c->t[0], c->group, c->t[1]);
       default: return qlinear(x, c->t[0], c->bits, c->group, c->t[1], c->t[2], c->t[3], c->offset, c->isa);
     }
@@ -78,7 +84,7 @@ class Stack {
     Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int i = 0; i < 4; ++i) {
       for (auto& [max_rows, kind, tensors, group, bits, isa, offset] : linears[i]) {
-        TORCH_CHECK(kind == DENSE || kind == INT4PACK || kind == QDOT, "unknown linear kind");
+        TORCH_CHECK(kind >= DENSE && kind <= DENSE_ROWS2, "unknown linear kind");
         slots[i]->choices.push_back({max_rows, kind, tensors, group, bits, isa, offset});
       }
       TORCH_CHECK(!slots[i]->choices.empty(), "a linear needs a kernel");
@@ -101,14 +107,16 @@ class Stack {
   // last layer's (normed, summed): what its trailing add + RMSNorm node outputs.
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor residual, at::Tensor positions, at::Tensor cos_sin,
                                   at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                                  std::vector<at::Tensor> caches) {
+                                  std::vector<at::Tensor> caches, int64_t max_rows) {
     const int64_t t = x.size(0);
+    const auto starts = at::arange(t + 1, seq_lens.options());  // one query row per request
     for (const Layer& l : layers_) {
       const at::Tensor& cache = caches.at(l.cache_index);
       auto qkv = l.qkv(x).split_with_sizes(l.qkv.split, -1);
       auto q = rope_kv_store(qkv[0].view({t, l.hq, l.d}).contiguous(), qkv[1].view({t, l.hkv, l.d}).contiguous(),
                              qkv[2].view({t, l.hkv, l.d}).contiguous(), positions, cos_sin, cache, slots);
-      auto attn = decode_attention(q, cache, block_tables, seq_lens, l.scale, 0.0, 0).flatten(1);
+      auto attn = row_attention(q, cache, block_tables, seq_lens, starts, l.scale, 0.0, 0, max_rows, c10::nullopt)
+                      .flatten(1);
       // the add + RMSNorm nodes' operands in their order: the residual stream, then the new value
       auto post = rms_norm(residual, l.o(attn).contiguous(), l.post_norm, l.post_eps, 0.0);
       auto gu = l.gate_up(post[0]).split_with_sizes(l.gate_up.split, -1);

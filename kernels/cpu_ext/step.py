@@ -21,10 +21,11 @@ from optc.core.formats import FormatKind
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext.ops import MAX_ROWS
 from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.spec import PreparedImpl
 
-DENSE, INT4PACK, QDOT = 0, 1, 2  # step.cpp's linear kinds
+DENSE, INT4PACK, QDOT, DENSE_ROWS2 = 0, 1, 2, 3  # step.cpp's linear kinds
 LAYER_OPS = ("linear", "rope_kv_store", "attention", "linear", "add_rms_norm", "linear", "gated_act", "linear",
              "add_rms_norm")
 LINEARS = (0, 3, 5, 7)  # qkv, o, gate_up, down in LAYER_OPS
@@ -66,7 +67,8 @@ class DecoderRun:
             return None
         return self.stack.forward(x, residual, step.positions.long().contiguous(),
                                   step.cos_sin[GLOBAL].contiguous(), b.slot_mapping.long().contiguous(),
-                                  b.block_tables.int().contiguous(), b.seq_lens.int().contiguous(), caches)
+                                  b.block_tables.int().contiguous(), b.seq_lens.int().contiguous(), caches,
+                                  MAX_ROWS)
 
     def _cache_data(self, kv_caches) -> list[torch.Tensor] | None:
         """The layers' cache tensors when every one is a contiguous float cache of the activations' dtype, else
@@ -186,7 +188,9 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
     fmt = w.format
     if name == REFERENCE_KERNEL:  # a dense weight of the activations' dtype (the cast pass's): F.linear
         dense = fmt.kind is FormatKind.DENSE and w.parts["weight"].dtype == fmt.torch_dtype
-        return (DENSE, [w.parts["weight"]], 0, 0, 0, 0.0) if dense else None
+        # the linear node runs a one-row bfloat16 product of an unquantized weight as two rows (linear.py)
+        kind = DENSE_ROWS2 if not fmt.is_quantized and fmt.torch_dtype == torch.bfloat16 else DENSE
+        return (kind, [w.parts["weight"]], 0, 0, 0, 0.0) if dense else None
     if not isinstance(impl, PreparedImpl):
         return None
     parts = impl.params(node, params)["weight"].parts
