@@ -19,6 +19,7 @@ import torch
 
 from optc.core.formats import FormatKind
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.ops.linear import one_row_as_two
 from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext.ops import MAX_ROWS
@@ -189,7 +190,8 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
     if name == REFERENCE_KERNEL:  # a dense weight of the activations' dtype (the cast pass's): F.linear
         dense = fmt.kind is FormatKind.DENSE and w.parts["weight"].dtype == fmt.torch_dtype
         # the linear node runs a one-row bfloat16 product of an unquantized weight as two rows (linear.py)
-        kind = DENSE_ROWS2 if not fmt.is_quantized and fmt.torch_dtype == torch.bfloat16 else DENSE
+        rows2 = not fmt.is_quantized and fmt.torch_dtype == torch.bfloat16 and one_row_as_two(w.parts["weight"].device)
+        kind = DENSE_ROWS2 if rows2 else DENSE
         return (kind, [w.parts["weight"]], 0, 0, 0, 0.0) if dense else None
     if not isinstance(impl, PreparedImpl):
         return None

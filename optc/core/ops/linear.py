@@ -14,6 +14,8 @@ softcap * tanh(logits / softcap) in float32; monotonic, so the exactly recompute
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -81,14 +83,25 @@ def _embedding_call(fn, node, inputs, params, step):
     return [out if scale is None else out * torch.tensor(scale, dtype=out.dtype)]
 
 
+@functools.cache
+def _onednn_bf16_gemm() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def one_row_as_two(device: torch.device) -> bool:
+    """Whether a one-row bfloat16 product of an unquantized weight runs as two rows (the first kept). With AVX-512,
+    torch computes one row with its own gemv and two or more with oneDNN's GEMM, whose sums run in another order
+    (SmolLM2's down_proj, K = 1536: rows differ in the last bit); as two rows a decode step's row rounds as the same
+    row in a speculative verification does, for 1-2% of a bf16 decode step. Capped to AVX2, torch runs every row
+    count row by row (a second row costs a whole one), so the rows agree already and one stays one."""
+    return device.type == "cpu" and _onednn_bf16_gemm()
+
+
 def _linear_call(fn, node, inputs, params, step):
     # linear(x) {split?} [weight, bias?] -> y, or its split along features
     w, x = params["weight"], inputs[0]
     bias = params["bias"].dense() if "bias" in params else None
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and not w.format.is_quantized:
-        # torch computes a one-row bfloat16 matmul with its own gemv, whose sums run in another order than the
-        # GEMM (oneDNN) every larger row count takes (SmolLM2's down_proj, K = 1536: rows differ in the last
-        # bit); as two rows, a decode step's row rounds as the same row in a speculative verification does
+    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and not w.format.is_quantized and one_row_as_two(x.device):
         y = fn(x.expand(2, -1).contiguous(), w.parts, w.format, bias)[:1]
     else:
         y = fn(x, w.parts, w.format, bias)
