@@ -2,17 +2,18 @@
 
 Data (`data`): `corpus`, the recipe's calibration text (its `calibration:` section: source, windows,
 length, seed), the first `samples` windows; `self`, the target's own greedy answers (up to
-`answer_tokens`, `generate_batch` prompts at a time) to the chat prompts of the `prompts` file, under the
-tokenizer's chat template (EAGLE's authors found such self-distilled data matters: the head learns what
-the target says, not what a corpus says); `both`, the corpus windows then the answers. The last
-`validation_windows` sequences are held out. The target's feature at every position (the lm_head's
-input) and its greedy next token come from the forwards that generated the answers, or one forward over
-a corpus window (passes/_draft_data.py: on the cpu target through its CPU kernels, the ones decoding
-drafts from). The head's reduced vocabulary: the `vocab_size` tokens the target predicted most often on
-the training sequences (then the lowest ids). Training and the validation proxy: passes/_draft_training.py
-(teacher-forced, each entry unrolled `unroll` draft steps deep; the same options and data give the same
-head). Validation: chain acceptance on the held-out sequences, from every 8th position where decoding
-drafts (an answer's, not its prompt's).
+`answer_tokens`, `generate_batch` prompts at a time) to the chat prompts of the `prompts` file (its
+first `max_prompts`), under the tokenizer's chat template (EAGLE's authors found such self-distilled
+data matters: the head learns what the target says, not what a corpus says); `both`, the corpus
+windows then the answers. The last `validation_windows` sequences are held out. The target's feature
+at every position (the lm_head's input) and its greedy next token come from the forwards that
+generated the answers, or one forward over a corpus window (passes/_draft_data.py: on the cpu target
+through its CPU kernels, the ones decoding drafts from). The head's reduced vocabulary: the
+`vocab_size` tokens the target predicted most often on the training sequences (then the lowest ids).
+Training and the validation proxy: passes/_draft_training.py (teacher-forced, each entry unrolled
+`unroll` draft steps deep; the same options and data give the same head). Validation: chain acceptance
+on the held-out sequences, from every 8th position where decoding drafts (an answer's, not its
+prompt's).
 
 The stats and the manifest's `draft_head` section record the loss curve (every `steps / 20` steps), the
 validation acceptance rate per position and the mean acceptance length. The head's tensors
@@ -54,6 +55,7 @@ class TrainDraftHead(Pass):
         data: Data = field(default=Data.CORPUS, metadata={"help": "corpus, self or both (see the pass's doc)"})
         prompts: str | None = field(default=None, metadata={
             "help": "chat prompts the target answers for data self/both: a .txt (one per line) or .jsonl file"})
+        max_prompts: int | None = field(default=None, metadata={"help": "answer only the file's first prompts"})
         answer_tokens: int = field(default=128, metadata={"min": 1, "help": "longest self-generated answer"})
         generate_batch: int = field(default=64, metadata={"min": 1, "help": "prompts the target answers at once"})
         steps: int = field(default=300, metadata={"min": 1, "help": "optimizer steps (one window each)"})
@@ -150,7 +152,7 @@ def _data(executor: Executor, graph: Graph, o: TrainDraftHead.Options, ctx: Pass
         tokenizer = ctx.tokenizer()
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False)
-                   for p in read_prompts(o.prompts)]
+                   for p in read_prompts(o.prompts)[: o.max_prompts]]
         for answer in generate(executor, graph, prompts, o.answer_tokens, o.generate_batch,
                                _progress(ctx, "train_draft_head: self-generated answers", "batch")):
             tokens.append(answer.token_ids[:-1])  # the last token was never computed: no feature

@@ -83,6 +83,29 @@ def test_training_is_deterministic_given_the_seed():
     assert len(stats["validation_acceptance_per_position"]) == 4
 
 
+class _ByteChat:
+    """A chat template over random:tiny's byte ids: a fixed header, the message's bytes, a fixed footer."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return [1, 7, 7] + [3 + b % 250 for b in messages[0]["content"].encode()] + [2, 9]
+
+
+def test_self_data_answers_the_first_prompts_and_validates_on_the_last(tmp_path):
+    """data: self answers the prompts file's first `max_prompts` prompts (on the CPU kernels), trains on all but
+    the last `validation_windows` answers and validates from those answers' positions only."""
+    source = load_source("random:tiny")
+    prompts = [f"prompt {i} " * (1 + i) for i in range(7)]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    ctx = PassContext(tokenizer=lambda: _ByteChat())
+    options = {"data": "self", "prompts": str(tmp_path / "p.txt"), "max_prompts": 5, "answer_tokens": 12,
+               "generate_batch": 2, "validation_windows": 2, "steps": 5, "vocab_size": 64}
+    stats = make_pass("train_draft_head", options).run(source.graph, source.store, ctx).stats
+    chats = [_ByteChat().apply_chat_template([{"content": p}], True, True, False) for p in prompts[:5]]
+    answers = generate(data_executor(source.graph, source.store, ctx), source.graph, chats, 12)
+    lengths = [len(a.token_ids) - 1 for a in answers]  # the last token has no feature
+    assert (stats["train_tokens"], stats["validation_tokens"]) == (sum(lengths[:3]), sum(lengths[3:]))
+
+
 def test_self_generated_answers_are_the_engines_greedy_tokens(tiny_artifact):
     """The pass's batched, KV-cached greedy generation (data: self) against the engine's, prompts of
     different lengths in one batch and over two batches; its features and greedy tokens against one dense
@@ -104,6 +127,9 @@ def test_self_generated_answers_are_the_engines_greedy_tokens(tiny_artifact):
     bound = data_executor(artifact.graph, artifact.store, PassContext(target="cpu"))
     assert {n.kernel for n in bound.graph.nodes} > {"torch"}  # C++ kernels where they take a node
     assert [a.token_ids.tolist() for a in generate(bound, artifact.graph, prompts, 10)] == [
+        a.token_ids.tolist() for a in answers]
+    references = data_executor(artifact.graph, artifact.store, PassContext(target="cuda"))  # built off the GPU
+    assert [a.token_ids.tolist() for a in generate(references, artifact.graph, prompts, 10)] == [
         a.token_ids.tolist() for a in answers]
 
 
