@@ -1,6 +1,6 @@
 """Speculative decoding on SmolLM2: speculation off vs `ngram` vs `draft` (an int4 RTN build of the same
 checkpoint) vs `eagle` (the target artifact's own draft head, recipes/smollm2-eagle.yaml), in one
-process, each workload run by every config back to back so that the ratios share the machine's load.
+process, each batch of a workload run by every config in turn so that the ratios share the machine's load.
 
 Workloads (greedy, chat template, EOS ends a request, at most --output-len tokens):
 - grounded: batch 1, input-grounded: repeat / extract / summarize a passage of `pydoc_data.topics`;
@@ -177,12 +177,15 @@ def main() -> None:
         else:
             prompts = grounded_prompts(args.num_prompts) if workload == "grounded" else list(OPEN[: args.num_prompts])
             batches = [[p] for p in prompts]
+        runs = {name: [] for name in engines}
+        for i, batch in enumerate(batches):  # configs interleaved per batch: they share the load's drift
+            for name, engine in engines.items():
+                if name != "draft" or (i == 0 and workload in args.draft_workloads.split(",")):
+                    runs[name].append(run(engine, batch, args.output_len))
         rows = {}
-        for name, engine in engines.items():
-            if name == "draft" and workload not in args.draft_workloads.split(","):
-                continue
-            runs = [run(engine, batch, args.output_len) for batch in (batches[:1] if name == "draft" else batches)]
-            rows[name] = summarize(runs, rows.get("off"))
+        for name, config_runs in runs.items():
+            if config_runs:
+                rows[name] = summarize(config_runs, rows.get("off"))
         result["workloads"][workload] = _without_tokens(rows)
         print(f"\n{workload}: {len(batches)} run(s) of {len(batches[0])} request(s), <= {args.output_len} tokens "
               "(draft: the first run only, its ratio against off's first run)")

@@ -1,8 +1,11 @@
 """The data a draft head trains on (passes/train_draft_head.py): the target's own answers to chat
-prompts (greedy, through a paged KV cache on the graph's executor), and the target's features and
-greedy tokens over any token sequence.
+prompts (greedy, batched, through a paged KV cache), with the features the target computed while it
+generated them, and the target's features and greedy tokens over any token sequence.
 
-Not here: what the head is or how it trains.
+The target runs on `data_executor`: on the cpu target its nodes bound to the first CPU kernel that
+takes each (select_kernels' binding without measuring), the kernels the runtime drafts from, at a
+fraction of the op references' time; on another target, the references (a build for cuda may run
+where the kernels cannot). Not here: what the head is or how it trains.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from typing import Any
 import torch
 
 from optc.core.errors import InputError
-from optc.core.execute import Executor, Step, graph_kv_spec, run_dense
-from optc.core.ir import Graph
+from optc.core.execute import Executor, Step, bind_params, graph_kv_spec, run_dense
+from optc.core.ir import REFERENCE_KERNEL, Graph
 from optc.core.kv_cache import KVCacheSpec
 from optc.core.rope import cos_sin_tables
+from optc.core.store import TensorStore
+from optc.frontend.passmanager import PassContext
 
 
 @dataclass
@@ -31,6 +36,32 @@ class _Batch:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+
+
+@dataclass
+class Answer:
+    """A prompt and the target's greedy answer: `token_ids` (L,) the prompt's then the answer's; `features`
+    (L - 1, H) float32 the lm_head's input at every position but the last (the target never computed the
+    last token); `greedy` (L - 1,) the target's greedy next token at each of them, -1 inside the prompt
+    (only the prompt's last position got logits)."""
+
+    token_ids: torch.Tensor
+    features: torch.Tensor
+    greedy: torch.Tensor
+    prompt_len: int
+
+
+def data_executor(graph: Graph, store: TensorStore, ctx: PassContext) -> Executor:
+    """The executor the data is computed on (see the module's doc)."""
+    params = bind_params(graph, store)
+    if ctx.target != "cpu":
+        return Executor(graph, params, use_references=True)
+    from optc.kernels.registry import impls
+    from optc.passes.select_kernels import SelectKernels
+
+    bound = SelectKernels(SelectKernels.Options(measure=False)).run(graph, store, ctx).graph
+    names = {n.kernel for n in bound.nodes} - {REFERENCE_KERNEL}
+    return Executor(bound, params, impls(names) if names else {})
 
 
 def read_prompts(path: str) -> list[str]:
@@ -53,9 +84,18 @@ def read_prompts(path: str) -> list[str]:
 
 @torch.no_grad()
 def generate(executor: Executor, graph: Graph, prompts: list[list[int]], max_new_tokens: int,
-             progress: Any = None) -> list[torch.Tensor]:
-    """Each prompt followed by the target's greedy answer (up to `max_new_tokens`, ending at an EOS
-    token), all prompts batched: one prefill forward, then one forward per token."""
+             batch_size: int = 64, progress: Any = None) -> list[Answer]:
+    """Each prompt's greedy answer (up to `max_new_tokens`, ending at an EOS token), `batch_size` prompts
+    at a time: one prefill forward, then one forward per token; the features come from those forwards."""
+    answers = []
+    batches = range(0, len(prompts), batch_size)
+    for first in (progress(batches) if progress is not None else batches):
+        answers += _generate_batch(executor, graph, prompts[first : first + batch_size], max_new_tokens)
+    return answers
+
+
+def _generate_batch(executor: Executor, graph: Graph, prompts: list[list[int]],
+                    max_new_tokens: int) -> list[Answer]:
     c = graph.config
     spec = graph_kv_spec(graph) or KVCacheSpec(dtype=c.dtype)
     size = spec.block_size
@@ -66,16 +106,22 @@ def generate(executor: Executor, graph: Graph, prompts: list[list[int]], max_new
     cos_sin = cos_sin_tables(c, total)
     eos = set(c.eos_token_ids)
     sequences = [list(p) for p in prompts]
+    features: list[list[torch.Tensor]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     new = [list(p) for p in prompts]  # each active request's tokens not yet computed
-    steps = range(max_new_tokens)
-    if progress is not None:
-        steps = progress(steps)
-    for _ in steps:
+    captured = {}
+
+    def hook(i, node, inputs, outputs) -> None:
+        if node.op == "lm_head":
+            captured["feature"] = inputs[0].float()
+
+    for _ in range(max_new_tokens):
         starts = [len(sequences[b]) - len(new[b]) for b in active]
-        logits = executor.run(*_step(new, active, starts, tables, size, cos_sin, caches))["logits"]
+        logits = executor.run(*_step(new, active, starts, tables, size, cos_sin, caches), hook)["logits"]
+        rows = captured.pop("feature").split([len(new[b]) for b in active])
         still = []
         for row, b in enumerate(active):
+            features[b].append(rows[row])
             token = int(logits[row].argmax())
             sequences[b].append(token)
             if token not in eos:
@@ -84,7 +130,11 @@ def generate(executor: Executor, graph: Graph, prompts: list[list[int]], max_new
         active = still
         if not active:
             break
-    return [torch.tensor(s) for s in sequences]
+    answers = []
+    for prompt, tokens, rows in zip(prompts, sequences, features, strict=True):
+        greedy = torch.tensor([-1] * (len(prompt) - 1) + tokens[len(prompt):])
+        answers.append(Answer(torch.tensor(tokens), torch.cat(rows), greedy, len(prompt)))
+    return answers
 
 
 def target_outputs(executor: Executor, sequences: list[torch.Tensor],

@@ -2,24 +2,20 @@
 
 Data (`data`): `corpus`, the recipe's calibration text (its `calibration:` section: source, windows,
 length, seed), the first `samples` windows; `self`, the target's own greedy answers (up to
-`answer_tokens`) to the chat prompts of the `prompts` file, under the tokenizer's chat template (EAGLE's
-authors found such self-distilled data matters: the head learns what the target says, not what a corpus
-says); `both`, the corpus windows then the answers. The last `validation_windows` sequences are held
-out. The target runs once over the sequences (the graph as the passes before left it, on the op
-references): its feature at every position (the lm_head's input) and its greedy next token. Training is
-teacher-forced as EAGLE's: entry p gets (token p + 1, feature p, plus uniform noise of `noise` x the
-features' std) and is scored by a smooth L1 loss to feature p + 1 plus `ce_weight` x the cross entropy
-of its logits against the target's greedy token at p + 1, over the head's reduced vocabulary: the
-`vocab_size` tokens the target predicted most often on the training windows (then the lowest ids). Each
-entry is also trained `unroll` draft steps deep on its own predictions (EAGLE-3's training-time test,
-`_window_loss`): without it the second draft, which reads a predicted feature, is rarely right. One
-`crop`-token slice of one window per step, drawn by the seeded generator, AdamW (or SGD) with warm-up,
-cosine decay and gradient clipping: the same options and data give the same head.
+`answer_tokens`, `generate_batch` prompts at a time) to the chat prompts of the `prompts` file (its
+first `max_prompts`), under the tokenizer's chat template (EAGLE's authors found such self-distilled
+data matters: the head learns what the target says, not what a corpus says); `both`, the corpus
+windows then the answers. The last `validation_windows` sequences are held out. The target's feature
+at every position (the lm_head's input) and its greedy next token come from the forwards that
+generated the answers, or one forward over a corpus window (passes/_draft_data.py: on the cpu target
+through its CPU kernels, the ones decoding drafts from). The head's reduced vocabulary: the
+`vocab_size` tokens the target predicted most often on the training sequences (then the lowest ids).
+Training and the validation proxy: passes/_draft_training.py (teacher-forced, each entry unrolled
+`unroll` draft steps deep; the same options and data give the same head). Validation: chain acceptance
+on the held-out sequences, from every 8th position where decoding drafts (an answer's, not its
+prompt's).
 
-Validation: chain acceptance on the held-out windows, a greedy proxy of decoding: from each position
-p (every 8th), the head drafts `validation_k` tokens from the real entries up to p, feeding back its
-own predictions, and draft j counts while it equals the target's greedy token at p + j. The stats
-and the manifest's `draft_head` section record the loss curve (every `steps / 20` steps), the
+The stats and the manifest's `draft_head` section record the loss curve (every `steps / 20` steps), the
 validation acceptance rate per position and the mean acceptance length. The head's tensors
 (`eagle.*`) go into the tensor table as dense weights of the graph's dtype, beside the nodes (no
 node reads them); the runtime reads them with `--speculative eagle`.
@@ -32,24 +28,17 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from optc.core.eagle import PREFIX, EagleHead, EagleHeadConfig, init_weights
 from optc.core.errors import InputError
-from optc.core.execute import Executor, bind_params
+from optc.core.execute import Executor
 from optc.core.formats import DTYPES, Format
 from optc.core.ir import Graph, TensorInfo
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import Pass, PassContext, PassResult
 from optc.frontend.quant.blocks import tensor_entry
-from optc.passes._draft_data import generate, read_prompts, target_outputs
-
-VALIDATION_STRIDE = 8  # validation drafts from every 8th position of a held-out window
-
-
-class Optimizer(enum.StrEnum):
-    ADAMW = "adamw"
-    SGD = "sgd"
+from optc.passes._draft_data import data_executor, generate, read_prompts, target_outputs
+from optc.passes._draft_training import Optimizer, train, validate
 
 
 class Data(enum.StrEnum):
@@ -66,7 +55,9 @@ class TrainDraftHead(Pass):
         data: Data = field(default=Data.CORPUS, metadata={"help": "corpus, self or both (see the pass's doc)"})
         prompts: str | None = field(default=None, metadata={
             "help": "chat prompts the target answers for data self/both: a .txt (one per line) or .jsonl file"})
+        max_prompts: int | None = field(default=None, metadata={"help": "answer only the file's first prompts"})
         answer_tokens: int = field(default=128, metadata={"min": 1, "help": "longest self-generated answer"})
+        generate_batch: int = field(default=64, metadata={"min": 1, "help": "prompts the target answers at once"})
         steps: int = field(default=300, metadata={"min": 1, "help": "optimizer steps (one window each)"})
         lr: float = field(default=1e-3, metadata={"gt": 0.0, "help": "peak learning rate (cosine decay)"})
         optimizer: Optimizer = field(default=Optimizer.ADAMW, metadata={"help": "adamw or sgd (momentum 0.9)"})
@@ -100,12 +91,10 @@ class TrainDraftHead(Pass):
             return PassResult(graph, store, changed=False, stats={"trained": 0})
         o = self.options
         t0 = time.perf_counter()
-        executor = Executor(graph, bind_params(graph, store), use_references=True)
-        sequences = _sequences(executor, graph, o, ctx)
-        bar = _progress(ctx, "train_draft_head: target features", "sequence")
-        features, greedy = target_outputs(executor, sequences, bar)
+        executor = data_executor(graph, store, ctx)
+        tokens, features, greedy, starts = _data(executor, graph, o, ctx)
         embedding, lm_head = _target_tables(executor, graph)
-        num_train = len(sequences) - o.validation_windows
+        num_train = len(tokens) - o.validation_windows
         config = _head_config(graph, o, torch.cat(greedy[:num_train]))
         vocab_ids = torch.tensor(config.vocab_ids)
         index = torch.full((graph.config.vocab_size,), -100, dtype=torch.long)
@@ -113,16 +102,17 @@ class TrainDraftHead(Pass):
         weights = init_weights(config, torch.Generator().manual_seed(o.seed))
         head = EagleHead(config, weights, embedding, lm_head[vocab_ids])
         extract_seconds = time.perf_counter() - t0
-        labels = [index[g] for g in greedy[:num_train]]
-        curve, seconds = _train(head, weights, sequences[:num_train], features[:num_train], labels, o, ctx)
+        labels = [torch.where(g >= 0, index[g.clamp(min=0)], -100) for g in greedy[:num_train]]
+        curve, seconds = train(head, weights, tokens[:num_train], features[:num_train], labels, o,
+                               ctx.show_progress_bars)
         with torch.no_grad():
-            per_position = _validate(head, sequences[num_train:], features[num_train:], greedy[num_train:],
-                                     o.validation_k)
+            per_position = validate(head, tokens[num_train:], features[num_train:], greedy[num_train:],
+                                    starts[num_train:], o.validation_k)
         length = 1 + sum(per_position)  # per_position[j] counts chains whose drafts 0..j all matched
-        train_tokens = sum(len(t) for t in sequences[:num_train])
+        train_tokens = sum(len(t) for t in tokens[:num_train])
         record = {"loss_curve": curve, "validation_acceptance_per_position": [round(a, 4) for a in per_position],
                   "validation_mean_acceptance_length": round(length, 4), "train_tokens": train_tokens,
-                  "validation_tokens": sum(len(t) for t in sequences[num_train:]),
+                  "validation_tokens": sum(len(t) for t in tokens[num_train:]),
                   "extract_seconds": round(extract_seconds, 1),
                   "train_seconds": round(seconds, 1)}
         dtype = graph.config.dtype
@@ -138,30 +128,41 @@ class TrainDraftHead(Pass):
                           manifest={"draft_head": section})
 
 
-def _sequences(executor: Executor, graph: Graph, o: TrainDraftHead.Options, ctx: PassContext) -> list[torch.Tensor]:
-    """The token sequences of `o.data`: corpus windows, then self-generated answers."""
-    sequences = []
+def _data(executor: Executor, graph: Graph, o: TrainDraftHead.Options, ctx: PassContext) -> tuple[list, ...]:
+    """The sequences of `o.data` (corpus windows, then self-generated answers): token ids (L,), the
+    target's features (L, H) and greedy next tokens (L,; -1 where unknown, inside a prompt), and the first
+    position a validation chain starts at in each (an answer's: its prompt's last)."""
+    tokens, features, greedy, starts = [], [], [], []
     if o.data is not Data.SELF:
         if ctx.calibration_tokens is None:
             raise InputError("train_draft_head data corpus needs calibration text (the recipe's calibration: section)")
-        tokens = ctx.calibration_tokens()[: o.samples]
-        if tokens.shape[0] < o.samples:
-            raise InputError(f"train_draft_head samples {o.samples}: the calibration has {tokens.shape[0]} windows; "
+        windows = ctx.calibration_tokens()[: o.samples]
+        if windows.shape[0] < o.samples:
+            raise InputError(f"train_draft_head samples {o.samples}: the calibration has {windows.shape[0]} windows; "
                              f"raise calibration.samples or lower samples")
-        sequences += list(tokens)
+        tokens += list(windows)
+        window_features, window_greedy = target_outputs(
+            executor, tokens, _progress(ctx, "train_draft_head: target features", "window"))
+        features += window_features
+        greedy += window_greedy
+        starts += [0] * len(windows)
     if o.data is not Data.CORPUS:
         if ctx.tokenizer is None:
             raise InputError("train_draft_head data self needs the model's tokenizer (a build passes it)")
         tokenizer = ctx.tokenizer()
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False)
-                   for p in read_prompts(o.prompts)]
-        sequences += generate(executor, graph, prompts, o.answer_tokens,
-                              _progress(ctx, "train_draft_head: self-generated answers", "token"))
-    if len(sequences) <= o.validation_windows:
-        raise InputError(f"train_draft_head: {len(sequences)} sequences, not more than validation_windows "
+                   for p in read_prompts(o.prompts)[: o.max_prompts]]
+        for answer in generate(executor, graph, prompts, o.answer_tokens, o.generate_batch,
+                               _progress(ctx, "train_draft_head: self-generated answers", "batch")):
+            tokens.append(answer.token_ids[:-1])  # the last token was never computed: no feature
+            features.append(answer.features)
+            greedy.append(answer.greedy)
+            starts.append(answer.prompt_len - 1)
+    if len(tokens) <= o.validation_windows:
+        raise InputError(f"train_draft_head: {len(tokens)} sequences, not more than validation_windows "
                          f"({o.validation_windows}); give more samples or prompts")
-    return sequences
+    return tokens, features, greedy, starts
 
 
 def _progress(ctx: PassContext, desc: str, unit: str):
@@ -183,111 +184,12 @@ def _head_config(graph: Graph, o: TrainDraftHead.Options, greedy: torch.Tensor) 
     """The head's shape from the model's layer; its vocabulary: the most frequent greedy tokens first."""
     c = graph.config
     size = min(o.vocab_size, c.vocab_size)
-    counts = torch.bincount(greedy.flatten(), minlength=c.vocab_size)
+    counts = torch.bincount(greedy[greedy >= 0], minlength=c.vocab_size)
     # frequency first, lower id first among equals (a stable sort of ids by count)
     order = torch.sort(counts, descending=True, stable=True).indices[:size]
     return EagleHeadConfig(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                            o.intermediate_size or c.intermediate_size, c.rms_norm_eps, c.rope_theta,
                            tuple(sorted(order.tolist())))
-
-
-def _train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.Tensor],
-           features: list[torch.Tensor], labels: list[torch.Tensor], o: TrainDraftHead.Options,
-           ctx: PassContext) -> tuple[list, float]:
-    """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took."""
-    generator = torch.Generator().manual_seed(o.seed)
-    for w in weights.values():
-        w.requires_grad_(True)
-    params = list(weights.values())
-    opt = (torch.optim.AdamW(params, lr=o.lr, weight_decay=0.0) if o.optimizer is Optimizer.ADAMW
-           else torch.optim.SGD(params, lr=o.lr, momentum=0.9))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / o.steps)).item()))
-    std = torch.cat(features).std().item()
-    num = len(tokens)
-    every = max(1, o.steps // 20)
-    curve, running, t0 = [], 0.0, time.perf_counter()
-    steps = range(o.steps)
-    if ctx.show_progress_bars:
-        from tqdm import tqdm
-
-        steps = tqdm(steps, desc="train_draft_head", unit="step", leave=False)
-    for step in steps:
-        s = int(torch.randint(num, (1,), generator=generator))
-        crop = min(o.crop, len(tokens[s]))
-        a = int(torch.randint(len(tokens[s]) - crop + 1, (1,), generator=generator))
-        f = features[s][a : a + crop]
-        noisy = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std) if o.noise else f
-        loss = _window_loss(head, tokens[s][a : a + crop], noisy, f, labels[s][a : a + crop], o)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        schedule.step()
-        running += loss.item()
-        if (step + 1) % every == 0 or step + 1 == o.steps:
-            curve.append((step + 1, round(running / ((step % every) + 1), 5)))
-            running = 0.0
-        if time.perf_counter() - t0 > 60 * o.max_minutes:
-            curve.append((step + 1, round(loss.item(), 5)))
-            break
-    for w in weights.values():
-        w.requires_grad_(False)
-    return curve, time.perf_counter() - t0
-
-
-def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, features: torch.Tensor,
-                 labels: torch.Tensor, o: TrainDraftHead.Options) -> torch.Tensor:
-    """The loss of one window (L tokens), unrolled `o.unroll` draft steps deep (EAGLE-3's training-time
-    test): level d's entry p is the d-th draft after the real entries 0..p: it reads level d - 1's predicted
-    feature with token p + d at position p + d - 1, sees real entries <= p and its own level-l entry p of
-    every level l < d, and is scored against feature p + d and the target's greedy token there."""
-    length = tokens.shape[0]
-    count = length - 1  # level 1: entries 0 .. L - 2
-    inputs, positions = noisy[:count], torch.arange(count)
-    keys, values, total = [], [], torch.zeros((), dtype=torch.float32)
-    for d in range(1, min(o.unroll, length - 1) + 1):
-        if d == 1:
-            mask = None
-        else:  # real entries <= p, then the diagonal of every earlier level and of this one
-            eyes = [torch.eye(count, length - level, dtype=torch.bool) for level in range(2, d + 1)]
-            mask = torch.cat([torch.ones(count, length - 1, dtype=torch.bool).tril(), *eyes], dim=1)
-        cache = None if d == 1 else (torch.cat(keys), torch.cat(values))
-        predicted, (k, v) = head.forward(tokens[d : d + count], inputs, positions, cache, mask)
-        keys.append(k)
-        values.append(v)
-        loss = F.smooth_l1_loss(predicted, features[d : d + count])
-        if o.ce_weight:
-            ce = F.cross_entropy(head.logits(predicted), labels[d : d + count], ignore_index=-100)
-            loss = loss + o.ce_weight * ce
-        total = total + loss
-        count -= 1  # the next level drafts from every entry whose target exists
-        inputs, positions = predicted[:count], positions[:count] + 1
-    return total / min(o.unroll, length - 1)
-
-
-def _validate(head: EagleHead, tokens: list[torch.Tensor], features: list[torch.Tensor],
-              greedy: list[torch.Tensor], k: int) -> list[float]:
-    """Per draft position j: the fraction of chains whose first j + 1 drafts all match the target's greedy
-    tokens (position 0: the first draft's accuracy)."""
-    vocab_ids = torch.tensor(head.config.vocab_ids)
-    matched, tried = [0] * k, 0
-    for s in range(len(tokens)):
-        length = len(tokens[s])
-        out, (keys, values) = head.forward(tokens[s][1:], features[s][:-1], torch.arange(length - 1))
-        for p in range(0, length - 1 - k, VALIDATION_STRIDE):
-            # real entries 0..p predict the feature of p + 1, whose token the target's greedy[p + 1] is
-            feature, cache = out[p], (keys[: p + 1], values[: p + 1])
-            tried += 1
-            for j in range(k):
-                token = vocab_ids[head.logits(feature[None])[0].argmax()]
-                if token != greedy[s][p + 1 + j]:
-                    break
-                matched[j] += 1
-                nxt, (k_new, v_new) = head.forward(token[None], feature[None], torch.tensor([p + 1 + j]), cache)
-                cache = (torch.cat([cache[0], k_new]), torch.cat([cache[1], v_new]))
-                feature = nxt[0]
-    return [m / max(1, tried) for m in matched]
 
 
 def _options_json(o: TrainDraftHead.Options) -> dict:

@@ -17,9 +17,11 @@ from optc.core.execute import Executor, bind_params, run_dense
 from optc.core.settings import SpeculativeConfig
 from optc.frontend.passmanager import PassContext, make_pass
 from optc.frontend.sources import load_source
-from optc.passes._draft_data import generate
+from optc.passes._draft_data import data_executor, generate, target_outputs
+from optc.passes._draft_training import chain_drafts, validate
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.eagle import load_eagle_head
+from optc.runtime.text import prompt_token_ids
 from optc.runtime.verifier import target_probs
 from optc.testing import assert_no_leaks, build_artifact
 
@@ -81,15 +83,96 @@ def test_training_is_deterministic_given_the_seed():
     assert len(stats["validation_acceptance_per_position"]) == 4
 
 
+class _ByteChat:
+    """A chat template over random:tiny's byte ids: a fixed header, the message's bytes, a fixed footer."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        return [1, 7, 7] + [3 + b % 250 for b in messages[0]["content"].encode()] + [2, 9]
+
+
+def test_self_data_answers_the_first_prompts_and_validates_on_the_last(tmp_path):
+    """data: self answers the prompts file's first `max_prompts` prompts (on the CPU kernels), trains on all but
+    the last `validation_windows` answers and validates from those answers' positions only."""
+    source = load_source("random:tiny")
+    prompts = [f"prompt {i} " * (1 + i) for i in range(7)]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    ctx = PassContext(tokenizer=lambda: _ByteChat())
+    options = {"data": "self", "prompts": str(tmp_path / "p.txt"), "max_prompts": 5, "answer_tokens": 12,
+               "generate_batch": 2, "validation_windows": 2, "steps": 5, "vocab_size": 64}
+    stats = make_pass("train_draft_head", options).run(source.graph, source.store, ctx).stats
+    chats = [_ByteChat().apply_chat_template([{"content": p}], True, True, False) for p in prompts[:5]]
+    answers = generate(data_executor(source.graph, source.store, ctx), source.graph, chats, 12)
+    lengths = [len(a.token_ids) - 1 for a in answers]  # the last token has no feature
+    assert (stats["train_tokens"], stats["validation_tokens"]) == (sum(lengths[:3]), sum(lengths[3:]))
+
+
 def test_self_generated_answers_are_the_engines_greedy_tokens(tiny_artifact):
     """The pass's batched, KV-cached greedy generation (data: self) against the engine's, prompts of
-    different lengths in one batch."""
+    different lengths in one batch and over two batches; its features and greedy tokens against one dense
+    forward over each whole sequence; the kernel-bound data executor against the references."""
     artifact = read(tiny_artifact)
     executor = Executor(artifact.graph, bind_params(artifact.graph, artifact.store))
     prompts = [[5, 17, 99], [3, 42, 7, 8, 200, 11, 12], [60] * 20]
-    sequences = generate(executor, artifact.graph, prompts, 10)
+    answers = generate(executor, artifact.graph, prompts, 10)
     expected = Engine.load(tiny_artifact).generate(prompts, SamplingParams(max_tokens=10))
-    assert [s.tolist() for s in sequences] == [p + c.token_ids for p, c in zip(prompts, expected, strict=True)]
+    assert [a.token_ids.tolist() for a in answers] == [p + c.token_ids for p, c in zip(prompts, expected, strict=True)]
+    features, greedy = target_outputs(executor, [a.token_ids for a in answers])
+    for a, f, g in zip(answers, features, greedy, strict=True):
+        p = a.prompt_len
+        assert a.features.shape == (len(a.token_ids) - 1, f.shape[1])
+        torch.testing.assert_close(a.features, f[:-1], rtol=1e-4, atol=1e-4)
+        assert a.greedy[: p - 1].tolist() == [-1] * (p - 1) and torch.equal(a.greedy[p - 1 :], g[p - 1 : -1])
+    assert [a.token_ids.tolist() for a in generate(executor, artifact.graph, prompts, 10, batch_size=2)] == [
+        a.token_ids.tolist() for a in answers]
+    bound = data_executor(artifact.graph, artifact.store, PassContext(target="cpu"))
+    assert {n.kernel for n in bound.graph.nodes} > {"torch"}  # C++ kernels where they take a node
+    assert [a.token_ids.tolist() for a in generate(bound, artifact.graph, prompts, 10)] == [
+        a.token_ids.tolist() for a in answers]
+    references = data_executor(artifact.graph, artifact.store, PassContext(target="cuda"))  # built off the GPU
+    assert [a.token_ids.tolist() for a in generate(references, artifact.graph, prompts, 10)] == [
+        a.token_ids.tolist() for a in answers]
+
+
+def test_validation_drafts_what_decoding_drafts(headed):
+    """The pass's validation proxy, from every position of an answer, against the runtime proposer on the
+    same float32 target: the proposer's k drafts at every step equal the chain the proxy drafts from the
+    same position (validation measures decoding, and decoding's head state follows the accepted tokens)."""
+    engine = Engine.load(headed, speculative=SpeculativeConfig("eagle", 3, adaptive=False,
+                                                               disable_above_num_requests=4))
+    proposer = engine.speculator.proposer
+    seen = []
+    propose_one = proposer._propose_one
+
+    def record(request, k):
+        draft, q = propose_one(request, k)
+        seen.append((request.num_computed_tokens, draft))
+        return draft, q
+
+    proposer._propose_one = record
+    prompt = PROMPTS[1]
+    token_ids = prompt_token_ids(engine.tokenizer, prompt)
+    out = engine.generate([prompt], GREEDY)[0]
+    sequence = torch.tensor(list(token_ids) + out.token_ids)
+    artifact = read(headed)
+    executor = Executor(artifact.graph, bind_params(artifact.graph, artifact.store))
+    features, greedy = target_outputs(executor, [sequence])
+    head = proposer.head
+    assert len(seen) > 3 and seen[0][0] == len(token_ids)
+    accepted = [0, 0, 0]
+    for n, draft in seen:
+        assert chain_drafts(head, sequence, features[0], n - 1, len(draft)) == draft, n
+        for j, token in enumerate(draft):  # draft j stands for token n + 1 + j
+            if token != sequence[n + 1 + j]:
+                break
+            accepted[j] += 1
+    assert list(engine.stats().num_accepted_tokens_per_position) == accepted
+    # the proxy from every answer position counts the chains chain_drafts gives
+    start, k = len(token_ids) - 1, 3
+    positions = range(start, len(sequence) - 1 - k)
+    chains = {p: chain_drafts(head, sequence, features[0], p, k) for p in positions}
+    expected = [sum(all(chains[p][i] == greedy[0][p + 1 + i] for i in range(j + 1)) for p in positions) / len(positions)
+                for j in range(k)]
+    assert validate(head, [sequence], features, greedy, [start], k, stride=1) == expected
 
 
 def test_the_head_round_trips_through_the_artifact(headed):
