@@ -56,10 +56,10 @@ def data_executor(graph: Graph, store: TensorStore, ctx: PassContext) -> Executo
     params = bind_params(graph, store)
     if ctx.target != "cpu":
         return Executor(graph, params, use_references=True)
+    from optc.frontend.passmanager import make_pass  # by name: a pass never imports another pass
     from optc.kernels.registry import impls
-    from optc.passes.select_kernels import SelectKernels
 
-    bound = SelectKernels(SelectKernels.Options(measure=False)).run(graph, store, ctx).graph
+    bound = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     names = {n.kernel for n in bound.nodes} - {REFERENCE_KERNEL}
     return Executor(bound, params, impls(names) if names else {})
 

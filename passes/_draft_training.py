@@ -5,7 +5,8 @@ the features' std) and is scored by a smooth L1 loss to feature p + 1 plus `ce_w
 of its logits against the target's greedy token at p + 1 over the head's reduced vocabulary, each entry
 also trained `unroll` draft steps deep on its own predictions (`_window_loss`). One `crop`-token slice of
 one sequence per step, drawn by the seeded generator; AdamW (or SGD) with warm-up, cosine decay and
-gradient clipping: the same options and data give the same head.
+gradient clipping: the same options and data give the same head. `o` is the pass's options
+(TrainDraftHead.Options: a helper does not import its pass).
 
 `validate`: chain acceptance, a greedy proxy of decoding, from positions where decoding drafts (a
 self-generated sequence's answer, not its prompt: the chat template's fixed text is easy to predict
@@ -16,15 +17,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from optc.core.eagle import EagleHead
-
-if TYPE_CHECKING:
-    from optc.passes.train_draft_head import TrainDraftHead
 
 VALIDATION_STRIDE = 8  # validation drafts from every 8th position of a held-out sequence
 
@@ -35,7 +33,7 @@ class Optimizer(enum.StrEnum):
 
 
 def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.Tensor],
-          features: list[torch.Tensor], labels: list[torch.Tensor], o: TrainDraftHead.Options,
+          features: list[torch.Tensor], labels: list[torch.Tensor], o: Any,
           show_progress: bool = False) -> tuple[list, float]:
     """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took."""
     generator = torch.Generator().manual_seed(o.seed)
@@ -80,7 +78,7 @@ def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.
 
 
 def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, features: torch.Tensor,
-                 labels: torch.Tensor, o: TrainDraftHead.Options) -> torch.Tensor:
+                 labels: torch.Tensor, o: Any) -> torch.Tensor:
     """The loss of one window (L tokens), unrolled `o.unroll` draft steps deep (EAGLE-3's training-time
     test): level d's entry p is the d-th draft after the real entries 0..p: it reads level d - 1's predicted
     feature with token p + d at position p + d - 1, sees real entries <= p and its own level-l entry p of
