@@ -156,7 +156,7 @@ def recording(executor, recorder: Recorder):
     ops, qdot = cpu_ext.load_ops(), cpu_ext.load()
     proxies = {
         "load_ops": SimpleNamespace(**{f: recorder.wrap(getattr(ops, f)) for f in
-                                       ("rms_norm", "silu_mul", "rope_kv_store", "decode_attention")}) if ops else None,
+                                       ("rms_norm", "silu_mul", "rope_kv_store", "row_attention")}) if ops else None,
         "load": SimpleNamespace(qlinear=recorder.wrap(qdot.qlinear), best_isa=qdot.best_isa) if qdot else None,
     }
     saved = {name: getattr(cpu_ext, name) for name in proxies}
