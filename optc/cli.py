@@ -38,8 +38,8 @@ BACKEND_HELP = "torch.distributed backend of tensor parallelism: nccl or gloo (d
 SPECULATIVE_HELP = (
     "Speculative decoding: ngram[:K] (prompt lookup), draft:PATH[:K] (a draft artifact with the same "
     "tokenizer, e.g. an int4 build of the model) or eagle[:K] (the artifact's own draft head, trained at build "
-    "time by the train_draft_head pass); K = draft tokens per step, 1..16, default 4. Default: the "
-    "artifact's runtime.speculative, else off."
+    "time by the train_draft_head pass or imported from an EAGLE-1 checkpoint by import_draft_head); K = draft "
+    "tokens per step, 1..16, default 4. Default: the artifact's runtime.speculative, else off."
 )
 
 

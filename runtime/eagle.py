@@ -54,7 +54,7 @@ def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
     section = artifact.manifest.draft_head
     if section is None:
         raise InputError(f"artifact {artifact.path} has no draft head, which --speculative eagle needs: build it "
-                         "with a recipe whose passes include train_draft_head")
+                         "with a recipe whose passes include train_draft_head or import_draft_head")
     config = EagleHeadConfig.from_json(section["config"])
     dtype = torch.float32 if model.device.type == "cpu" else model.dtype  # CPU matmuls: fp32 is the fast kind
 

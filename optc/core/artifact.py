@@ -74,7 +74,7 @@ class Manifest:
     quantization: dict[str, Any] | None = None
     cuda_graphs: dict[str, Any] | None = None  # {batch_sizes} planned by the cuda_graphs pass
     quality: dict[str, Any] | None = None  # optc eval numbers, when the recipe asked for them
-    draft_head: dict[str, Any] | None = None  # the EAGLE head's shape and training record (train_draft_head)
+    draft_head: dict[str, Any] | None = None  # the EAGLE head's shape and its training record or import source
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {sha256, bytes}; set by write
     schema_version: int = SCHEMA_VERSION
 

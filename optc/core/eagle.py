@@ -6,7 +6,8 @@ of the head's sequence pairs the target's feature f_p (the lm_head's input at po
 predicted token p + 1) with the token that followed, t_{p+1}:
 
     x_p = fc(concat(embed(t_{p+1}), f_p))          embed: the target's embedding, read, not copied
-    y_p = x_p + attention(rope(rms_norm(x_p)))     causal over entries <= p (the head's own K/V)
+    y_p = x_p + attention(rope(rms_norm(x_p)))     causal over entries <= p (the head's own K/V);
+                                                   `input_norm` off (EAGLE-1's heads): no rms_norm
     f^_{p+1} = y_p + mlp(rms_norm(y_p))            gated silu MLP
     logits of t_{p+2} = f^_{p+1} @ lm_rows^T       lm_rows: the target's lm_head rows of `vocab_ids`
 
@@ -44,16 +45,20 @@ class EagleHeadConfig:
     rms_norm_eps: float
     rope_theta: float
     vocab_ids: tuple[int, ...]
+    input_norm: bool = True  # an RMSNorm before attention; EAGLE-1's published heads have none
+
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every tensor the head owns (the embedding and lm_head are the target's)."""
         h, d = self.hidden_size, self.head_dim
         qkv = (self.num_heads + 2 * self.num_kv_heads) * d
-        return {f"{PREFIX}.{k}": v for k, v in {
-            "fc.weight": (h, 2 * h), "fc.bias": (h,), "input_layernorm.weight": (h,),
-            "qkv_proj.weight": (qkv, h), "o_proj.weight": (h, self.num_heads * d),
-            "post_attention_layernorm.weight": (h,), "gate_up_proj.weight": (2 * self.intermediate_size, h),
-            "down_proj.weight": (h, self.intermediate_size)}.items()}
+        shapes = {"fc.weight": (h, 2 * h), "fc.bias": (h,), "input_layernorm.weight": (h,),
+                  "qkv_proj.weight": (qkv, h), "o_proj.weight": (h, self.num_heads * d),
+                  "post_attention_layernorm.weight": (h,), "gate_up_proj.weight": (2 * self.intermediate_size, h),
+                  "down_proj.weight": (h, self.intermediate_size)}
+        if not self.input_norm:
+            del shapes["input_layernorm.weight"]
+        return {f"{PREFIX}.{k}": v for k, v in shapes.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "vocab_ids": list(self.vocab_ids)}
@@ -102,8 +107,8 @@ class EagleHead:
         dtype = w["fc.weight"].dtype
         x = torch.cat([self.embedding[token_ids].to(dtype), features.to(dtype)], dim=-1)
         x = F.linear(x, w["fc.weight"], w["fc.bias"])  # x: (T, H)
-        q, k, v = F.linear(_rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps),
-                           w["qkv_proj.weight"]).split(self._split, dim=-1)
+        normed = _rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps) if c.input_norm else x
+        q, k, v = F.linear(normed, w["qkv_proj.weight"]).split(self._split, dim=-1)
         t = x.shape[0]
         q, k = self._rope(q.view(t, c.num_heads, c.head_dim), positions), self._rope(
             k.view(t, c.num_kv_heads, c.head_dim), positions)
