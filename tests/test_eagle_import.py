@@ -2,7 +2,7 @@
 its `bias` key; fc and `layers.0.*` tensors, no input norm) read into the artifact. The imported head's
 forward is checked against transformers' LlamaDecoderLayer with its input norm removed (EAGLE-1's
 cnets1.py: layer 0 has none) behind the fc; `--speculative eagle` on it decodes greedy tokens identical
-to plain decoding; bad checkpoints are refused by name."""
+to plain decoding, also with its linears rounded by a later RTN pass; bad checkpoints are refused by name."""
 
 from __future__ import annotations
 
@@ -133,6 +133,35 @@ def test_speculative_eagle_on_an_imported_head_is_greedy_identical(tmp_path, rec
     engine = Engine.load(path, speculative=SpeculativeConfig("eagle", 3))
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == plain
     assert engine.stats().num_draft_tokens > 0
+
+
+def test_a_later_rtn_pass_rounds_the_heads_linears(tmp_path, recipes):
+    """Like the model's: int8 per channel, norms and the fc bias left float; the runtime dequantizes the
+    head at load and greedy decoding stays identical to plain."""
+    directory = _checkpoint(tmp_path / "head", 64, 256)
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml",
+                          f"passes=[fuse_qkv, fuse_gate_up, {{import_draft_head: {{path: {directory}}}}}, "
+                          "{quantize_rtn: {bits: 8}}]")
+    artifact = read(path)
+    formats = {n: t.format for n, t in artifact.graph.tensors.items() if n.startswith("eagle.")}
+    assert formats["eagle.fc.weight"].is_quantized and formats["eagle.down_proj.weight"].is_quantized
+    assert not formats["eagle.fc.bias"].is_quantized
+    assert not formats["eagle.post_attention_layernorm.weight"].is_quantized
+    stats = next(p for p in artifact.manifest.passes if p["name"] == "quantize_rtn")["stats"]
+    assert stats["draft_head_tensors"] == 5
+    prompts = ["The quick brown fox", "jumps over the lazy dog, again and again"]
+    greedy = SamplingParams(max_tokens=16)
+    plain = [c.token_ids for c in Engine.load(path).generate(prompts, greedy)]
+    engine = Engine.load(path, speculative=SpeculativeConfig("eagle", 3))
+    assert [c.token_ids for c in engine.generate(prompts, greedy)] == plain
+    from optc.runtime.eagle import load_eagle_head
+
+    head = load_eagle_head(artifact, engine.model)
+    from safetensors.torch import load_file
+
+    fc = load_file(str(directory / "model.safetensors"))["fc.weight"].float()
+    error = (head.w["fc.weight"] - fc).abs().max() / fc.abs().max()
+    assert 0 < error < 1 / 127  # int8 per channel: within half a step of the row's largest
 
 
 @pytest.mark.parametrize(("config", "match"), [

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from optc.core.eagle import PREFIX as EAGLE_PREFIX
 from optc.core.errors import InputError
 from optc.core.formats import Format, part_name
 from optc.core.ir import Graph, TensorInfo
@@ -87,6 +88,14 @@ def dense_linear_weights(graph: Graph) -> list[str]:
     return [t for t in dict.fromkeys(names) if not graph.tensors[t].format.is_quantized]
 
 
+def draft_head_weights(graph: Graph) -> list[str]:
+    """The EAGLE draft head's linear weights (optc/core/eagle.py; not node params: the runtime reads them)
+    still stored dense; its norms and fc bias stay float."""
+    return [name for name, info in graph.tensors.items()
+            if name.startswith(f"{EAGLE_PREFIX}.") and name.endswith(".weight") and len(info.shape) == 2
+            and not info.format.is_quantized]
+
+
 def ensure_quantized(graph: Graph, pass_name: str) -> None:
     """Raise when a linear is left dense after a weight-quantization pass."""
     left = dense_linear_weights(graph) + expert_weights(graph)
@@ -124,12 +133,15 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
                   quantize: Callable[[Any, Format, str], dict], record: dict[str, Any]) -> PassResult:
     """Every dense linear weight and moe expert weight rounded to the nearest value of `format_of(its dtype)`
     by `quantize`, lazily (`lazy_entries`); the manifest's quantization section is method rtn plus `record`.
-    Experts (E, N, K) are rounded one expert at a time, their parts stacked (`Format.part_shapes`)."""
-    targets = dense_linear_weights(graph) + expert_weights(graph)
+    Experts (E, N, K) are rounded one expert at a time, their parts stacked (`Format.part_shapes`). A draft
+    head stored before this pass has its linears rounded too, like the model's (the runtime dequantizes them
+    when it loads the head)."""
+    targets = dense_linear_weights(graph) + expert_weights(graph) + draft_head_weights(graph)
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
-    num_experts = len(expert_weights(graph))
-    experts = {"expert_tensors": num_experts} if num_experts else {}  # of them, stacked experts (E, N, K)
+    num_experts, num_head = len(expert_weights(graph)), len(draft_head_weights(graph))
+    counts = {"expert_tensors": num_experts} if num_experts else {}  # of them, stacked experts (E, N, K)
+    counts |= {"draft_head_tensors": num_head} if num_head else {}
     new = graph.copy()
     entries: dict[str, Entry] = {}
     last = LastParts(partial(per_expert, quantize))
@@ -140,7 +152,7 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
         new.tensors[name] = TensorInfo(info.shape, fmt)
         entries.update(lazy_entries(name, info.shape, store.entry(part_name(name, "weight", info.format)), fmt, last))
     return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
-                      stats={"quantized": len(targets), "method": "rtn", **experts},
+                      stats={"quantized": len(targets), "method": "rtn", **counts},
                       manifest={"quantization": {"method": "rtn", **record}})
 
 
