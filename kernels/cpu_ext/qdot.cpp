@@ -34,6 +34,7 @@ namespace {
 
 constexpr int BLOCK = 32;  // inputs per activation block
 constexpr int MAX_ROWS = 4;  // rows of x per pass over a weight row
+constexpr int64_t PREFETCH_ROWS = 6;  // weight rows ahead that rows_dot prefetches
 constexpr float QMAX8 = 32767.f;  // int8 codes: int16 activations
 constexpr float QMAX4 = 127.f * 128.f;  // int4 codes: 128 * q + r, q in [-127, 127], r in [-64, 64]
 constexpr int PAIR_BYTES = 4 * BLOCK;  // int4 codes: a pair of blocks' activations, q then r (quantize's layout)
