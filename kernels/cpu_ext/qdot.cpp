@@ -67,51 +67,6 @@ struct Weights {
   int bits;
 };
 
-// x (M, K) float32 -> the integers of Acts (xq or pairs: the other null) and its per-block vectors (padded
-// rows of `padded` blocks, pads zero). int4 codes: blocks 2p and 2p + 1 are pair p, PAIR_BYTES bytes
-// [q even | q odd | r even | r odd], each 32 bytes [block 2p | block 2p + 1] of 16: the order in which 32 bytes
-// of k8_lsb codes (two blocks) unpack into low nibbles (even elements) and high nibbles (odd); an odd last block
-// pairs with zeros.
-void quantize(const float* x, int64_t m, int64_t k, int16_t* xq, int8_t* pairs, int64_t pair_row, float* dx,
-              float* dxsum, float* fsum, int64_t padded) {
-  const int64_t nb = k / BLOCK;
-  const float qmax = pairs ? QMAX4 : QMAX8;
-  if (pairs) std::fill(pairs, pairs + m * pair_row, int8_t{0});
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < padded; ++b) {
-      const int64_t at = r * padded + b;
-      if (b >= nb) {
-        dx[at] = dxsum[at] = fsum[at] = 0.f;
-        continue;
-      }
-      const float* v = x + r * k + b * BLOCK;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < BLOCK; ++i) {
-        amax = std::max(amax, std::fabs(v[i]));
-        sum += v[i];
-      }
-      const float d = amax / qmax;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int isum = 0;
-      for (int i = 0; i < BLOCK; ++i) {
-        const int xi = static_cast<int>(std::nearbyint(v[i] * id));
-        isum += xi;
-        if (!pairs) {
-          xq[r * k + b * BLOCK + i] = static_cast<int16_t>(xi);
-          continue;
-        }
-        const int q = (xi + 64) >> 7;  // round(xi / 128), so |xi - 128 q| <= 64
-        int8_t* out = pairs + r * pair_row + b / 2 * PAIR_BYTES + (i % 2) * 32 + (b % 2) * 16 + i / 2;
-        out[0] = static_cast<int8_t>(q);
-        out[2 * BLOCK] = static_cast<int8_t>(xi - 128 * q);
-      }
-      dx[at] = d;
-      dxsum[at] = d * static_cast<float>(isum);
-      fsum[at] = sum;
-    }
-  }
-}
-
 }  // namespace
 
 namespace avx2 {
@@ -163,7 +118,11 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
   torch::Tensor stats = torch::empty({3, m, padded}, x.options().dtype(at::kFloat));
   float* st = stats.data_ptr<float>();
   float *dx = st, *dxsum = st + m * padded, *fsum = st + 2 * m * padded;
-  quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
+  if (isa == AVX512_VNNI) {
+    avx512::quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
+  } else {
+    avx2::quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
+  }
   const Acts a{xq16, pairs, pair_row, dx, dxsum, fsum, k, nb, padded};
   const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8, scales.data_ptr<float>(),
                   mins.numel() ? mins.data_ptr<float>() : nullptr, soff.numel() ? soff.data_ptr<float>() : nullptr,

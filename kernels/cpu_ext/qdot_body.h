@@ -16,6 +16,58 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// x (M, K) float32 -> the integers of Acts (xq or pairs: the other null) and its per-block vectors (padded
+// rows of `padded` blocks, pads zero). int4 codes: blocks 2p and 2p + 1 are pair p, PAIR_BYTES bytes
+// [q even | q odd | r even | r odd], each 32 bytes [block 2p | block 2p + 1] of 16: the order in which 32 bytes
+// of k8_lsb codes (two blocks) unpack into low nibbles (even elements) and high nibbles (odd); an odd last block
+// pairs with zeros. Compiled per ISA so that nearbyint is one vroundss, not a libm call (the same
+// instructions and order on both paths: their integers are equal).
+void quantize(const float* x, int64_t m, int64_t k, int16_t* xq, int8_t* pairs, int64_t pair_row, float* dx,
+              float* dxsum, float* fsum, int64_t padded) {
+  const int64_t nb = k / BLOCK;
+  const float qmax = pairs ? QMAX4 : QMAX8;
+  if (pairs) std::fill(pairs, pairs + m * pair_row, int8_t{0});
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < padded; ++b) {
+      const int64_t at = r * padded + b;
+      if (b >= nb) {
+        dx[at] = dxsum[at] = fsum[at] = 0.f;
+        continue;
+      }
+      const float* v = x + r * k + b * BLOCK;
+      __m256 vs[4], mx = _mm256_setzero_ps();
+      const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int j = 0; j < 4; ++j) {
+        vs[j] = _mm256_loadu_ps(v + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(vs[j], magnitude));
+      }
+      // the float sum as a tree (its order fixed here, the same on both paths), not a chain of 32 dependent adds
+      const float sum = hsum(_mm256_add_ps(_mm256_add_ps(vs[0], vs[1]), _mm256_add_ps(vs[2], vs[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const float d = amax / qmax;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int isum = 0;
+      for (int i = 0; i < BLOCK; ++i) {
+        const int xi = static_cast<int>(std::nearbyint(v[i] * id));
+        isum += xi;
+        if (!pairs) {
+          xq[r * k + b * BLOCK + i] = static_cast<int16_t>(xi);
+          continue;
+        }
+        const int q = (xi + 64) >> 7;  // round(xi / 128), so |xi - 128 q| <= 64
+        int8_t* out = pairs + r * pair_row + b / 2 * PAIR_BYTES + (i % 2) * 32 + (b % 2) * 16 + i / 2;
+        out[0] = static_cast<int8_t>(q);
+        out[2 * BLOCK] = static_cast<int8_t>(xi - 128 * q);
+      }
+      dx[at] = d;
+      dxsum[at] = d * static_cast<float>(isum);
+      fsum[at] = sum;
+    }
+  }
+}
+
 // int8 codes: block b's 32 codes (two vectors of 16 int16) dotted with its 32 int16 activations: 8 int32 lanes
 inline __m256i block_dot(const uint8_t* codes, const int16_t* x) {
   const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
