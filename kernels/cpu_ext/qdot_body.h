@@ -16,17 +16,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 32 int32 lanes (4 vectors, elements 0..31, each within int8) -> 32 int8 in element order
+inline __m256i pack_bytes(const __m256i* v) {
+  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);
+  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2], v[3]), 0xD8);
+  return _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xD8);
+}
+
+// a block's 32 bytes -> its 16 even elements at out, its 16 odd ones at out + 32 (quantize's pair layout)
+inline void store_even_odd(__m256i v, int8_t* out) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i eo = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);  // [evens | odds]
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(eo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm256_extracti128_si256(eo, 1));
+}
+
 // x (M, K) float32 -> the integers of Acts (xq or pairs: the other null) and its per-block vectors (padded
 // rows of `padded` blocks, pads zero). int4 codes: blocks 2p and 2p + 1 are pair p, PAIR_BYTES bytes
 // [q even | q odd | r even | r odd], each 32 bytes [block 2p | block 2p + 1] of 16: the order in which 32 bytes
 // of k8_lsb codes (two blocks) unpack into low nibbles (even elements) and high nibbles (odd); an odd last block
-// pairs with zeros. Compiled per ISA so that nearbyint is one vroundss, not a libm call (the same
-// instructions and order on both paths: their integers are equal).
+// pairs with zeros. Vector code, compiled per ISA: the same instructions and order on both paths, so their
+// integers are equal.
 void quantize(const float* x, int64_t m, int64_t k, int16_t* xq, int8_t* pairs, int64_t pair_row, float* dx,
               float* dxsum, float* fsum, int64_t padded) {
   const int64_t nb = k / BLOCK;
   const float qmax = pairs ? QMAX4 : QMAX8;
-  if (pairs) std::fill(pairs, pairs + m * pair_row, int8_t{0});
+  if (pairs && nb % 2) {  // the odd last block's partner: zeros
+    for (int64_t r = 0; r < m; ++r) {
+      int8_t* last = pairs + r * pair_row + nb / 2 * PAIR_BYTES + 16;
+      for (int h = 0; h < 4; ++h) std::fill(last + 32 * h, last + 32 * h + 16, int8_t{0});
+    }
+  }
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < padded; ++b) {
       const int64_t at = r * padded + b;
@@ -48,18 +69,27 @@ void quantize(const float* x, int64_t m, int64_t k, int16_t* xq, int8_t* pairs, 
       const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
       const float d = amax / qmax;
       const float id = d > 0.f ? 1.f / d : 0.f;
-      int isum = 0;
-      for (int i = 0; i < BLOCK; ++i) {
-        const int xi = static_cast<int>(std::nearbyint(v[i] * id));
-        isum += xi;
-        if (!pairs) {
-          xq[r * k + b * BLOCK + i] = static_cast<int16_t>(xi);
-          continue;
+      __m256i xi[4];  // round(x / dx): vcvtps2dq rounds to nearest even (MXCSR's default), as nearbyint
+      for (int j = 0; j < 4; ++j) xi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vs[j], _mm256_set1_ps(id)));
+      __m256i total = _mm256_add_epi32(_mm256_add_epi32(xi[0], xi[1]), _mm256_add_epi32(xi[2], xi[3]));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      const int isum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+      if (!pairs) {  // packs interleaves the 128-bit halves; the 64-bit permute puts the elements back in order
+        int16_t* out = xq + r * k + b * BLOCK;
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(xi[2 * h], xi[2 * h + 1]), 0xD8);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), v16);
         }
-        const int q = (xi + 64) >> 7;  // round(xi / 128), so |xi - 128 q| <= 64
-        int8_t* out = pairs + r * pair_row + b / 2 * PAIR_BYTES + (i % 2) * 32 + (b % 2) * 16 + i / 2;
-        out[0] = static_cast<int8_t>(q);
-        out[2 * BLOCK] = static_cast<int8_t>(xi - 128 * q);
+      } else {
+        int8_t* out = pairs + r * pair_row + b / 2 * PAIR_BYTES + (b % 2) * 16;
+        __m256i q[4], rest[4];
+        for (int j = 0; j < 4; ++j) {  // q = round(xi / 128), so |xi - 128 q| <= 64
+          q[j] = _mm256_srai_epi32(_mm256_add_epi32(xi[j], _mm256_set1_epi32(64)), 7);
+          rest[j] = _mm256_sub_epi32(xi[j], _mm256_slli_epi32(q[j], 7));
+        }
+        store_even_odd(pack_bytes(q), out);
+        store_even_odd(pack_bytes(rest), out + 2 * BLOCK);
       }
       dx[at] = d;
       dxsum[at] = d * static_cast<float>(isum);
