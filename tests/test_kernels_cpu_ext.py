@@ -3,8 +3,9 @@
 Every format the table offers it for, at M = 1, 3, 8 and an odd N, with K that leaves an odd block (int4 pairs
 blocks) and a partial chunk of 8 blocks, on the AVX2 path and (where the CPU has it) the AVX-512 VNNI path: the
 two paths' outputs are equal bit for bit (integer dot products are exact, and the fp32 arithmetic is the same
-code), and both stay within the bound the int16 activations imply (qdot.py: |x - dx * xq| <= dx / 2 per element,
-so an output moves by at most sum over blocks of dx / 2 * sum |w - min|), plus fp32 slack. The extension is
+code), both equal a float64 reference of the same activation integers within fp32 roundings, and both stay
+within the bound the activation rounding implies (qdot.py: |x - dx * xq| <= dx / 2 per element, so an output
+moves by at most sum over blocks of dx / 2 * sum |w - min|), plus fp32 slack. The extension is
 built once for the module (and cached on disk across runs); the fallback is checked in a child process whose
 compiler does not exist.
 """
@@ -71,14 +72,40 @@ def _weight(name: str, seed: int = 0) -> Param:
     return Param(parts, fmt)
 
 
-def _bound(x: torch.Tensor, w: Param) -> torch.Tensor:
-    """(M, N): sum over blocks of dx / 2 * sum |w - min| (the int16 activations' error), plus fp32 slack."""
-    m, k = x.shape
-    dense = dequantize(w.parts, w.format, torch.float32)  # (N, K)
+def _qmax(w: Param) -> int:
+    """qdot.cpp's activation integers' range: int16 for int8 codes, an int8 pair 128 q + r for int4 codes."""
+    return 127 * 128 if w.format.bits == 4 else 32767
+
+
+def _dense_less_mins(w: Param) -> torch.Tensor:
+    """(N, K) float32: the dequantized weight less its per-group minimum (the part that meets xq)."""
+    dense = dequantize(w.parts, w.format, torch.float32)
     if "mins" in w.parts:
         dense = dense - w.parts["mins"].repeat_interleave(w.format.group_size, 1)
-    dx = x.float().view(m, k // 32, 32).abs().amax(-1).repeat_interleave(32, 1) / 32767  # (M, K)
+    return dense
+
+
+def _bound(x: torch.Tensor, w: Param) -> torch.Tensor:
+    """(M, N): sum over blocks of dx / 2 * sum |w - min| (the activation rounding's error), plus fp32 slack."""
+    m, k = x.shape
+    dense = _dense_less_mins(w)
+    dx = x.float().view(m, k // 32, 32).abs().amax(-1).repeat_interleave(32, 1) / _qmax(w)  # (M, K)
     return 0.5 * dx @ dense.abs().T + 1e-5 * (x.float().abs() @ dense.abs().T) + 1e-6
+
+
+def _quantized_ref(x: torch.Tensor, w: Param) -> torch.Tensor:
+    """(M, N) float64: qdot.cpp's sum with its activation integers, xq = round(x / dx), dx = max|x| / qmax per
+    block of 32 (dx and 1 / dx rounded to fp32 as there), times the weight less its minimum, plus the minimum
+    times x's exact sum: what the kernel computes, but for its fp32 accumulation."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // 32, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / _qmax(w)  # (M, K / 32, 1) fp32
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(blocks * inv).double() * dx.double()  # round half to even, as nearbyint
+    y = xq.view(m, k) @ _dense_less_mins(w).double().T
+    if "mins" in w.parts:
+        y = y + x.double() @ w.parts["mins"].double().repeat_interleave(w.format.group_size, 1).T
+    return y
 
 
 def _isas(ext) -> list[int]:
@@ -88,7 +115,7 @@ def _isas(ext) -> list[int]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_qdot_is_within_the_int16_activation_bound_of_the_reference_on_each_isa(ext, name):
+def test_qdot_is_its_quantized_reference_and_within_the_rounding_bound_on_each_isa(ext, name):
     from optc.kernels.cpu_ext import qdot
 
     w = _weight(name)
@@ -100,6 +127,11 @@ def test_qdot_is_within_the_int16_activation_bound_of_the_reference_on_each_isa(
         outs = [qdot.qlinear(x, parts, w.format, isa) for isa in _isas(ext)]
         excess = (outs[0] - ref).abs() - _bound(x, w)
         assert excess.max() <= 0, f"{name} M={m}: past the bound by {excess.max():.3e}"
+        # the same integers, so only fp32 roundings apart (measured: < 2^-24 of sum |x w|; one xq off by one: ~2^-20)
+        exact = _quantized_ref(x, w)
+        magnitude = x.double().abs() @ dequantize(w.parts, w.format, torch.float64).abs().T
+        fp32 = (outs[0].double() - exact).abs() - 2 ** -22 * magnitude
+        assert fp32.max() <= 0, f"{name} M={m}: off the quantized reference by {fp32.max():.3e} past fp32"
         for other in outs[1:]:
             assert torch.equal(other, outs[0]), f"{name} M={m}: the ISA paths differ"
         assert (outs[0] - ref).abs().max() > 0, "x was not rounded: the bound is not what this test checks"

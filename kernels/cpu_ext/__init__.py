@@ -1,5 +1,5 @@
 """optc's own C++ CPU kernels, compiled on first use with torch's cpp_extension and cached on disk: qdot.cpp
-(grouped int4 / int8 code linears with int16 activations per block of 32) and ops.cpp (a decode step's norms,
+(grouped int4 / int8 code linears with integer activations per block of 32) and ops.cpp (a decode step's norms,
 gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns

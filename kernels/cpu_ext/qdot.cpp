@@ -4,21 +4,28 @@
 // scale per row and group of G inputs (G a multiple of 32), optionally a float32 minimum per group and an
 // integer zero point z per group (held as the float32 product s * z) or a constant code offset:
 //     w = s * (code - offset_or_z) + min
-// The activation row is quantized once per call to int16 in blocks of 32: dx = max|x| / 32767, xq = round(x / dx),
-// with the block's integer sum and its exact float sum. A block's product is then one integer dot product (codes x
-// xq, exact in int32: |code| <= 128, so 32 products stay below 2^31) and fp32 terms:
+// The activation row is quantized once per call in blocks of 32 to integers xq = round(x / dx), with the block's
+// integer sum and its exact float sum. A block's product is then one integer dot product (codes x xq, exact in
+// int32) and fp32 terms:
 //     sum_i w_i x_i ~= s * dx * (sum_i code_i xq_i - offset * sum_i xq_i) + min * sum_i x_i
-// The only rounding beyond fp32's is x -> dx * xq (at most dx / 2 an element: 2^-16 of the block's largest |x|).
-// Why int16 and not llama.cpp's int8 (vpmaddubsw, twice the products per instruction): with int8 activations
-// SmolLM2's kept Q4_1 build lost +0.015 KL and 4.8% top-1 against its references (docs/PERF.md), the rounding of
-// the small elements of a block that holds an outlier.
+// The only rounding beyond fp32's is x -> dx * xq (at most dx / 2 an element).
+//
+// int8 codes: xq is int16, dx = max|x| / 32767 (2^-16 of the block's largest |x|), multiplied with vpmaddwd.
+// int4 codes: xq = 128 * q + r, dx = max|x| / (127 * 128) (2^-15 of the largest |x|), held as an int8 pair:
+// q = round(xq / 128) in [-127, 127] and r = xq - 128 q in [-64, 64]. The codes are unsigned nibbles (0..15), so
+// both halves go through llama.cpp's u8 x s8 instructions (vpmaddubsw, vpdpbusd: 32 products an instruction)
+// without a sign trick or saturation (2 * 15 * 127 < 2^15), and code . xq = 128 (code . q) + code . r exactly.
+// Why not llama.cpp's single int8 (q alone, 2^-8 of the largest |x|): SmolLM2's kept Q4_1 build lost +0.015 KL
+// and 4.8% top-1 against its references with it (docs/PERF.md), the rounding of the small elements of a block
+// that holds an outlier; the pair keeps int16's accuracy at int8's instruction count.
 //
 // Two ISA paths over 256-bit vectors (qdot_body.h, compiled once per ISA), chosen by the caller (`isa`): AVX2
-// (vpmaddwd + vpaddd) and AVX-512 VNNI (vpdpwssd on 256-bit registers, AVX512VL: one instruction for two).
+// (vpmaddubsw / vpmaddwd) and AVX-512 VNNI (vpdpbusd / vpdpwssd on 256-bit registers, AVX512VL).
 // Rows of W are split across threads (at::parallel_for); a pass over a weight row serves up to 4 rows of x.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -27,13 +34,19 @@ namespace {
 
 constexpr int BLOCK = 32;  // inputs per activation block
 constexpr int MAX_ROWS = 4;  // rows of x per pass over a weight row
-constexpr float QMAX = 32767.f;  // int16 activations
+constexpr int64_t PREFETCH_ROWS = 6;  // weight rows ahead that rows_dot prefetches
+constexpr float QMAX8 = 32767.f;  // int8 codes: int16 activations
+constexpr float QMAX4 = 127.f * 128.f;  // int4 codes: 128 * q + r, q in [-127, 127], r in [-64, 64]
+constexpr int PAIR_BYTES = 4 * BLOCK;  // int4 codes: a pair of blocks' activations, q then r (quantize's layout)
 
 enum Isa : int64_t { AVX2 = 2, AVX512_VNNI = 3 };
 
-struct Acts {  // x quantized per block: xq (M, K) int16 (quantize's layout), and per row, padded with zeros to
-              // whole chunks of 8 blocks: dx, dx * sum(xq), sum(x)
+struct Acts {  // x quantized per block: xq (M, K) int16 (int8 codes) or pairs (M, pairs * PAIR_BYTES) int8 (int4
+              // codes; quantize's layouts), and per row, padded with zeros to whole chunks of 8 blocks: dx,
+              // dx * sum(xq), sum(x)
   const int16_t* xq;
+  const int8_t* pairs;
+  int64_t pair_row;  // bytes of a row of `pairs`
   const float* dx;
   const float* dxsum;
   const float* fsum;
@@ -53,41 +66,6 @@ struct Weights {
   int64_t num_groups;
   int bits;
 };
-
-// x (M, K) float32 -> xq and the per-block vectors of Acts (padded rows of `padded` blocks, pads zero). With
-// `nibbles` (int4 codes) a block's xq is [x0, x2, .., x30, x1, x3, .., x31], the order in which 16 bytes of
-// k8_lsb codes unpack (low nibbles: even elements; high nibbles: odd).
-void quantize(const float* x, int64_t m, int64_t k, bool nibbles, int16_t* xq, float* dx, float* dxsum,
-              float* fsum, int64_t padded) {
-  const int64_t nb = k / BLOCK;
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < padded; ++b) {
-      const int64_t at = r * padded + b;
-      if (b >= nb) {
-        dx[at] = dxsum[at] = fsum[at] = 0.f;
-        continue;
-      }
-      const float* v = x + r * k + b * BLOCK;
-      float amax = 0.f, sum = 0.f;
-      for (int i = 0; i < BLOCK; ++i) {
-        amax = std::max(amax, std::fabs(v[i]));
-        sum += v[i];
-      }
-      const float d = amax / QMAX;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int16_t* out = xq + r * k + b * BLOCK;
-      int isum = 0;
-      for (int i = 0; i < BLOCK; ++i) {
-        const int q = static_cast<int>(std::nearbyint(v[i] * id));
-        out[nibbles ? (i % 2) * 16 + i / 2 : i] = static_cast<int16_t>(q);
-        isum += q;
-      }
-      dx[at] = d;
-      dxsum[at] = d * static_cast<float>(isum);
-      fsum[at] = sum;
-    }
-  }
-}
 
 }  // namespace
 
@@ -132,12 +110,20 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
   TORCH_CHECK(num_groups == 1 || 256 % group_size == 0, "G must divide 256 (or be K)");
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t nb = k / BLOCK, padded = (nb + 7) / 8 * 8;
-  torch::Tensor xq = torch::empty({m, k}, x.options().dtype(at::kShort));
+  const int64_t pair_row = bits == 4 ? (nb + 1) / 2 * PAIR_BYTES : 0;
+  torch::Tensor xq = bits == 4 ? torch::empty({m, pair_row}, x.options().dtype(at::kChar))
+                               : torch::empty({m, k}, x.options().dtype(at::kShort));
+  int16_t* xq16 = bits == 4 ? nullptr : xq.data_ptr<int16_t>();
+  int8_t* pairs = bits == 4 ? xq.data_ptr<int8_t>() : nullptr;
   torch::Tensor stats = torch::empty({3, m, padded}, x.options().dtype(at::kFloat));
   float* st = stats.data_ptr<float>();
   float *dx = st, *dxsum = st + m * padded, *fsum = st + 2 * m * padded;
-  quantize(xf.data_ptr<float>(), m, k, bits == 4, xq.data_ptr<int16_t>(), dx, dxsum, fsum, padded);
-  const Acts a{xq.data_ptr<int16_t>(), dx, dxsum, fsum, k, nb, padded};
+  if (isa == AVX512_VNNI) {
+    avx512::quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
+  } else {
+    avx2::quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
+  }
+  const Acts a{xq16, pairs, pair_row, dx, dxsum, fsum, k, nb, padded};
   const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8, scales.data_ptr<float>(),
                   mins.numel() ? mins.data_ptr<float>() : nullptr, soff.numel() ? soff.data_ptr<float>() : nullptr,
                   static_cast<float>(offset), group_size / BLOCK, num_groups, static_cast<int>(bits)};
@@ -162,6 +148,6 @@ int64_t best_isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "grouped integer-code linear with int8 activations per block of 32");
+  m.def("qlinear", &qlinear, "grouped integer-code linear with integer activations per block of 32");
   m.def("best_isa", &best_isa, "the best ISA path this CPU runs");
 }

@@ -1,6 +1,8 @@
 """Launchers for qdot.cpp (kernels/cpu_ext): int4_gf, int8_gf, int4_g and int8_wo linears and lm_heads with the
-activations rounded to int16 per block of 32 and integer dot products (llama.cpp's scheme, with int16 where it
-takes int8: int8 activations cost SmolLM2's kept build +0.015 KL, docs/PERF.md).
+activations rounded to integers per block of 32 and integer dot products (llama.cpp's scheme, at int16's precision
+where it takes int8: int8 activations cost SmolLM2's kept build +0.015 KL, docs/PERF.md). int8 codes meet int16
+activations; int4 codes meet an int8 pair per element (xq = 128 q + r: int8 instructions, 2^-15 of the block's
+largest |x|).
 
 `prepare_qdot` leaves the codes where the artifact has them (int4 packed k8_lsb, int8 row-major: qdot.cpp reads
 both as stored) and adds what the kernel reads beside them in float32: `qdot_scales` (N, K / G) (int8_wo's
@@ -12,10 +14,12 @@ that kernel: int4pack for the int4 kinds, int8pack for int8_wo, int8gf_int4x2 (o
 int8_gf; the table offers qdot only where that fallback takes the shape too.
 
 Numerics: the reference multiplies x by the weight dequantized to x's dtype; here each block of 32 inputs is
-x ~ dx * xq with |x - dx * xq| <= dx / 2 elementwise, dx = max|x| / 32767 over the block, so an output moves
-by at most sum over blocks of |s| * dx / 2 * sum |code - offset| (and |min| terms use x's exact float sum);
-tests/test_kernels_cpu_ext.py holds that bound. The `_logits` launcher then recomputes each row's best logits
-in fp32 from the stored parts (optc.core.ops.linear.exact_top_logits), as every lm_head kernel does.
+x ~ dx * xq with |x - dx * xq| <= dx / 2 elementwise, dx = max|x| / 32767 over the block for int8 codes and
+max|x| / (127 * 128) for int4 codes, so an output moves by at most sum over blocks of |s| * dx / 2 * sum |code -
+offset| (and |min| terms use x's exact float sum); the integer products are exact, the rest is fp32.
+tests/test_kernels_cpu_ext.py holds that bound, and the kernel to a float64 sum over the same integers. The
+`_logits` launcher then recomputes each row's best logits in fp32 from the stored parts
+(optc.core.ops.linear.exact_top_logits), as every lm_head kernel does.
 """
 
 from __future__ import annotations
