@@ -1,0 +1,158 @@
+"""EAGLE draft trees in the engine (`--speculative eagle-tree:D:TOPK:NODES`) on random:tiny in float32: the
+batch's tree rows (positions at their depth, consecutive slots, ancestor bits), greedy output identical to plain
+decoding under batching, chunked prefill, preemption and prefix caching, with optc's C++ tree attention and with
+every node on its op reference (the masked SDPA path), an oracle tree whose accepted path is never its first
+children (the path's K/V must move), the sampled distribution preserved (a chi-square test) and the option."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from optc.core.errors import InputError
+from optc.core.settings import SpeculativeConfig
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.batch import ForwardBatch
+from optc.runtime.speculative import Speculator
+from optc.testing import assert_no_leaks, assert_second_tokens_distributed, build_artifact
+
+HEAD = "{train_draft_head: {steps: 80, samples: 6, validation_windows: 2, vocab_size: 200}}"
+CALIBRATION = ("calibration.samples=6", "calibration.seq_len=64")
+TEXT = "The quick brown fox jumps over the lazy dog. "
+PROMPTS = [TEXT * (1 + i % 3) + TEXT[: 5 + i] for i in range(6)] + [
+    "".join(chr(33 + (i * 31 + j * 17) % 90) for j in range(6 + 3 * i)) for i in range(6)
+]
+GREEDY = SamplingParams(max_tokens=24)
+TREE = replace(SpeculativeConfig.parse("eagle-tree:4:2:10"), disable_above_num_requests=32)
+SMALL = {"max_num_batched_tokens": 32, "num_blocks": 24}  # chunked prefill and preemption
+
+
+@pytest.fixture(scope="module")
+def headed(tmp_path_factory, recipes) -> Path:
+    return build_artifact(
+        tmp_path_factory.mktemp("eagle") / "a",
+        recipes / "tiny.yaml",
+        f"passes=[fuse_qkv, fuse_gate_up, {HEAD}]",
+        *CALIBRATION,
+    )
+
+
+@pytest.fixture(scope="module")
+def plain(headed) -> list[list[int]]:
+    return [c.token_ids for c in Engine.load(headed).generate(PROMPTS, GREEDY)]
+
+
+def test_a_tree_batch_rotates_at_depth_and_masks_to_ancestors():
+    # request 0 decodes one token; request 1 verifies a tree: root, nodes 0 and 1 below it, node 2 below node 0
+    batch = ForwardBatch.build([[7], [1, 2, 3, 4]], [5, 9], [[1], [2, 3]], 8, [1, 4], tree_parents=[None, [-1, -1, 0]])
+    assert batch.positions.tolist() == [5, 9, 10, 10, 11]
+    assert batch.slot_mapping.tolist() == [13, 25, 26, 27, 28]  # consecutive: block 3 holds positions 8..15
+    assert batch.tree_mask.tolist() == [0b1, 0b1, 0b11, 0b101, 0b1011]
+    assert batch.seq_lens.tolist() == [6, 13]
+    assert ForwardBatch.build([[7]], [5], [[1]], 8).tree_mask is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, SMALL, {"enable_prefix_caching": True}, {"use_references": True}],
+    ids=["batch", "chunked-preempt", "prefix-caching", "references"],
+)
+def test_greedy_identical_with_eagle_tree(headed, plain, config):
+    expected = (
+        plain
+        if not config.get("use_references")
+        else [c.token_ids for c in Engine.load(headed, use_references=True).generate(PROMPTS, GREEDY)]
+    )
+    engine = Engine.load(headed, speculative=TREE, **config)
+    assert engine.speculator.use_tree
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == expected
+    assert [engine.generate([p], GREEDY)[0].token_ids for p in PROMPTS[::3]] == expected[::3]  # batch 1, cached
+    stats = engine.stats()
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert len(stats.num_accepted_tokens_per_position) == 4  # per depth
+    if "num_blocks" in config:
+        assert stats.num_preemptions > 0
+    if config.get("enable_prefix_caching"):
+        assert stats.num_prefix_cache_hit_tokens > 0
+    assert_no_leaks(engine)
+    assert engine.speculator.proposer._states == {}
+
+
+class _Oracle:
+    """Trees whose right token at each depth is the third node: a wrong sibling first, with a child that is the
+    right token under the wrong parent (seen only through a broken mask), then the right node."""
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
+        self.expected, self.vocab_size = expected, vocab_size
+
+    def propose_tree(self, requests, depths, top_k, budgets):
+        trees = []
+        for request, depth, budget in zip(requests, depths, budgets, strict=True):
+            want = self.expected[tuple(request.prompt_token_ids)][request.num_output_tokens :]
+            tokens, parents, right = [], [], -1
+            for token in want[:depth]:
+                wrong = (token + 1) % self.vocab_size
+                tokens += [wrong, token, token]
+                parents += [right, len(parents), right]
+                right = len(parents) - 1
+            trees.append((tokens[:budget], parents[:budget]))
+        return trees
+
+    def propose(self, requests, num_tokens):
+        return [[] for _ in requests], [None for _ in requests]
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("use_references", [False, True])
+def test_an_accepted_path_off_the_first_children_moves_its_kv(headed, use_references):
+    """Every accepted node sits past its depth's slot, so each verification moves K/V; a wrong move or mask changes
+    the tokens that follow."""
+    base = Engine.load(headed, use_references=use_references)
+    prompts = [base.tokenizer(p)["input_ids"] for p in PROMPTS]
+    expected = [c.token_ids for c in base.generate(prompts, GREEDY)]
+    engine = Engine.load(headed, use_references=use_references)
+    config = replace(SpeculativeConfig.parse("eagle-tree:4:2:12"), disable_above_num_requests=32, adaptive=False)
+    speculator = Speculator(
+        config, _Oracle({tuple(p): e for p, e in zip(prompts, expected, strict=True)}, engine.vocab_size)
+    )
+    speculator.allow_trees(engine.model.takes_tree_mask)
+    engine.runner.speculator = speculator
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    stats = engine.stats()
+    assert stats.num_accepted_tokens >= 3 * stats.num_drafts  # the oracle's paths: 4 deep but near the end
+    assert_no_leaks(engine)
+
+
+def test_sampling_matches_the_target_distribution(headed):
+    """test_speculative_eagle's chi-square test with a tree (one-hot top-k nodes, siblings' residual carried): the
+    second generated token of 3000 seeded runs against its exact marginal, at p < 1e-4 (a false alarm in 1 of
+    10,000 seed sets for a correct sampler; the seed set is fixed, so the test is deterministic)."""
+    prompt = [5, 17, 99, 3, 42, 7]
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3)
+    spec = replace(SpeculativeConfig.parse("eagle-tree:2:3:6"), disable_above_num_requests=4096, adaptive=False)
+    engine = Engine.load(headed, speculative=spec)
+    runs = engine.generate([prompt] * 3000, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(3000)])
+    assert engine.stats().num_drafts > 0 and engine.stats().num_accepted_tokens > 0
+    assert_second_tokens_distributed(headed, prompt, params, [r.token_ids[1] for r in runs])
+
+
+def test_parse_eagle_tree():
+    config = SpeculativeConfig.parse("eagle-tree:5:2:30")
+    assert (config.method, config.num_speculative_tokens, config.tree_top_k, config.tree_num_nodes) == (
+        "eagle",
+        5,
+        2,
+        30,
+    )
+    assert config.describe() == "eagle-tree:5:2:30" and config.is_tree
+    assert not SpeculativeConfig.parse("eagle:3").is_tree
+    with pytest.raises(InputError, match="expected eagle-tree:D:TOPK:NODES"):
+        SpeculativeConfig.parse("eagle-tree:5:2")
+    with pytest.raises(InputError, match="NODES in 1..63"):
+        SpeculativeConfig.parse("eagle-tree:5:2:64")
+    with pytest.raises(InputError, match="drafts chains only"):
+        SpeculativeConfig("ngram", 4, tree_top_k=2, tree_num_nodes=8)
