@@ -14,12 +14,24 @@ preempted; a proposer that drafts from the target's features (EAGLE) also has `o
 start, features)`, which the model runner feeds after every forward. `NgramProposer` (prompt lookup)
 is here; the draft-model proposer is runtime/draft.py, the EAGLE head's runtime/eagle.py.
 
+Draft trees (an `eagle-tree` config, where the target's runner allows them: `allow_trees`). The EAGLE
+proposer's `propose_tree` gives each request a tree (node tokens, parents before children), the
+request's draft tokens are its nodes in node order, and the runner verifies them in one forward under
+an ancestor mask (runtime/batch.py); `verify` takes, per tree, the greedy argmax path or
+tree_rejection_sample's path (runtime/verifier.py `verify_tree`), and the runner moves that path's K/V
+to consecutive positions (`accepted_path`) and hands the path's features to the proposer. The scheduler
+may keep a prefix of a tree's nodes (its budget): a prefix in node order is a tree. Acceptance counts per
+depth: a tree's drafted count is its depth, the most it can accept. Where trees cannot run (a target
+kernel without the mask, sliding-window or MLA attention, tensor parallelism, CUDA graphs), the config
+drafts chains of its depth.
+
 Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
 batch holds more than `disable_above_num_requests` running requests does not speculate (a large
 batch already keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
 picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
 in 0..K that maximizes expected tokens per step over its relative cost,
-(1 + a + a^2 + ... + a^k) / (1 + token_cost * k). A request whose k drops to 0 drifts back to the
+(1 + a + a^2 + ... + a^k) / (1 + token_cost * k), for a tree of depth k its nodes in place of k (a the
+per-depth rate, top_k + (k - 1) top_k^2 nodes at most). A request whose k drops to 0 drifts back to the
 prior rate while it does not speculate, so it probes again later.
 """
 
@@ -173,6 +185,11 @@ class Speculator:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         k = config.num_speculative_tokens
         self._gain_denominators = [1.0 + config.cost * i for i in range(k + 1)]
+        if config.is_tree:  # a tree of depth i verifies its nodes: top_k at depth 1, top_k^2 below each later depth
+            top_k = config.tree_top_k
+            self._tree_denominators = [1.0 + config.cost * min(config.tree_num_nodes, top_k * (1 + (i - 1) * top_k))
+                                       for i in range(1, k + 1)]
+            self._tree_denominators.insert(0, 1.0)
         self.needs_features = hasattr(proposer, "observe")  # the model runner then hands it every step's
         self.use_tree = False  # draft trees: set by the target's model runner where its model takes them
         self._tree_parents: dict[str, list[int]] = {}  # this step's trees (request id -> parent of each node)
@@ -180,8 +197,11 @@ class Speculator:
 
     def allow_trees(self, allowed: bool) -> None:
         """Whether the target's steps can verify draft trees (runtime/model.py `takes_tree_mask`, one rank, eager);
-        a tree config drafts chains of its depth where they cannot."""
+        a tree config drafts chains of its depth where they cannot. The adaptive depth then weighs a tree's
+        nodes as the cost of a step."""
         self.use_tree = allowed and self.config.is_tree
+        if self.use_tree:
+            self._gain_denominators = self._tree_denominators
 
     def tree_parents(self, request: Request) -> list[int] | None:
         """The parents of the request's draft nodes (as many as its drafts the scheduler kept); None: a chain."""
