@@ -177,6 +177,8 @@ class ModelRunner:
         for b in ready:
             num_top = requests[b].params.logprobs
             if num_top is not None:
-                rows = logits[first_rows[b] : first_rows[b] + len(result.token_ids[b])]
+                path = self.speculator.accepted_path(requests[b]) if trees is not None else None
+                rows = (logits[first_rows[b] : first_rows[b] + len(result.token_ids[b])] if path is None
+                        else logits[[first_rows[b], *(first_rows[b] + 1 + j for j in path)]])  # a tree: its path's
                 result.logprobs[b] = compute_logprobs(rows, torch.tensor(result.token_ids[b]), num_top)
         return result

@@ -113,7 +113,11 @@ def test_an_accepted_path_off_the_first_children_moves_its_kv(headed, use_refere
     the tokens that follow."""
     base = Engine.load(headed, use_references=use_references)
     prompts = [base.tokenizer(p)["input_ids"] for p in PROMPTS]
-    expected = [c.token_ids for c in base.generate(prompts, GREEDY)]
+    params = SamplingParams(max_tokens=24, logprobs=2)
+    requests = [base.add_request(p, params) for p in prompts]
+    while base.has_unfinished():
+        base.step()
+    expected = [r.output_token_ids for r in requests]
     engine = Engine.load(headed, use_references=use_references)
     config = replace(SpeculativeConfig.parse("eagle-tree:4:2:12"), disable_above_num_requests=32, adaptive=False)
     speculator = Speculator(
@@ -121,7 +125,14 @@ def test_an_accepted_path_off_the_first_children_moves_its_kv(headed, use_refere
     )
     speculator.allow_trees(engine.model.takes_tree_mask)
     engine.runner.speculator = speculator
-    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+    tree_requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in tree_requests] == expected
+    for plain_request, tree_request in zip(requests, tree_requests, strict=True):  # a path's rows, not node order
+        for a, b in zip(plain_request.logprobs, tree_request.logprobs, strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-4
     stats = engine.stats()
     assert stats.num_accepted_tokens >= 3 * stats.num_drafts  # the oracle's paths: 4 deep but near the end
     assert_no_leaks(engine)
