@@ -80,6 +80,16 @@ def test_greedy_identical_with_eagle_tree(headed, plain, config):
     assert engine.speculator.proposer._states == {}
 
 
+def test_a_target_without_the_mask_drafts_chains_of_the_depth(headed, plain):
+    """Where the runner refuses trees (Model.takes_tree_mask false, tensor parallelism, CUDA graphs) a tree config
+    drafts chains of its depth: no tree reaches a batch."""
+    engine = Engine.load(headed, speculative=TREE)
+    engine.speculator.allow_trees(False)
+    engine.speculator.proposer.propose_tree = None  # a call would raise
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
+    assert engine.stats().num_accepted_tokens > 0
+
+
 class _Oracle:
     """Trees whose right token at each depth is the third node: a wrong sibling first, with a child that is the
     right token under the wrong parent (seen only through a broken mask), then the right node."""
