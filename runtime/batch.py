@@ -14,8 +14,9 @@ Conventions (T = scheduled tokens in this step, B = requests in this step):
 - a draft tree (`tree_parents[b]`: request b's new tokens are its last token, the root, then the nodes, each
   after its parent) keeps its slots consecutive (node j's K/V at the slot of position start + 1 + j) but
   rotates each row at start + its depth, and `tree_mask[t]` gives row t's visible rows of its request as
-  bits (its ancestors and itself); the other requests of at most 64 rows get causal bits, longer ones none
-  (the attention op reads them as causal). Only one KV-cache group takes trees;
+  bits (its ancestors and itself); the other requests of at most MAX_SPECULATIVE_TOKENS + 1 rows (decode
+  rows, chains) get causal bits, longer ones (prefill chunks) none, which the attention op reads as causal and
+  computes as a plain step would. Only one KV-cache group takes trees;
 - a model with several KV-cache groups (sliding-window layers: optc/core/kv_cache.py) has one block
   table and one slot mapping per group (`group_tables`, `block_tables`/`slot_mapping` being group
   0's); request b's `block_ids[b]` then holds its groups' lists one after the other, all of one
@@ -35,6 +36,8 @@ from itertools import chain
 
 import numpy as np
 import torch
+
+from optc.core.settings import MAX_SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -198,7 +201,8 @@ class BatchBuilder:
             if parents is None:
                 positions.extend(pos)
                 if with_tree:
-                    masks.extend((2 << i) - 1 if n <= 64 else 0 for i in range(n))  # causal: rows 0..i
+                    # causal bits (rows 0..i) where a plain step runs the decode row's attention, else none
+                    masks.extend((2 << i) - 1 if n <= MAX_SPECULATIVE_TOKENS + 1 else 0 for i in range(n))
             else:
                 depths, bits = tree_rows(parents[: n - 1])
                 positions.extend(start + d for d in depths)

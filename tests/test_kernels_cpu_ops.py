@@ -243,12 +243,13 @@ def test_a_tiny_bf16_model_bound_to_them_decodes_like_the_references(tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_attention_op_takes_a_tree_mask_beside_causal_rows(dtype):
-    """The op's tree_mask (a batch with draft trees): tree rows as their bits say, a decode row and a prefill
-    longer than 64 rows causal; the C++ launcher and the reference agree with tree_attention's reference."""
+    """The op's tree_mask (a batch with draft trees): tree rows as their bits say, a decode row and a chain as
+    causal bits, prefill chunks without bits (one of MAX_ROWS + 1 .. 64 rows, one longer) causal and computed as
+    without trees; the C++ launcher and the reference agree with tree_attention's reference."""
     trees = TREES[:1] + [[-1], [-1, 0, 1]]  # a tree, then a decode row and a chain as causal bits
-    lens = [len(t) for t in trees] + [ops.MAX_TREE_NODES + 3]
-    q, cache, tables, seq_lens, starts = _rows_batch(dtype, lens, [19, 4, 30, 70], width=20)
-    masks = torch.cat([_tree_masks(trees), torch.zeros(lens[-1], dtype=torch.long)])
+    lens = [len(t) for t in trees] + [ops.MAX_ROWS + 3, ops.MAX_TREE_NODES + 3]
+    q, cache, tables, seq_lens, starts = _rows_batch(dtype, lens, [19, 4, 30, 40, 70], width=20)
+    masks = torch.cat([_tree_masks(trees), torch.zeros(sum(lens[3:]), dtype=torch.long)])
     slots = torch.zeros(len(q), dtype=torch.long)
     args = (q, None, None, cache, slots, tables, seq_lens, starts, 0.2)
     rows = int(starts[3])

@@ -91,7 +91,8 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
     request past `MAX_ROWS` rows.
 
     `tree_mask` (a batch with draft trees, attention_ref's): the requests of at most MAX_TREE_NODES rows run
-    row_attention under their rows' bits (`tree_attention`), the longer ones the reference."""
+    row_attention under their rows' bits (`tree_attention`); the longer ones, and those of more than MAX_ROWS
+    rows without bits (prefill chunks, causal), the reference, as in a step without trees."""
     ext = _ext(q)
     if (ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0
             or (tree_mask is not None and window)):
@@ -99,7 +100,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
                              max_query_len, max_seq_len, softcap, window, tree_mask)
     starts = query_start_loc.int().contiguous()
     max_rows = MAX_ROWS if tree_mask is None else MAX_TREE_NODES
-    lengths = None if max_query_len is not None and max_query_len <= max_rows else starts[1:] - starts[:-1]
+    lengths = None if max_query_len is not None and max_query_len <= MAX_ROWS else starts[1:] - starts[:-1]
     if lengths is not None and not bool((lengths <= max_rows).any()):  # prefills only
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                              max_query_len, max_seq_len, softcap, window)
@@ -110,7 +111,10 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
                             None if tree_mask is None else tree_mask.long().contiguous())
     if lengths is None:
         return out
-    long = (lengths > max_rows).nonzero().flatten().tolist()
+    long = lengths > max_rows
+    if tree_mask is not None:  # causal prefill chunks of MAX_ROWS + 1 .. 64 rows: the reference, as without trees
+        long |= (lengths > MAX_ROWS) & (tree_mask[starts[:-1].long().clamp(max=max(len(q) - 1, 0))] == 0)
+    long = long.nonzero().flatten().tolist()
     if long:  # the prefills beside them: the reference over those requests alone, into their rows
         rows = torch.cat([torch.arange(int(starts[b]), int(starts[b + 1])) for b in long])
         sub_starts = torch.nn.functional.pad(lengths[long].cumsum(0), (1, 0)).int()

@@ -194,7 +194,8 @@ def attention_ref(
     `tree_mask` (T,) int64 (a batch with speculative draft trees; no window): a request of n <= 64 query rows,
     whose K/V sit at the n slots before seq_len, lets row i see the context before them and its request's
     rows j whose bit j is set in tree_mask[i] (a tree node: itself and its ancestors; causal rows: bits 0..i);
-    a longer request is causal. The fp32 reference's math (`paged_attention_ref`)."""
+    a request whose first row has no bits, or of more rows, is causal. The fp32 reference's math
+    (`paged_attention_ref`)."""
     # q: (T, H_q, D), k, v: (T, H_kv, D) -> (T, H_q, D)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
@@ -219,13 +220,14 @@ def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None)
 
 def _tree_masked(masked: torch.Tensor, tree_mask: torch.Tensor, request: torch.Tensor, row: torch.Tensor,
                  context: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
-    """`masked` (B, Lq, L) with each request of at most 64 rows seeing its new keys as its rows' bits say."""
+    """`masked` (B, Lq, L) with each request of at most 64 rows, whose first row has bits, seeing its new keys as
+    its rows' bits say."""
     bits = torch.zeros(masked.shape[:2], dtype=torch.int64, device=masked.device)
     bits[request, row] = tree_mask.long()
     new = torch.arange(masked.shape[2], device=masked.device)[None, :] - context[:, None]  # (B, L): new row index
     is_new = (new >= 0) & (new < query_lens[:, None])
     seen = ((bits[:, :, None] >> new.clamp(0, 63)[:, None, :]) & 1).bool()  # (B, Lq, L)
-    tree = (query_lens <= 64)[:, None, None] & is_new[:, None, :]
+    tree = ((query_lens <= 64) & (bits[:, 0] != 0))[:, None, None] & is_new[:, None, :]
     return torch.where(tree, ~seen, masked)
 
 
