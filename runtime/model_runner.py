@@ -14,7 +14,9 @@ to the others before running it, the others run what they receive; all end with 
 
 Rows. A request gets one logits row per step (its last scheduled token), or one per new prompt
 token while it asks for prompt logprobs (runtime/logprobs.py), plus one per draft token: a request
-with k drafts is verified on its last k + 1 rows.
+with k drafts is verified on its last k + 1 rows. A request whose drafts are a tree (the speculator's
+`tree_parents`) has one row per node in node order; after verification the runner moves its accepted
+path's K/V to consecutive slots and hands the path's features to the speculator (runtime/speculative.py).
 """
 
 from __future__ import annotations
