@@ -90,6 +90,17 @@ def test_a_target_without_the_mask_drafts_chains_of_the_depth(headed, plain):
     assert engine.stats().num_accepted_tokens > 0
 
 
+def test_tensor_parallelism_drafts_chains(headed, plain):
+    """A tensor-parallel target takes no tree (its ranks' steps carry no mask): the tree config drafts chains."""
+    engine = Engine.load(headed, speculative=TREE, tensor_parallel_size=2)
+    try:
+        assert not engine.speculator.use_tree
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
+        assert engine.stats().num_accepted_tokens > 0
+    finally:
+        engine.close()
+
+
 class _Oracle:
     """Trees whose right token at each depth is the third node: a wrong sibling first, with a child that is the
     right token under the wrong parent (seen only through a broken mask), then the right node."""
