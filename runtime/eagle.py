@@ -151,23 +151,20 @@ class EagleProposer:
         logp = head.logits(state.next_feature[None]).log_softmax(-1)  # (1, N)
         scores, parents, tokens = [], [], []  # per node: cumulative log-probability, parent node, head vocab index
         sources: list[torch.Tensor] = []  # per node: the feature its logits came from (its entry's input)
-        entries: list[int] = []  # per expanded node: its entry in the tree's K/V
-        bits: list[int] = []  # per node: its ancestors' entries as bits (itself included once expanded)
+        ancestry: dict[int, int] = {}  # expanded node -> its own and its ancestors' entries in the tree's K/V, as bits
         layer = self._children(logp, [-1], [0.0], state.next_feature[None], scores, parents, tokens, sources, top_k)
         keys, values = state.keys, state.values
         num_real = keys.shape[0]
         for d in range(2, depth + 1):
             expand = sorted(layer, key=lambda i: (-scores[i], i))[:top_k]
             t = len(expand)
-            first = len(entries)
+            first = len(ancestry)  # the tree's entries so far; this depth's follow, one per expanded node
             mask = torch.zeros(t, num_real + first + t, dtype=torch.bool, device=self.device)
-            mask[:, :num_real] = True
+            mask[:, :num_real] = True  # every real entry, then its ancestors' entries and its own
             for row, i in enumerate(expand):
-                ancestors = bits[parents[i]] if parents[i] >= 0 else 0
-                bits.extend([0] * (i + 1 - len(bits)))
-                bits[i] = ancestors | 1 << (first + row)
-                mask[row, num_real:] = torch.tensor([(bits[i] >> e) & 1 for e in range(first + t)], dtype=torch.bool)
-                entries.append(i)
+                ancestry[i] = ancestry.get(parents[i], 0) | 1 << (first + row)  # a root child's parent: -1, none
+                mask[row, num_real:] = torch.tensor([(ancestry[i] >> e) & 1 for e in range(first + t)],
+                                                    dtype=torch.bool)
             out, (k, v) = head.forward(self.vocab_ids[torch.tensor([tokens[i] for i in expand])],
                                        torch.stack([sources[i] for i in expand]),
                                        torch.full((t,), n + d - 2, device=self.device), (keys, values), mask)

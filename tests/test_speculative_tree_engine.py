@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from optc.core.errors import InputError
 from optc.core.settings import SpeculativeConfig
@@ -78,6 +79,38 @@ def test_greedy_identical_with_eagle_tree(headed, plain, config):
         assert stats.num_prefix_cache_hit_tokens > 0
     assert_no_leaks(engine)
     assert engine.speculator.proposer._states == {}
+
+
+def test_a_top_1_tree_is_the_chain_and_a_wider_tree_holds_it(headed):
+    """Greedy drafts of one request, step after step: the top-1 tree of depth 4 is the chain of 4, and in a top-2
+    tree the first children from the root follow the chain for as long as its nodes were expanded, and the
+    head's entry of the best depth-1 node, expanded beside its sibling, is the chain's entry (each entry attends
+    to the real entries and its ancestors only: seeing its sibling would change it)."""
+    engine = Engine.load(headed, speculative=replace(TREE, adaptive=False))
+    request = engine.add_request(PROMPTS[1], GREEDY)
+    proposer, checked, followed = engine.speculator.proposer, 0, 0
+    calls, forward = [], proposer.head.forward
+    proposer.head.forward = lambda *args: calls.append(forward(*args)) or calls[-1]  # (features, (K, V))
+    while not request.is_finished:
+        engine.step()
+        if request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
+            continue
+        chain = proposer.propose([request], [4])[0][0]
+        calls.clear()
+        proposer.propose([request], [2])  # one head forward: the entry of the first draft
+        proposer.propose_tree([request], [2], 2, [30])  # one head forward: both depth-1 nodes' entries
+        (alone, _), (beside, _) = calls
+        assert beside.shape[0] == 2 and torch.allclose(beside[:1], alone, rtol=1e-4, atol=1e-5)
+        assert proposer.propose_tree([request], [4], 1, [4]) == [(chain, [-1, 0, 1, 2])]
+        tokens, parents = proposer.propose_tree([request], [4], 2, [30])[0]
+        assert len(tokens) == 2 + 2 * 2 * 3  # two nodes at depth 1, then the two best of each depth expanded
+        node, path = -1, []
+        while node in parents and len(path) < len(chain):
+            node = parents.index(node)  # its first child: the most probable
+            path.append(tokens[node])
+        assert path and path == chain[: len(path)]  # ends where a chain node was not among its depth's best two
+        checked, followed = checked + 1, followed + (len(path) == len(chain))
+    assert checked > 5 and followed > 0
 
 
 def test_a_target_without_the_mask_drafts_chains_of_the_depth(headed, plain):
