@@ -1,5 +1,6 @@
 """Speculative decoding on SmolLM2: speculation off vs `ngram` vs `draft` (an int4 RTN build of the same
-checkpoint) vs `eagle` (the target artifact's own draft head, recipes/smollm2-eagle.yaml), in one
+checkpoint) vs `eagle` (the target artifact's own draft head, recipes/smollm2-eagle.yaml) vs its draft trees
+(`--eagle-trees D:TOPK:NODES,...`), in one
 process, each batch of a workload run by every config in turn so that the ratios share the machine's load.
 
 Workloads (greedy, chat template, EOS ends a request, at most --output-len tokens):
@@ -23,6 +24,7 @@ import os
 import pydoc_data.topics
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,14 +61,16 @@ def grounded_prompts(n: int) -> list[str]:
 
 
 def forward_ms(engine: Engine, model, caches, batch_size: int, query_len: int, context: int = 128,
-               repeats: int = 3) -> float:
-    """Fastest of `repeats` timings of one forward: `batch_size` requests, `query_len` new tokens each."""
+               repeats: int = 3, tree: bool = False) -> float:
+    """Fastest of `repeats` timings of one forward: `batch_size` requests, `query_len` new tokens each (`tree`:
+    as a draft tree's rows, under the tree mask)."""
     size = engine.config.block_size
     num_blocks = -(-(context + query_len) // size)
     tables = [[1 + (b * num_blocks + j) % (caches[0].data.shape[0] - 1) for j in range(num_blocks)]
               for b in range(batch_size)]
+    parents = [list(range(-1, query_len - 2))] * batch_size if tree else None  # a chain: the mask's cost is one
     batch = ForwardBatch.build([[5] * query_len] * batch_size, [context] * batch_size, tables, size,
-                               [query_len] * batch_size)
+                               [query_len] * batch_size, tree_parents=parents)
     model.forward(batch, caches)
     times = []
     for _ in range(repeats):
@@ -89,6 +93,10 @@ def step_costs(engines: dict[str, Engine]) -> dict:
     if "draft" in engines:
         draft = engines["draft"].speculator.proposer.model
         out["draft_ms"] = forward_ms(engine, draft, draft.allocate_kv_caches(20, engine.config.block_size), 1, 1)
+    for name in [n for n in engines if n.startswith("tree:")]:  # a verification of the tree's nodes at batch 1
+        nodes = engines[name].speculator.config.tree_num_nodes
+        out["target_ms"][1][nodes + 1] = forward_ms(engine, engine.model, caches, 1, nodes + 1, tree=True)
+        print(f"  B=1    q={nodes + 1}: {out['target_ms'][1][nodes + 1]:8.1f}", flush=True)
     if "eagle" in engines:
         out["eagle_step_ms"] = eagle_step_ms(engines["eagle"].speculator.proposer.head)
     return out
@@ -149,6 +157,10 @@ def main() -> None:
                         help="workloads the draft runs (on the first batch only; compared with off on the same)")
     parser.add_argument("--eagle", action="store_true", help="also run `eagle` (the target needs a draft head)")
     parser.add_argument("--eagle-k", type=int, default=4, help="k of the eagle config (adaptive on)")
+    parser.add_argument("--eagle-trees", default="",
+                        help="also run eagle draft trees, comma-separated D:TOPK:NODES (eagle-tree:D:TOPK:NODES)")
+    parser.add_argument("--fixed-k", action="store_true", help="eagle and its trees at their full k / depth "
+                        "(adaptive off)")
     parser.add_argument("--skip-costs", action="store_true", help="skip the forward-time table")
     parser.add_argument("--out", type=Path, default=Path("speculative.json"))
     args = parser.parse_args()
@@ -158,7 +170,10 @@ def main() -> None:
     if args.draft:
         configs["draft"] = SpeculativeConfig("draft", args.draft_k, draft=args.draft, adaptive=False, **extra)
     if args.eagle:
-        configs["eagle"] = SpeculativeConfig("eagle", args.eagle_k, **extra)
+        configs["eagle"] = SpeculativeConfig("eagle", args.eagle_k, adaptive=not args.fixed_k, **extra)
+    for tree in filter(None, args.eagle_trees.split(",")):
+        configs[f"tree:{tree}"] = replace(SpeculativeConfig.parse(f"eagle-tree:{tree}"), adaptive=not args.fixed_k,
+                                          **extra)
     load = {"max_num_seqs": 32, "kv_cache_memory": 256 << 20}
     engines = {name: Engine.load(args.target, speculative=c, verify=False, **load) for name, c in configs.items()}
     for engine in engines.values():  # warm-up
@@ -189,10 +204,10 @@ def main() -> None:
         result["workloads"][workload] = _without_tokens(rows)
         print(f"\n{workload}: {len(batches)} run(s) of {len(batches[0])} request(s), <= {args.output_len} tokens "
               "(draft: the first run only, its ratio against off's first run)")
-        print(f"  {'config':<7} {'tok/s':>7} {'ratio':>6} {'TPOT ms':>8} {'accept':>7} {'mean len':>8} same")
+        print(f"  {'config':<13} {'tok/s':>7} {'ratio':>6} {'TPOT ms':>8} {'accept':>7} {'mean len':>8} same")
         for name, row in rows.items():
             rate, length = row["spec_acceptance_rate"], row["spec_mean_acceptance_length"]
-            print(f"  {name:<7} {row['output_tokens_per_s']:7.2f} {row['ratio']:5.2f}x "
+            print(f"  {name:<13} {row['output_tokens_per_s']:7.2f} {row['ratio']:5.2f}x "
                   f"{row['tpot_ms']:8.1f} {'-' if rate is None else f'{rate:.0%}':>7} "
                   f"{'-' if length is None else f'{length:.2f}':>8} {row['same_tokens_as_off']}", flush=True)
         args.out.write_text(json.dumps(result, indent=1, default=lambda x: None))  # after every workload

@@ -49,6 +49,7 @@ class KernelSpec:
     min_capability: tuple[int, int] | None = None  # cuda: None when the runtime's floor is enough
     by_default: bool = True  # False: select_kernels binds it only when its `enable` option names it
     layout: str | None = None  # the in-memory weight layout `prepare` makes (None: the format's own parts)
+    takes_tree_mask: bool = False  # attention: the launcher takes `tree_mask` (draft trees, attention_ref's)
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"

@@ -125,5 +125,6 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec("cpu.cpp_add_rms_norm", "add_rms_norm", _cpp_ok, "cpu_ext.ops:add_rms_norm", target="cpu"),
     KernelSpec("cpu.cpp_gated_act", "gated_act", _cpp_gated_act_ok, "cpu_ext.ops:gated_act", target="cpu"),
     KernelSpec("cpu.cpp_rope_kv_store", "rope_kv_store", _cpp_kv_ok, "cpu_ext.ops:rope_kv_store", target="cpu"),
-    KernelSpec("cpu.cpp_attention", "attention", _cpp_kv_ok, "cpu_ext.ops:attention", target="cpu"),
+    KernelSpec("cpu.cpp_attention", "attention", _cpp_kv_ok, "cpu_ext.ops:attention", target="cpu",
+               takes_tree_mask=True),
 )

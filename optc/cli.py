@@ -37,9 +37,13 @@ BACKEND_HELP = "torch.distributed backend of tensor parallelism: nccl or gloo (d
 
 SPECULATIVE_HELP = (
     "Speculative decoding: ngram[:K] (prompt lookup), draft:PATH[:K] (a draft artifact with the same "
-    "tokenizer, e.g. an int4 build of the model) or eagle[:K] (the artifact's own draft head, trained at build "
-    "time by the train_draft_head pass or imported from an EAGLE-1 checkpoint by import_draft_head); K = draft "
-    "tokens per step, 1..16, default 4. Default: the artifact's runtime.speculative, else off."
+    "tokenizer, e.g. an int4 build of the model), eagle[:K] (the artifact's own draft head, trained at build "
+    "time by the train_draft_head pass or imported from an EAGLE-1 checkpoint by import_draft_head) or "
+    "eagle-tree:D:TOPK:NODES (that head drafting a tree: each depth's TOPK most probable nodes get their TOPK "
+    "most probable children, down to depth D, and the NODES (1..63) most probable nodes are verified in one "
+    "target forward); K, D = draft tokens per step, 1..16, default 4. A step where a tree cannot run (a "
+    "tensor-parallel or CUDA-graph target, sliding-window or MLA attention, a kernel without the tree mask) "
+    "drafts a chain of D. Default: the artifact's runtime.speculative, else off."
 )
 
 

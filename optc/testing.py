@@ -150,6 +150,35 @@ def assert_no_leaks(engine) -> None:
     assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
 
 
+def assert_second_tokens_distributed(artifact: Path, prompt: list[int], params, second_tokens: list[int]) -> None:
+    """The second generated token of many seeded runs of `prompt` (the first that speculative verification emits)
+    against its exact marginal sum_t1 p(t1) p(t2 | t1) under `params`, from the artifact's graph on its op
+    references: a chi-square test at p < 1e-4, a false alarm in 1 of 10,000 seed sets for a correct sampler
+    (a fixed seed set makes the test deterministic). Tokens expected fewer than 5 times are pooled into one bin."""
+    from optc.core.artifact import read
+    from optc.core.execute import Executor, bind_params, run_dense
+    from optc.runtime.verifier import target_probs
+
+    art = read(artifact)
+    executor = Executor(art.graph, bind_params(art.graph, art.store))
+    p1 = target_probs(run_dense(executor, torch.tensor([prompt]))[0, -1:], [params])[0]
+    firsts = p1.nonzero().flatten()
+    rows = run_dense(executor, torch.tensor([[*prompt, int(t)] for t in firsts]))[:, -1]
+    marginal = (p1[firsts, None] * target_probs(rows, [params] * len(firsts))).sum(0)
+    counts = torch.bincount(torch.tensor(second_tokens), minlength=marginal.numel()).double()
+    expected = marginal.double() * len(second_tokens)
+    assert counts[marginal == 0].sum() == 0  # nothing outside the target's support
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big & (marginal > 0)].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    expected = expected * observed.sum() / expected.sum()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    half_dof = torch.tensor((len(observed) - 1) / 2.0, dtype=torch.float64)
+    p_value = torch.special.gammaincc(half_dof, statistic / 2)  # the chi-square distribution's upper tail
+    assert p_value > 1e-4, (p_value, observed.tolist(), expected.tolist())
+
+
 def cache_dir() -> Path:
     from optc.frontend.sources import cache_root
 

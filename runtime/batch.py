@@ -11,6 +11,12 @@ Conventions (T = scheduled tokens in this step, B = requests in this step):
   padded with 0 and a slot of -1 means "do not store" (padding tokens of a CUDA-graph bucket);
 - `logits_indices` selects the flattened token rows whose logits are returned (the last token of
   each request for plain decoding; several per request for speculative verification);
+- a draft tree (`tree_parents[b]`: request b's new tokens are its last token, the root, then the nodes, each
+  after its parent) keeps its slots consecutive (node j's K/V at the slot of position start + 1 + j) but
+  rotates each row at start + its depth, and `tree_mask[t]` gives row t's visible rows of its request as
+  bits (its ancestors and itself); the other requests of at most MAX_SPECULATIVE_TOKENS + 1 rows (decode
+  rows, chains) get causal bits, longer ones (prefill chunks) none, which the attention op reads as causal and
+  computes as a plain step would. Only one KV-cache group takes trees;
 - a model with several KV-cache groups (sliding-window layers: optc/core/kv_cache.py) has one block
   table and one slot mapping per group (`group_tables`, `block_tables`/`slot_mapping` being group
   0's); request b's `block_ids[b]` then holds its groups' lists one after the other, all of one
@@ -31,6 +37,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from optc.core.settings import MAX_SPECULATIVE_TOKENS
+
 
 @dataclass
 class ForwardBatch:
@@ -45,6 +53,8 @@ class ForwardBatch:
     max_seq_len: int
     # per KV-cache group: (block_tables, slot_mapping) as above; () with one group (the fields above)
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    # (T,) int64 when some request's rows are a draft tree (the attention op's tree_mask); None: causal
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +77,7 @@ class ForwardBatch:
             self.max_query_len,
             self.max_seq_len,
             tuple((move(tables), move(slots)) for tables, slots in self.group_tables),
+            None if self.tree_mask is None else move(self.tree_mask),
         )
 
     @staticmethod
@@ -77,6 +88,7 @@ class ForwardBatch:
         block_size: int,
         logits_per_request: list[int] | None = None,
         num_groups: int = 1,
+        tree_parents: list[list[int] | None] | None = None,
     ) -> ForwardBatch:
         """Build a batch (on the CPU) from per-request new tokens, their start positions and block lists.
 
@@ -86,16 +98,18 @@ class ForwardBatch:
         `logits_per_request[b]` (default 1) trailing tokens of request b get logits.
         """
         return BatchBuilder("cpu", num_groups).build(token_ids, num_computed, block_ids, block_size,
-                                                     logits_per_request)
+                                                     logits_per_request, tree_parents)
 
 
 @lru_cache(maxsize=256)
-def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int, num_groups: int = 1) -> Packed:
+def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int, num_groups: int = 1,
+                 with_tree: bool = False) -> Packed:
     """The packed layout of a ForwardBatch's arrays (decode steps repeat a few shapes: cached); with
-    several KV-cache groups, a block table and a slot mapping per group."""
+    several KV-cache groups, a block table and a slot mapping per group; with draft trees, their mask."""
     i32, i64 = torch.int32, torch.int64
     groups = (num_groups,) if num_groups > 1 else ()
-    return Packed({"input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
+    tree = {"tree_mask": (i64, (num_tokens,))} if with_tree else {}
+    return Packed({**tree, "input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
                    "slot_mapping": (i64, (*groups, num_tokens)), "logits_indices": (i64, (num_logits,)),
                    "query_start_loc": (i32, (num_requests + 1,)), "seq_lens": (i32, (num_requests,)),
                    "block_tables": (i32, (*groups, num_requests, width))})
@@ -171,15 +185,28 @@ class BatchBuilder:
         block_ids: list[list[int]],
         block_size: int,
         logits_per_request: list[int] | None = None,
+        tree_parents: list[list[int] | None] | None = None,
     ) -> ForwardBatch:
         """ForwardBatch.build's batch, on this builder's device."""
         num_requests, num_groups = len(token_ids), self.num_groups
         logits_per_request = logits_per_request or [1] * num_requests
-        positions, slots, logits_indices, starts, seq_lens = [], [], [], [0], []
+        with_tree = tree_parents is not None and any(p is not None for p in tree_parents)
+        if with_tree and num_groups > 1:
+            raise ValueError("draft trees take one KV-cache group")
+        positions, slots, logits_indices, starts, seq_lens, masks = [], [], [], [0], [], []
         for b in range(num_requests):
             n, start, blocks = len(token_ids[b]), num_computed[b], block_ids[b]
             pos = range(start, start + n)
-            positions.extend(pos)
+            parents = tree_parents[b] if with_tree else None
+            if parents is None:
+                positions.extend(pos)
+                if with_tree:
+                    # causal bits (rows 0..i) where a plain step runs the decode row's attention, else none
+                    masks.extend((2 << i) - 1 if n <= MAX_SPECULATIVE_TOKENS + 1 else 0 for i in range(n))
+            else:
+                depths, bits = tree_rows(parents[: n - 1])
+                positions.extend(start + d for d in depths)
+                masks.extend(bits)
             if num_groups == 1:  # with groups, the slots are computed from the tables below
                 slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
             end = starts[-1] + n
@@ -189,7 +216,7 @@ class BatchBuilder:
         lens = [len(b) // num_groups for b in block_ids]
         width = max(lens, default=0) or 1
         max_query_len, max_seq_len = max(map(len, token_ids), default=0), max(seq_lens, default=0)
-        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width, num_groups)
+        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width, num_groups, with_tree)
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copy has left the host buffer
         if self._host.numel() < layout.nbytes:
@@ -197,6 +224,8 @@ class BatchBuilder:
         arrays = layout.arrays(self._host.numpy())
         arrays["input_ids"][:] = list(chain.from_iterable(token_ids))
         arrays["positions"][:] = positions
+        if with_tree:
+            arrays["tree_mask"][:] = np.array(masks, dtype=np.uint64).view(np.int64)  # bit 63 is a sign bit
         arrays["logits_indices"][:] = logits_indices
         arrays["query_start_loc"][:] = starts
         arrays["seq_lens"][:] = seq_lens
@@ -215,6 +244,16 @@ class BatchBuilder:
             views |= {"block_tables": tables[0], "slot_mapping": slot_mappings[0],
                       "group_tables": tuple(zip(tables, slot_mappings, strict=True))}
         return ForwardBatch(**views, max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+
+def tree_rows(parents: list[int]) -> tuple[list[int], list[int]]:
+    """The depth (root 0) and visible-row bits (ancestors and itself) of a tree's rows: row 0 the root, row
+    j + 1 node j below `parents[j]` (-1: the root), parents before children."""
+    depths, bits = [0], [1]
+    for j, parent in enumerate(parents):
+        depths.append(depths[parent + 1] + 1)
+        bits.append(bits[parent + 1] | 1 << (j + 1))
+    return depths, bits
 
 
 def write_group_tables(tables: np.ndarray, slot_mappings: np.ndarray, block_ids: list[list[int]], lens: list[int],

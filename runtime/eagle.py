@@ -9,6 +9,15 @@ tokens with k - 1 more one-entry forwards on throwaway K/V: chain drafting. Gree
 the head's argmax (a one-hot draft); sampled ones draw from its distribution under the request's
 temperature / top-k / top-p with the request's generator, kept for verification.
 
+`propose_tree` drafts a tree instead (EAGLE-2's dynamic tree): the root's top_k tokens by the head's
+probability, then at each depth the top_k nodes of that depth by cumulative probability (the product of
+the draft probabilities along the path) expanded in one head forward (each entry sees the real entries and
+its ancestors' entries, a mask), top_k children each, down to depth D; of all the nodes drafted the
+`budget` most probable are kept (an ancestor is at least as probable as its descendants, so the kept set is
+a tree), parents before children. The nodes are top-k picks, deterministic given the context, so a sampled
+request verifies them as one-hot drafts (tree_rejection_sample with q = None stays lossless); top_k 1 is
+the greedy chain.
+
 A request whose features do not continue the head's sequence (a prefix-cache hit leaves the cached
 positions without features; a recomputation after preemption starts again) restarts the head's
 sequence at the first feature it gets: drafts then see less context, verification keeps the output
@@ -105,13 +114,27 @@ class EagleProposer:
             probs.append(q)
         return drafts, probs
 
+    @torch.inference_mode()
+    def propose_tree(
+        self, requests: Sequence[Request], depths: Sequence[int], top_k: int, budgets: Sequence[int]
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each request's draft tree of at most depths[i] levels and budgets[i] nodes: (token ids, parents)
+        in node order, parent -1 the root (the request's last token); empty when the head has no state."""
+        trees = []
+        for request, depth, budget in zip(requests, depths, budgets, strict=True):
+            state = self._current_state(request)
+            trees.append(([], []) if state is None else self._draft_tree(state, request.num_computed_tokens,
+                                                                          depth, top_k, budget))
+        return trees
+
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
-    def _propose_one(self, request: Request, k: int) -> tuple[list[int], torch.Tensor | None]:
+    def _current_state(self, request: Request) -> _HeadState | None:
+        """The request's head state extended with its pending real features; None when it cannot draft."""
         state = self._states.get(request.request_id)
         if state is None:
-            return [], None
+            return None
         n = request.num_computed_tokens  # features are the target's for positions < n only
         if state.pending is not None:
             state.pending = state.pending[: max(0, n - state.end)]
@@ -119,7 +142,60 @@ class EagleProposer:
                 self._extend(state, request.token_ids)
             state.pending = None
         if state.end != n or state.next_feature is None:
+            return None
+        return state
+
+    def _draft_tree(self, state: _HeadState, n: int, depth: int, top_k: int,
+                    budget: int) -> tuple[list[int], list[int]]:
+        head = self.head
+        logp = head.logits(state.next_feature[None]).log_softmax(-1)  # (1, N)
+        scores, parents, tokens = [], [], []  # per node: cumulative log-probability, parent node, head vocab index
+        sources: list[torch.Tensor] = []  # per node: the feature its logits came from (its entry's input)
+        ancestry: dict[int, int] = {}  # expanded node -> its own and its ancestors' entries in the tree's K/V, as bits
+        layer = self._children(logp, [-1], [0.0], state.next_feature[None], scores, parents, tokens, sources, top_k)
+        keys, values = state.keys, state.values
+        num_real = keys.shape[0]
+        for d in range(2, depth + 1):
+            expand = sorted(layer, key=lambda i: (-scores[i], i))[:top_k]
+            t = len(expand)
+            first = len(ancestry)  # the tree's entries so far; this depth's follow, one per expanded node
+            mask = torch.zeros(t, num_real + first + t, dtype=torch.bool, device=self.device)
+            mask[:, :num_real] = True  # every real entry, then its ancestors' entries and its own
+            for row, i in enumerate(expand):
+                ancestry[i] = ancestry.get(parents[i], 0) | 1 << (first + row)  # a root child's parent: -1, none
+                mask[row, num_real:] = torch.tensor([(ancestry[i] >> e) & 1 for e in range(first + t)],
+                                                    dtype=torch.bool)
+            out, (k, v) = head.forward(self.vocab_ids[torch.tensor([tokens[i] for i in expand])],
+                                       torch.stack([sources[i] for i in expand]),
+                                       torch.full((t,), n + d - 2, device=self.device), (keys, values), mask)
+            keys, values = torch.cat([keys, k]), torch.cat([values, v])
+            layer = self._children(head.logits(out).log_softmax(-1), expand, [scores[i] for i in expand], out,
+                                   scores, parents, tokens, sources, top_k)
+        kept = sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:budget])  # parents first
+        index = {node: j for j, node in enumerate(kept)}
+        token_ids = self.vocab_ids[torch.tensor([tokens[i] for i in kept], dtype=torch.long)].tolist()
+        return token_ids, [index[parents[i]] if parents[i] >= 0 else -1 for i in kept]
+
+    @staticmethod
+    def _children(logp: torch.Tensor, nodes: list[int], base: list[float], features: torch.Tensor, scores: list,
+                  parents: list, tokens: list, sources: list, top_k: int) -> list[int]:
+        """Add each node's top_k children (logp: (len(nodes), N) the head's log-probabilities after it)."""
+        values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+        added = []
+        for row, (node, score) in enumerate(zip(nodes, base, strict=True)):
+            for value, token in zip(values[row].tolist(), ids[row].tolist(), strict=True):
+                added.append(len(scores))
+                scores.append(score + value)
+                parents.append(node)
+                tokens.append(token)
+                sources.append(features[row])
+        return added
+
+    def _propose_one(self, request: Request, k: int) -> tuple[list[int], torch.Tensor | None]:
+        state = self._current_state(request)
+        if state is None:
             return [], None
+        n = request.num_computed_tokens
         head, feature = self.head, state.next_feature
         cache = (state.keys, state.values)
         draft, q_rows = [], []

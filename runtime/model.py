@@ -19,7 +19,7 @@ import torch
 
 from optc.core.execute import Executor, Impl, Step, bind_params
 from optc.core.formats import DTYPES
-from optc.core.ir import Graph, Node
+from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.kv_cache import KVCache, KVCacheGroup, KVCacheSpec, kv_cache_groups
 from optc.core.ops import OPS
 from optc.core.rope import cos_sin_tables
@@ -67,6 +67,11 @@ class Model:
         self.dtype = DTYPES[c.dtype]
         self.kv_spec = kv_spec or KVCacheSpec(dtype=c.dtype)
         self.cos_sin = {name: t.to(self.device) for name, t in cos_sin_tables(c, c.max_position_embeddings).items()}
+        # a batch may carry draft trees (ForwardBatch.tree_mask) when every KV-touching node is an attention whose
+        # implementation takes the mask, over full attention in one KV-cache group, on one rank
+        self.takes_tree_mask = group is None and len(self.kv_groups) == 1 and self.kv_groups[0].window is None and all(
+            n.op == "attention" and not n.attrs.get("window") and (use_references or _takes_tree_mask(n.kernel))
+            for n in graph.nodes if OPS[n.op].touches_kv_cache and n.op != "rope_kv_store")
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config)
@@ -95,6 +100,14 @@ def _fuse_decoder_layers(graph: Graph, executor: Executor) -> bool:
     from optc.kernels.cpu_ext.step import fuse_decoder_layers
 
     return fuse_decoder_layers(graph, executor)
+
+
+def _takes_tree_mask(kernel: str) -> bool:
+    if kernel == REFERENCE_KERNEL:
+        return True
+    from optc.kernels.registry import KERNELS
+
+    return kernel in KERNELS and KERNELS[kernel].takes_tree_mask
 
 
 def kv_windows(model: Any) -> tuple[int | None, ...]:

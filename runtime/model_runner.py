@@ -14,7 +14,9 @@ to the others before running it, the others run what they receive; all end with 
 
 Rows. A request gets one logits row per step (its last scheduled token), or one per new prompt
 token while it asks for prompt logprobs (runtime/logprobs.py), plus one per draft token: a request
-with k drafts is verified on its last k + 1 rows.
+with k drafts is verified on its last k + 1 rows. A request whose drafts are a tree (the speculator's
+`tree_parents`) has one row per node in node order; after verification the runner moves its accepted
+path's K/V to consecutive slots and hands the path's features to the speculator (runtime/speculative.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class ModelRunner:
             block_size=config.block_size)
         self.batch_builder = BatchBuilder(self.device, len(kv_windows(model)))
         self.speculator = speculator
+        if speculator is not None:  # draft trees: a mask every attention takes, one rank, eager steps
+            speculator.allow_trees(getattr(model, "takes_tree_mask", False) and group is None
+                                   and self.graph_runner is None)
         self.num_blocks = num_blocks
         self.num_forwards = 0  # what tensor-parallel ranks compare: each runs every forward of rank 0
 
@@ -78,22 +83,26 @@ class ModelRunner:
     def forward(
         self, token_ids: list[list[int]], starts: list[int], block_ids: list[list[int]],
         num_rows: list[int] | None = None, block_copies: Sequence[tuple[int, int]] = (),
+        tree_parents: list[list[int] | None] | None = None,
     ) -> torch.Tensor:
         """float32 logits (sum(num_rows), V): request b's new `token_ids[b]` from position `starts[b]`,
         its last `num_rows[b]` (default 1) rows, after the block copies. A pure-decode step that fits a
         bucket replays a graph, built straight into the graph's buffers; the logits are valid until the
-        next step."""
+        next step. `tree_parents[b]`: request b's drafts are a tree (ForwardBatch's; one rank, eager only)."""
         if self.group is None:
-            return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, tree_parents)
         with self.group.guard():  # a dead or hung rank: a TensorParallelError naming it
             self.group.send_step(block_copies, token_ids, starts, block_ids, num_rows)
             return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
 
-    def _forward(self, token_ids, starts, block_ids, num_rows, block_copies) -> torch.Tensor:
+    def _forward(self, token_ids, starts, block_ids, num_rows, block_copies, tree_parents=None) -> torch.Tensor:
         self.num_forwards += 1
         self.copy_blocks(block_copies)
-        builder = self.graph_runner or self.batch_builder
-        batch = builder.build(token_ids, starts, block_ids, self.block_size, num_rows)
+        if tree_parents is not None:
+            batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents)
+        else:
+            batch = (self.graph_runner or self.batch_builder).build(token_ids, starts, block_ids, self.block_size,
+                                                                    num_rows)
         if self._with_features:
             logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
             return logits
@@ -105,6 +114,23 @@ class ModelRunner:
         if self.group is None:
             return [RankStats(0, self.num_forwards, self.num_blocks)]
         return self.group.rank_stats(self.num_forwards, self.num_blocks)
+
+    def _move_tree_paths(self, requests: list, starts: list[int], block_ids: list[list[int]]) -> None:
+        """Move each verified tree's accepted path to the slots after its root, so that its cache holds what
+        plain decoding writes: node j's K/V sit at position start + 1 + j, a path node at depth d belongs at
+        start + d. Moves go to lower slots, gathered before they are written."""
+        sources, destinations = [], []
+        for request, start, blocks in zip(requests, starts, block_ids, strict=True):
+            path = self.speculator.accepted_path(request)
+            for depth, j in enumerate(path or (), start=1):
+                if j + 1 != depth:
+                    for pos, slots in ((start + 1 + j, sources), (start + depth, destinations)):
+                        slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+        if not sources:
+            return
+        src, dst = torch.tensor(sources, device=self.device), torch.tensor(destinations, device=self.device)
+        for cache in self._pool_caches:
+            cache.copy_slots(src, dst)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         for source, destination in copies:
@@ -121,11 +147,12 @@ class ModelRunner:
         num_rows = [logprobs.num_logits_rows(r, s, n - d) + d
                     for r, s, n, d in zip(requests, starts, out.num_new_tokens, num_drafts, strict=True)]
         token_ids = [r.query_token_ids(n) for r, n in zip(requests, out.num_new_tokens, strict=True)]
-        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies)  # (sum(num_rows), V)
+        trees = None
+        if self.speculator is not None and self.speculator.use_tree:
+            trees = [self.speculator.tree_parents(r) for r in requests]
+            trees = trees if any(t is not None for t in trees) else None
+        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees)  # (sum(num_rows), V)
         last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
-        if self._with_features:  # every computed token's feature, before verification drops rejected drafts'
-            self.speculator.observe(requests, starts, out.num_new_tokens, self._features)
-            self._features = None
         ends = [s + n for s, n in zip(starts, out.num_new_tokens, strict=True)]
         result = RunnerOutput(ready=[b for b, r in enumerate(requests) if ends[b] >= r.num_tokens])
         ready = [b for b in result.ready if requests[b].params.max_tokens > 0]  # max_tokens 0: scored only
@@ -142,10 +169,18 @@ class ModelRunner:
             verified = self.speculator.verify(
                 [requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
             new_tokens.update(zip(spec, verified, strict=True))
+            if trees is not None:
+                self._move_tree_paths([requests[b] for b in spec], [starts[b] for b in spec],
+                                      [out.block_ids[b] for b in spec])
+        if self._with_features:  # every computed token's feature (a tree's: its accepted path's)
+            self.speculator.observe(requests, starts, out.num_new_tokens, self._features)
+            self._features = None
         result.token_ids = {b: new_tokens[b] for b in ready}  # in batch order, as the engine processes them
         for b in ready:
             num_top = requests[b].params.logprobs
             if num_top is not None:
-                rows = logits[first_rows[b] : first_rows[b] + len(result.token_ids[b])]
+                path = self.speculator.accepted_path(requests[b]) if trees is not None else None
+                rows = (logits[first_rows[b] : first_rows[b] + len(result.token_ids[b])] if path is None
+                        else logits[[first_rows[b], *(first_rows[b] + 1 + j for j in path)]])  # a tree: its path's
                 result.logprobs[b] = compute_logprobs(rows, torch.tensor(result.token_ids[b]), num_top)
         return result

@@ -14,12 +14,24 @@ preempted; a proposer that drafts from the target's features (EAGLE) also has `o
 start, features)`, which the model runner feeds after every forward. `NgramProposer` (prompt lookup)
 is here; the draft-model proposer is runtime/draft.py, the EAGLE head's runtime/eagle.py.
 
+Draft trees (an `eagle-tree` config, where the target's runner allows them: `allow_trees`). The EAGLE
+proposer's `propose_tree` gives each request a tree (node tokens, parents before children), the
+request's draft tokens are its nodes in node order, and the runner verifies them in one forward under
+an ancestor mask (runtime/batch.py); `verify` takes, per tree, the greedy argmax path or
+tree_rejection_sample's path (runtime/verifier.py `verify_tree`), and the runner moves that path's K/V
+to consecutive positions (`accepted_path`) and hands the path's features to the proposer. The scheduler
+may keep a prefix of a tree's nodes (its budget): a prefix in node order is a tree. Acceptance counts per
+depth: a tree's drafted count is its depth, the most it can accept. Where trees cannot run (a target
+kernel without the mask, sliding-window or MLA attention, tensor parallelism, CUDA graphs), the config
+drafts chains of its depth.
+
 Adaptive. Speculation costs target compute for tokens that may be rejected, so (1) a step whose
 batch holds more than `disable_above_num_requests` running requests does not speculate (a large
 batch already keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
 picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
 in 0..K that maximizes expected tokens per step over its relative cost,
-(1 + a + a^2 + ... + a^k) / (1 + token_cost * k). A request whose k drops to 0 drifts back to the
+(1 + a + a^2 + ... + a^k) / (1 + token_cost * k), for a tree of depth k its nodes in place of k (a the
+per-depth rate, top_k + (k - 1) top_k^2 nodes at most). A request whose k drops to 0 drifts back to the
 prior rate while it does not speculate, so it probes again later.
 """
 
@@ -34,8 +46,9 @@ import torch
 
 from optc.core.errors import InputError
 from optc.core.settings import SpeculativeConfig, SpeculativeMethod
+from optc.runtime.batch import tree_rows
 from optc.runtime.request import Request
-from optc.runtime.verifier import rejection_sample, target_probs
+from optc.runtime.verifier import rejection_sample, target_probs, verify_tree
 
 PRIOR_ACCEPTANCE = 0.6  # the acceptance rate assumed before a request has any measurement
 DECAY = 0.8  # weight of the past in a request's acceptance counts
@@ -172,19 +185,50 @@ class Speculator:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         k = config.num_speculative_tokens
         self._gain_denominators = [1.0 + config.cost * i for i in range(k + 1)]
+        if config.is_tree:  # a tree of depth i verifies its nodes: top_k at depth 1, top_k^2 below each later depth
+            top_k = config.tree_top_k
+            self._tree_denominators = [1.0 + config.cost * min(config.tree_num_nodes, top_k * (1 + (i - 1) * top_k))
+                                       for i in range(1, k + 1)]
+            self._tree_denominators.insert(0, 1.0)
         self.needs_features = hasattr(proposer, "observe")  # the model runner then hands it every step's
+        self.use_tree = False  # draft trees: set by the target's model runner where its model takes them
+        self._tree_parents: dict[str, list[int]] = {}  # this step's trees (request id -> parent of each node)
+        self._paths: dict[str, list[int]] = {}  # this step's accepted tree paths (node ids, by depth)
+
+    def allow_trees(self, allowed: bool) -> None:
+        """Whether the target's steps can verify draft trees (runtime/model.py `takes_tree_mask`, one rank, eager);
+        a tree config drafts chains of its depth where they cannot. The adaptive depth then weighs a tree's
+        nodes as the cost of a step."""
+        self.use_tree = allowed and self.config.is_tree
+        if self.use_tree:
+            self._gain_denominators = self._tree_denominators
+
+    def tree_parents(self, request: Request) -> list[int] | None:
+        """The parents of the request's draft nodes (as many as its drafts the scheduler kept); None: a chain."""
+        parents = self._tree_parents.get(request.request_id)
+        return None if parents is None else parents[: len(request.draft_token_ids)]
+
+    def accepted_path(self, request: Request) -> list[int] | None:
+        """The node ids of the request's accepted tree path in this step's verification (None: not a tree)."""
+        return self._paths.get(request.request_id)
 
     def observe(self, requests: Sequence[Request], starts: Sequence[int], num_new_tokens: Sequence[int],
                 features: torch.Tensor) -> None:
         """A step's features (sum(num_new_tokens), H), request after request, for the proposer."""
         row = 0
         for request, start, n in zip(requests, starts, num_new_tokens, strict=True):
-            self.proposer.observe(request, start, features[row : row + n])
+            path = self._paths.get(request.request_id)
+            if path is None:
+                self.proposer.observe(request, start, features[row : row + n])
+            else:  # a tree's rows are its nodes: the root's and the accepted path's features continue the request
+                self.proposer.observe(request, start, features[[row, *(row + 1 + j for j in path)]])
             row += n
 
     def propose(self, running: Sequence[Request]) -> None:
         """Give each decoding request its draft tokens for this step (none in a large batch)."""
         self._draft_probs.clear()
+        self._tree_parents.clear()
+        self._paths.clear()
         for request in running:  # drafts of a request the last step's budget left out are stale
             request.draft_token_ids = []
         if len(running) > self.config.disable_above_num_requests:
@@ -201,6 +245,14 @@ class Speculator:
                 num_tokens.append(k)
         if not requests:
             return
+        if self.use_tree:  # node budgets: the slots past a request are its capacity's, like a chain's k
+            budgets = [min(self.config.tree_num_nodes, r.max_num_tokens - r.num_tokens - 1) for r in requests]
+            trees = self.proposer.propose_tree(requests, num_tokens, self.config.tree_top_k, budgets)
+            for request, (draft, parents) in zip(requests, trees, strict=True):
+                if draft:
+                    request.draft_token_ids = draft
+                    self._tree_parents[request.request_id] = parents
+            return
         drafts, probs = self.proposer.propose(requests, num_tokens)
         for request, draft, prob in zip(requests, drafts, probs, strict=True):
             if draft:
@@ -210,8 +262,25 @@ class Speculator:
     def verify(self, requests: Sequence[Request], logits: Sequence[torch.Tensor]) -> list[list[int]]:
         """The tokens each request emits: its accepted drafts, then one resampled or bonus token.
 
-        logits[i]: (len(drafts_i) + 1, V) float32, the target's logits after each query position.
+        logits[i]: (len(drafts_i) + 1, V) float32, the target's logits after each query position (a tree's:
+        after the root, then after each node). A tree's accepted path is `accepted_path` afterwards.
         """
+        out: list[list[int]] = [[] for _ in requests]
+        chain = [i for i, r in enumerate(requests) if self.tree_parents(r) is None]
+        for i in sorted(set(range(len(requests))) - set(chain)):
+            request = requests[i]
+            parents = self.tree_parents(request)
+            path, out[i] = verify_tree(logits[i], parents, request.draft_token_ids, request.params, request.generator)
+            self._paths[request.request_id] = path
+            self._record(request.request_id, max(tree_rows(parents)[0]), len(path))
+            request.draft_token_ids = []
+        if chain:
+            for i, tokens in zip(chain, self._verify_chain([requests[i] for i in chain], [logits[i] for i in chain]),
+                                 strict=True):
+                out[i] = tokens
+        return out
+
+    def _verify_chain(self, requests: Sequence[Request], logits: Sequence[torch.Tensor]) -> list[list[int]]:
         k = max(len(r.draft_token_ids) for r in requests)
         num_rows, vocab_size = len(requests), logits[0].shape[-1]
         device = logits[0].device
@@ -250,6 +319,8 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
         self._draft_probs.pop(request_id, None)
+        self._tree_parents.pop(request_id, None)
+        self._paths.pop(request_id, None)
         self.proposer.release(request_id)
 
     def _choose_k(self, request_id: str) -> int:

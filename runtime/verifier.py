@@ -168,6 +168,37 @@ def tree_rejection_sample(
     return path, num_accepted, _inverse_cdf(residual, u_resample)
 
 
+def verify_tree(
+    logits: torch.Tensor, parents: Sequence[int], draft_token_ids: Sequence[int], params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], list[int]]:
+    """One request's draft tree of one-hot drafts (top-k picks): the accepted path's node ids and the tokens
+    it emits (the path's drafts, then one more). logits: (m + 1, V) float32, row 0 after the root.
+
+    Greedy: from the root, follow the child whose draft equals the target's argmax after the current node
+    while there is one, then emit that argmax (plain decoding's tokens, no randomness). Sampled:
+    `tree_rejection_sample` with q = None, one uniform per node and one for the final token."""
+    if params.is_greedy:
+        best = logits.argmax(-1).tolist()  # (m + 1,)
+        children: dict[int, list[int]] = {}
+        for j, parent in enumerate(parents):
+            children.setdefault(parent, []).append(j)
+        path, current = [], -1
+        while True:
+            match = next((j for j in children.get(current, ()) if draft_token_ids[j] == best[current + 1]), None)
+            if match is None:
+                return path, [draft_token_ids[j] for j in path] + [best[current + 1]]
+            path.append(match)
+            current = match
+    m = len(parents)
+    p = target_probs(logits, [params] * (m + 1))[None]
+    u = torch.rand(m + 1, generator=generator, device=generator.device).to(logits.device)
+    ids = torch.tensor([list(draft_token_ids)], device=logits.device)
+    path, num_accepted, final = tree_rejection_sample(p, parents, ids, None, u[None, :m], u[m:])
+    accepted = path[0, : int(num_accepted[0])].tolist()
+    return accepted, [draft_token_ids[j] for j in accepted] + [int(final[0])]
+
+
 def _depths(parents: Sequence[int]) -> list[int]:
     """Each node's depth (a root child: 1); parents must come before their children."""
     depth: list[int] = []

@@ -239,3 +239,24 @@ def test_a_tiny_bf16_model_bound_to_them_decodes_like_the_references(tmp_path):
     bound = Engine.load(art, enable_prefix_caching=False).generate(prompts, params)
     reference = Engine.load(art, enable_prefix_caching=False, use_references=True).generate(prompts, params)
     assert [c.token_ids for c in bound] == [c.token_ids for c in reference]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_attention_op_takes_a_tree_mask_beside_causal_rows(dtype):
+    """The op's tree_mask (a batch with draft trees): tree rows as their bits say, a decode row and a chain as
+    causal bits, prefill chunks without bits (one of MAX_ROWS + 1 .. 64 rows, one longer) causal and computed as
+    without trees; the C++ launcher and the reference agree with tree_attention's reference."""
+    trees = TREES[:1] + [[-1], [-1, 0, 1]]  # a tree, then a decode row and a chain as causal bits
+    lens = [len(t) for t in trees] + [ops.MAX_ROWS + 3, ops.MAX_TREE_NODES + 3]
+    q, cache, tables, seq_lens, starts = _rows_batch(dtype, lens, [19, 4, 30, 40, 70], width=20)
+    masks = torch.cat([_tree_masks(trees), torch.zeros(sum(lens[3:]), dtype=torch.long)])
+    slots = torch.zeros(len(q), dtype=torch.long)
+    args = (q, None, None, cache, slots, tables, seq_lens, starts, 0.2)
+    rows = int(starts[3])
+    want = ops._tree_attention_ref(q[:rows], cache, tables[:3], seq_lens[:3], starts[:4], 0.2, masks[:rows], None)
+    # the prefill: the launcher runs the op's reference (SDPA) there, the tree reference the fp32 specification
+    runs = ((ops.attention(*args, tree_mask=masks), attention_ref(*args)),
+            (attention_ref(*args, tree_mask=masks), paged_attention_ref(q, cache.data, tables, seq_lens, starts, 0.2)))
+    for got, prefill in runs:
+        _close(got[:rows], want)
+        _close(got[rows:], prefill[rows:])

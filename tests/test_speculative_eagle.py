@@ -13,7 +13,7 @@ import torch
 
 from optc.core.artifact import read
 from optc.core.errors import InputError
-from optc.core.execute import Executor, bind_params, run_dense
+from optc.core.execute import Executor, bind_params
 from optc.core.settings import SpeculativeConfig
 from optc.frontend.passmanager import PassContext, make_pass
 from optc.frontend.sources import load_source
@@ -22,8 +22,7 @@ from optc.passes._draft_training import chain_drafts, validate
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.eagle import load_eagle_head
 from optc.runtime.text import prompt_token_ids
-from optc.runtime.verifier import target_probs
-from optc.testing import assert_no_leaks, build_artifact
+from optc.testing import assert_no_leaks, assert_second_tokens_distributed, build_artifact
 
 HEAD = "{train_draft_head: {steps: 80, samples: 6, validation_windows: 2, vocab_size: 200}}"
 WITH_HEAD = f"passes=[fuse_qkv, fuse_gate_up, {HEAD}]"
@@ -226,24 +225,7 @@ def test_sampling_matches_the_target_distribution(headed):
     engine = Engine.load(headed, speculative=spec)
     runs = engine.generate([prompt] * 3000, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(3000)])
     assert engine.stats().num_drafts > 0
-    graph_art = read(headed)
-    executor = Executor(graph_art.graph, bind_params(graph_art.graph, graph_art.store))
-    p1 = target_probs(run_dense(executor, torch.tensor([prompt]))[0, -1:], [params])[0]
-    firsts = p1.nonzero().flatten()
-    rows = run_dense(executor, torch.tensor([[*prompt, int(t)] for t in firsts]))[:, -1]
-    marginal = (p1[firsts, None] * target_probs(rows, [params] * len(firsts))).sum(0)
-    counts = torch.bincount(torch.tensor([r.token_ids[1] for r in runs]), minlength=marginal.numel()).double()
-    expected = marginal.double() * len(runs)
-    assert counts[marginal == 0].sum() == 0  # nothing outside the target's support
-    big = expected >= 5  # the rare tokens pooled into one bin
-    observed = torch.cat([counts[big], counts[~big & (marginal > 0)].sum()[None]])
-    expected = torch.cat([expected[big], expected[~big].sum()[None]])
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    expected = expected * observed.sum() / expected.sum()
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    half_dof = torch.tensor((len(observed) - 1) / 2.0, dtype=torch.float64)
-    p_value = torch.special.gammaincc(half_dof, statistic / 2)  # the chi-square distribution's upper tail
-    assert p_value > 1e-4, (p_value, observed.tolist(), expected.tolist())
+    assert_second_tokens_distributed(headed, prompt, params, [r.token_ids[1] for r in runs])
 
 
 def test_metrics_report_the_speculative_counters(headed):

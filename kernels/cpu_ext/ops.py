@@ -77,7 +77,8 @@ def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: KVCache,
               slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
-              max_seq_len: int | None = None, softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+              max_seq_len: int | None = None, softcap: float | None = None, window: int | None = None,
+              tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """attention_ref's math; over a float cache of q's dtype, every row of a request with at most `MAX_ROWS`
     query rows (a decode step's one, a verification's k + 1) runs ops.cpp's row_attention, and only the longer
     requests (prefill) the reference.
@@ -87,24 +88,33 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
     row at a time, which keeps greedy speculative output identical to plain decoding in bfloat16 (the
     reference's prefill path, SDPA, rounds differently from its one-query path). That guarantee holds where
     this launcher runs ops.cpp: not where the extension cannot be built, not for a quantized cache, not for a
-    request past `MAX_ROWS` rows."""
+    request past `MAX_ROWS` rows.
+
+    `tree_mask` (a batch with draft trees, attention_ref's): the requests of at most MAX_TREE_NODES rows run
+    row_attention under their rows' bits (`tree_attention`); the longer ones, and those of more than MAX_ROWS
+    rows without bits (prefill chunks, causal), the reference, as in a step without trees."""
     ext = _ext(q)
-    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0:
+    if (ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0
+            or (tree_mask is not None and window)):
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                             max_query_len, max_seq_len, softcap, window)
+                             max_query_len, max_seq_len, softcap, window, tree_mask)
     starts = query_start_loc.int().contiguous()
+    max_rows = MAX_ROWS if tree_mask is None else MAX_TREE_NODES
     lengths = None if max_query_len is not None and max_query_len <= MAX_ROWS else starts[1:] - starts[:-1]
-    if lengths is not None and not bool((lengths <= MAX_ROWS).any()):  # prefills only
+    if lengths is not None and not bool((lengths <= max_rows).any()):  # prefills only
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                              max_query_len, max_seq_len, softcap, window)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
     out = ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
-                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, MAX_ROWS,
-                            None)
+                            seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, max_rows,
+                            None if tree_mask is None else tree_mask.long().contiguous())
     if lengths is None:
         return out
-    long = (lengths > MAX_ROWS).nonzero().flatten().tolist()
+    long = lengths > max_rows
+    if tree_mask is not None:  # causal prefill chunks of MAX_ROWS + 1 .. 64 rows: the reference, as without trees
+        long |= (lengths > MAX_ROWS) & (tree_mask[starts[:-1].long().clamp(max=max(len(q) - 1, 0))] == 0)
+    long = long.nonzero().flatten().tolist()
     if long:  # the prefills beside them: the reference over those requests alone, into their rows
         rows = torch.cat([torch.arange(int(starts[b]), int(starts[b + 1])) for b in long])
         sub_starts = torch.nn.functional.pad(lengths[long].cumsum(0), (1, 0)).int()

@@ -49,7 +49,8 @@ class BenchOptions:
     seed: int = 0
     show_progress: bool = True
     verify: bool = True  # sha256 of the artifact's files at load; False for one this process just built
-    speculative: str | None = None  # ngram[:K] | draft:PATH[:K] | eagle[:K]; None = the artifact's runtime.speculative
+    # ngram[:K] | draft:PATH[:K] | eagle[:K] | eagle-tree:D:TOPK:NODES; None = the artifact's runtime.speculative
+    speculative: str | None = None
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
 

@@ -217,6 +217,14 @@ class KVCache:
         if self.scales is not None:
             self.scales[destination].copy_(self.scales[source])
 
+    def copy_slots(self, sources: torch.Tensor, destinations: torch.Tensor) -> None:
+        """Copy the K/V (and scales) of token slots over others (sources, destinations: (n,) int64 slots), all
+        read before any is written: a verified draft tree's path moving to consecutive positions."""
+        bs = self.block_size
+        self.data[destinations // bs, :, destinations % bs] = self.data[sources // bs, :, sources % bs]
+        if self.scales is not None:
+            self.scales[destinations // bs, :, destinations % bs] = self.scales[sources // bs, :, sources % bs]
+
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) -> values of `dtype` and fp32 scales (...,): absmax symmetric over the last dim. The

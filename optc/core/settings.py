@@ -28,6 +28,11 @@ MAX_SPECULATIVE_TOKENS = 16
 # Defaults measured with benchmarks/speculative.py on SmolLM2 (docs/PERF.md): one more query token
 # costs ~token_cost of a decode step at batch 1; draft tokens also cost the draft's own step.
 DEFAULT_DISABLE_ABOVE_NUM_REQUESTS = 4
+# an EAGLE draft tree (`eagle-tree:D:TOPK:NODES`): its verification rows are the request's last token and the
+# nodes, one bit each in the tree attention's int64 mask (kernels/cpu_ext/ops.py MAX_TREE_NODES)
+TREE = "eagle-tree"
+MAX_TREE_NODES = 63
+MAX_TREE_TOP_K = 8
 DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3, "eagle": 0.2}
 
 
@@ -45,8 +50,9 @@ class RuntimeSettings:
     max_num_batched_tokens: int = field(default=2048, metadata={"min": 1, "help": "token budget per step"})
     speculative: str | None = field(
         default=None,
-        metadata={"help": "default speculative decoding: ngram[:K], draft:PATH[:K] or eagle[:K] (the artifact's "
-                          "trained draft head; K draft tokens, 1..16)"},
+        metadata={"help": "default speculative decoding: ngram[:K], draft:PATH[:K], eagle[:K] (the artifact's "
+                          "trained draft head; K draft tokens, 1..16) or eagle-tree:D:TOPK:NODES (that head's "
+                          "draft trees: see --speculative)"},
     )
     tensor_parallel_size: int = field(
         default=1, metadata={"min": 1, "help": "ranks the model is split over (tensor parallelism, one per GPU)"})
@@ -85,6 +91,11 @@ class SpeculativeConfig:
     disable_above_num_requests: int = DEFAULT_DISABLE_ABOVE_NUM_REQUESTS  # more running requests: no drafts
     adaptive: bool = True  # pick k per request from its acceptance rate
     token_cost: float | None = None  # step cost of one speculative token / a decode step; None = measured default
+    # eagle only: draft a tree (runtime/eagle.py) of depth num_speculative_tokens, expanding the tree_top_k most
+    # probable nodes of each depth into their tree_top_k most probable children, and verify its tree_num_nodes
+    # most probable nodes; None: a chain of num_speculative_tokens drafts
+    tree_top_k: int | None = None
+    tree_num_nodes: int | None = None
 
     def __post_init__(self) -> None:
         allowed = ", ".join(m.value for m in SpeculativeMethod)
@@ -109,6 +120,18 @@ class SpeculativeConfig:
                              f"{self.disable_above_num_requests}")
         if self.token_cost is not None and self.token_cost < 0:
             raise InputError(f"speculative token_cost must be >= 0, got {self.token_cost}")
+        if (self.tree_top_k is None) != (self.tree_num_nodes is None):
+            raise InputError("a speculative tree needs both tree_top_k and tree_num_nodes")
+        if self.tree_top_k is not None:
+            if self.method is not SpeculativeMethod.EAGLE:
+                raise InputError(f"speculative method {self.method.value} drafts chains only; trees: eagle-tree")
+            if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K or not 1 <= self.tree_num_nodes <= MAX_TREE_NODES:
+                raise InputError(f"a speculative tree needs TOPK in 1..{MAX_TREE_TOP_K} and NODES in "
+                                 f"1..{MAX_TREE_NODES}, got {self.tree_top_k} and {self.tree_num_nodes}")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_top_k is not None
 
     @property
     def cost(self) -> float:
@@ -116,8 +139,14 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
-        """`ngram[:K]`, `draft:PATH[:K]` or `eagle[:K]` (the --speculative option)."""
+        """`ngram[:K]`, `draft:PATH[:K]`, `eagle[:K]` or `eagle-tree:D:TOPK:NODES` (the --speculative option)."""
         method, _, rest = text.partition(":")
+        if method == TREE:
+            fields = rest.split(":")
+            if len(fields) != 3 or not all(f.isdigit() for f in fields):
+                raise InputError(f"--speculative {text!r}: expected {TREE}:D:TOPK:NODES with integers")
+            depth, top_k, num_nodes = map(int, fields)
+            return cls(SpeculativeMethod.EAGLE, depth, tree_top_k=top_k, tree_num_nodes=num_nodes)
         if method in (SpeculativeMethod.NGRAM, SpeculativeMethod.EAGLE):
             if rest and not rest.isdigit():
                 raise InputError(f"--speculative {text!r}: expected {method}[:K] with K an integer")
@@ -135,4 +164,6 @@ class SpeculativeConfig:
         """The --speculative spelling of this config."""
         if self.method is SpeculativeMethod.DRAFT:
             return f"draft:{self.draft}:{self.num_speculative_tokens}"
+        if self.is_tree:
+            return f"{TREE}:{self.num_speculative_tokens}:{self.tree_top_k}:{self.tree_num_nodes}"
         return f"{self.method.value}:{self.num_speculative_tokens}"

@@ -51,9 +51,11 @@ def paged_attention_ref(
     kv_scales: torch.Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All requests at once: queries and K/V padded per request, one causal mask (no Python loop).
-    `kv_scales` (num_blocks, 2, block_size, H_kv): a quantized cache's scales (None: a float cache)."""
+    `kv_scales` (num_blocks, 2, block_size, H_kv): a quantized cache's scales (None: a float cache).
+    `tree_mask` (T,) int64: draft trees (see `attention_ref`)."""
     # q: (T, H_q, D) -> (T, H_q, D)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -80,6 +82,8 @@ def paged_attention_ref(
     scores = _capped((qh @ k.transpose(-1, -2)) * scale, softcap)  # (B, H_kv, group * Lq, L)
     query_pos = (seq_lens.long() - query_lens)[:, None] + torch.arange(max_query, device=dev)  # (B, Lq)
     masked = ~_visible(torch.arange(k.shape[2], device=dev)[None, None, :], query_pos[:, :, None], window)
+    if tree_mask is not None:
+        masked = _tree_masked(masked, tree_mask, request, row, seq_lens.long() - query_lens, query_lens)
     scores.masked_fill_(masked.repeat(1, group, 1)[:, None], float("-inf"))  # masked: (B, Lq, L)
     out = (scores.softmax(-1) @ v).view(num_requests, num_kv_heads, group, max_query, head_dim)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_query, num_heads, head_dim)
@@ -181,13 +185,23 @@ def attention_ref(
     max_seq_len: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention op: store k, v into the cache (None: stored already, by rope_kv_store), then
     attend. `max_query_len` / `max_seq_len` are the batch's bounds when the caller knows them as
-    Python ints (launchers size their grids with them); the reference reads the tensors instead."""
+    Python ints (launchers size their grids with them); the reference reads the tensors instead.
+
+    `tree_mask` (T,) int64 (a batch with speculative draft trees; no window): a request of n <= 64 query rows,
+    whose K/V sit at the n slots before seq_len, lets row i see the context before them and its request's
+    rows j whose bit j is set in tree_mask[i] (a tree node: itself and its ancestors; causal rows: bits 0..i);
+    a request whose first row has no bits, or of more rows, is causal. The fp32 reference's math
+    (`paged_attention_ref`)."""
     # q: (T, H_q, D), k, v: (T, H_kv, D) -> (T, H_q, D)
     if k is not None:
         kv_store_ref(k, v, kv_cache, slot_mapping)
+    if tree_mask is not None:
+        return paged_attention_ref(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale,
+                                   kv_cache.scales, softcap, window, tree_mask)
     return paged_attention_sdpa(q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale,
                                 max_query_len, max_seq_len, kv_scales=kv_cache.scales, softcap=softcap, window=window)
 
@@ -202,6 +216,19 @@ def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None)
     """Which keys a query sees: causal, and within the window when there is one."""
     seen = key_pos <= query_pos
     return seen if window is None else seen & (key_pos > query_pos - window)
+
+
+def _tree_masked(masked: torch.Tensor, tree_mask: torch.Tensor, request: torch.Tensor, row: torch.Tensor,
+                 context: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """`masked` (B, Lq, L) with each request of at most 64 rows, whose first row has bits, seeing its new keys as
+    its rows' bits say."""
+    bits = torch.zeros(masked.shape[:2], dtype=torch.int64, device=masked.device)
+    bits[request, row] = tree_mask.long()
+    new = torch.arange(masked.shape[2], device=masked.device)[None, :] - context[:, None]  # (B, L): new row index
+    is_new = (new >= 0) & (new < query_lens[:, None])
+    seen = ((bits[:, :, None] >> new.clamp(0, 63)[:, None, :]) & 1).bool()  # (B, Lq, L)
+    tree = ((query_lens <= 64) & (bits[:, 0] != 0))[:, None, None] & is_new[:, None, :]
+    return torch.where(tree, ~seen, masked)
 
 
 def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -221,9 +248,10 @@ def _attention_call(fn, node, inputs, params, step):
     q = heads(inputs[0], a["num_heads"], a["head_dim"])
     # Python ints when the batch carries them (the runtime's ForwardBatch); a CUDA-graph capture
     # passes its capacity as max_seq_len
+    tree_mask = getattr(b, "tree_mask", None)  # draft trees: only kernels that take the mask run such a batch
     out = fn(q, k, v, cache, slot_mapping, block_tables, b.seq_lens, b.query_start_loc, a["scale"],
              max_query_len=getattr(b, "max_query_len", None), max_seq_len=getattr(b, "max_seq_len", None),
-             **attention_kwargs(node))
+             **attention_kwargs(node), **({} if tree_mask is None else {"tree_mask": tree_mask}))
     return [out.flatten(1)]
 
 
