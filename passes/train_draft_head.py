@@ -10,8 +10,9 @@ at every position (the lm_head's input) and its greedy next token come from the 
 generated the answers, or one forward over a corpus window (passes/_draft_data.py: on the cpu target
 through its CPU kernels, the ones decoding drafts from). The head's reduced vocabulary: the
 `vocab_size` tokens the target predicted most often on the training sequences (then the lowest ids).
-Training and the validation proxy: passes/_draft_training.py (teacher-forced, each entry unrolled
-`unroll` draft steps deep; the same options and data give the same head). Validation: chain acceptance
+Training and the validation proxy: passes/_draft_training.py (teacher-forced, scored at answer positions,
+each entry unrolled `unroll` draft steps deep, under bf16 autocast; the same options and data give the same
+head). Validation: chain acceptance
 on the held-out sequences, from every 8th position where decoding drafts (an answer's, not its
 prompt's).
 
