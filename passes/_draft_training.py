@@ -67,10 +67,11 @@ def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=o.enable_bf16):
             loss = _window_loss(head, tokens[s][a : a + crop], noisy, f, labels[s][a : a + crop],
                                 scored[s][a : a + crop], o)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        if loss.requires_grad:  # else the window lies inside a prompt (a short `crop`): nothing to score
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         schedule.step()
         running += loss.item()
         if (step + 1) % every == 0 or step + 1 == o.steps:

@@ -103,6 +103,7 @@ def test_the_loss_scores_only_the_positions_decoding_drafts_from(headed):
     answer_moved[12] += 1.0
     assert loss(prompt_moved, labels.where(scored, 0)) == loss(features[0], labels)
     assert loss(answer_moved, labels) != loss(features[0], labels)
+    assert float(_window_loss(head, tokens[:8], features[0][:8], features[0][:8], labels[:8], scored[:8], o)) == 0
 
 
 class _ByteChat:
