@@ -3,8 +3,8 @@
 `train`: teacher-forced, as EAGLE's: entry p gets (token p + 1, feature p, plus uniform noise of `noise` x
 the features' std) and is scored by a smooth L1 loss to feature p + 1 plus `ce_weight` x the cross entropy
 of its logits against the target's greedy token at p + 1 over the head's reduced vocabulary, each entry
-also trained `unroll` draft steps deep on its own predictions (`_window_loss`), and only where decoding
-drafts (an answer's positions: a prompt's entries are context, not targets). One `crop`-token slice of
+also trained `unroll` draft steps deep on its own predictions (`_window_loss`), where `scored` says (every
+position, or an answer's only: where decoding drafts). One `crop`-token slice of
 one sequence per step, drawn by the seeded generator; AdamW (or SGD) with warm-up, cosine decay and
 gradient clipping; the forward and backward under bfloat16 autocast (`enable_bf16`; float32 weights,
 gradients and optimizer state): the same options and data give the same head. `o` is the pass's options
@@ -39,8 +39,7 @@ def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.
           show_progress: bool = False) -> tuple[list, float]:
     """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took. `labels` (L,): the
     target's greedy next token at each position as an index into the head's vocabulary (-100: unknown or
-    outside it); `scored` (L,) bool: the positions whose next feature and token are trained on (an
-    answer's, where decoding drafts; not a prompt's)."""
+    outside it); `scored` (L,) bool: the positions whose next feature and token are trained on."""
     generator = torch.Generator().manual_seed(o.seed)
     for w in weights.values():
         w.requires_grad_(True)
@@ -91,8 +90,7 @@ def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, fea
     test): level d's entry p is the d-th draft after the real entries 0..p: it reads level d - 1's predicted
     feature with token p + d at position p + d - 1, sees real entries <= p and its own level-l entry p of
     every level l < d, and is scored against feature p + d and the target's greedy token there where
-    `scored[p + d]` (a prompt's next features are the chat template's, learnt by heart and never drafted
-    from: scoring them spends the steps on text decoding never sees)."""
+    `scored[p + d]`."""
     length = tokens.shape[0]
     count = length - 1  # level 1: entries 0 .. L - 2
     inputs, positions = noisy[:count], torch.arange(count)
