@@ -3,9 +3,11 @@
 `train`: teacher-forced, as EAGLE's: entry p gets (token p + 1, feature p, plus uniform noise of `noise` x
 the features' std) and is scored by a smooth L1 loss to feature p + 1 plus `ce_weight` x the cross entropy
 of its logits against the target's greedy token at p + 1 over the head's reduced vocabulary, each entry
-also trained `unroll` draft steps deep on its own predictions (`_window_loss`). One `crop`-token slice of
+also trained `unroll` draft steps deep on its own predictions (`_window_loss`), where `scored` says (every
+position, or an answer's only: where decoding drafts). One `crop`-token slice of
 one sequence per step, drawn by the seeded generator; AdamW (or SGD) with warm-up, cosine decay and
-gradient clipping: the same options and data give the same head. `o` is the pass's options
+gradient clipping; the forward and backward under bfloat16 autocast (`enable_bf16`; float32 weights,
+gradients and optimizer state): the same options and data give the same head. `o` is the pass's options
 (TrainDraftHead.Options: a helper does not import its pass).
 
 `validate`: chain acceptance, a greedy proxy of decoding, from positions where decoding drafts (a
@@ -33,9 +35,11 @@ class Optimizer(enum.StrEnum):
 
 
 def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.Tensor],
-          features: list[torch.Tensor], labels: list[torch.Tensor], o: Any,
+          features: list[torch.Tensor], labels: list[torch.Tensor], scored: list[torch.Tensor], o: Any,
           show_progress: bool = False) -> tuple[list, float]:
-    """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took."""
+    """Teacher-forced training; the loss curve [(step, loss)] and the seconds it took. `labels` (L,): the
+    target's greedy next token at each position as an index into the head's vocabulary (-100: unknown or
+    outside it); `scored` (L,) bool: the positions whose next feature and token are trained on."""
     generator = torch.Generator().manual_seed(o.seed)
     for w in weights.values():
         w.requires_grad_(True)
@@ -59,11 +63,14 @@ def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.
         a = int(torch.randint(len(tokens[s]) - crop + 1, (1,), generator=generator))
         f = features[s][a : a + crop]
         noisy = f + (torch.rand(f.shape, generator=generator) * 2 - 1) * (o.noise * std) if o.noise else f
-        loss = _window_loss(head, tokens[s][a : a + crop], noisy, f, labels[s][a : a + crop], o)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=o.enable_bf16):
+            loss = _window_loss(head, tokens[s][a : a + crop], noisy, f, labels[s][a : a + crop],
+                                scored[s][a : a + crop], o)
+        if loss.requires_grad:  # else the window lies inside a prompt (a short `crop`): nothing to score
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         schedule.step()
         running += loss.item()
         if (step + 1) % every == 0 or step + 1 == o.steps:
@@ -78,11 +85,12 @@ def train(head: EagleHead, weights: dict[str, torch.Tensor], tokens: list[torch.
 
 
 def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, features: torch.Tensor,
-                 labels: torch.Tensor, o: Any) -> torch.Tensor:
+                 labels: torch.Tensor, scored: torch.Tensor, o: Any) -> torch.Tensor:
     """The loss of one window (L tokens), unrolled `o.unroll` draft steps deep (EAGLE-3's training-time
     test): level d's entry p is the d-th draft after the real entries 0..p: it reads level d - 1's predicted
     feature with token p + d at position p + d - 1, sees real entries <= p and its own level-l entry p of
-    every level l < d, and is scored against feature p + d and the target's greedy token there."""
+    every level l < d, and is scored against feature p + d and the target's greedy token there where
+    `scored[p + d]`."""
     length = tokens.shape[0]
     count = length - 1  # level 1: entries 0 .. L - 2
     inputs, positions = noisy[:count], torch.arange(count)
@@ -97,11 +105,13 @@ def _window_loss(head: EagleHead, tokens: torch.Tensor, noisy: torch.Tensor, fea
         predicted, (k, v) = head.forward(tokens[d : d + count], inputs, positions, cache, mask)
         keys.append(k)
         values.append(v)
-        loss = F.smooth_l1_loss(predicted, features[d : d + count])
-        if o.ce_weight:
-            ce = F.cross_entropy(head.logits(predicted), labels[d : d + count], ignore_index=-100)
-            loss = loss + o.ce_weight * ce
-        total = total + loss
+        keep = scored[d : d + count]
+        if keep.any():
+            loss = F.smooth_l1_loss(predicted[keep], features[d : d + count][keep])
+            if o.ce_weight and (labels[d : d + count][keep] >= 0).any():
+                ce = F.cross_entropy(head.logits(predicted[keep]), labels[d : d + count][keep], ignore_index=-100)
+                loss = loss + o.ce_weight * ce
+            total = total + loss
         count -= 1  # the next level drafts from every entry whose target exists
         inputs, positions = predicted[:count], positions[:count] + 1
     return total / min(o.unroll, length - 1)

@@ -10,8 +10,10 @@ at every position (the lm_head's input) and its greedy next token come from the 
 generated the answers, or one forward over a corpus window (passes/_draft_data.py: on the cpu target
 through its CPU kernels, the ones decoding drafts from). The head's reduced vocabulary: the
 `vocab_size` tokens the target predicted most often on the training sequences (then the lowest ids).
-Training and the validation proxy: passes/_draft_training.py (teacher-forced, each entry unrolled
-`unroll` draft steps deep; the same options and data give the same head). Validation: chain acceptance
+Training and the validation proxy: passes/_draft_training.py (teacher-forced, each entry unrolled `unroll`
+draft steps deep, under bf16 autocast; a prompt's positions are trained on unless `enable_prompt_loss` is
+false: with them the head drafted answers slightly better, docs/PERF.md; the same options and data give the
+same head). Validation: chain acceptance
 on the held-out sequences, from every 8th position where decoding drafts (an answer's, not its
 prompt's).
 
@@ -71,6 +73,10 @@ class TrainDraftHead(Pass):
         max_minutes: float = field(default=15.0, metadata={"gt": 0.0, "help": "stop training after this long"})
         crop: int = field(default=256, metadata={"min": 8, "help": "tokens of a window one step trains on"})
         unroll: int = field(default=2, metadata={"min": 1, "help": "draft steps deep each entry is trained"})
+        enable_prompt_loss: bool = field(default=True, metadata={
+            "help": "also train on a prompt's positions (its user text is language; false: answers only)"})
+        enable_bf16: bool = field(default=True, metadata={
+            "help": "train under bfloat16 autocast (float32 weights and optimizer state; ~1.7x a CPU step)"})
         seed: int = field(default=0, metadata={"min": 0, "help": "seed of the init, window order and noise"})
 
         def __post_init__(self) -> None:
@@ -103,7 +109,9 @@ class TrainDraftHead(Pass):
         head = EagleHead(config, weights, embedding, lm_head[vocab_ids])
         extract_seconds = time.perf_counter() - t0
         labels = [torch.where(g >= 0, index[g.clamp(min=0)], -100) for g in greedy[:num_train]]
-        curve, seconds = train(head, weights, tokens[:num_train], features[:num_train], labels, o,
+        # the positions trained on: all, or only those decoding drafts from (greedy token known: an answer's)
+        scored = [torch.ones_like(g, dtype=torch.bool) if o.enable_prompt_loss else g >= 0 for g in greedy[:num_train]]
+        curve, seconds = train(head, weights, tokens[:num_train], features[:num_train], labels, scored, o,
                                ctx.show_progress_bars)
         with torch.no_grad():
             per_position = validate(head, tokens[num_train:], features[num_train:], greedy[num_train:],

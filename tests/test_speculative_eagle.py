@@ -18,7 +18,7 @@ from optc.core.settings import SpeculativeConfig
 from optc.frontend.passmanager import PassContext, make_pass
 from optc.frontend.sources import load_source
 from optc.passes._draft_data import data_executor, generate, target_outputs
-from optc.passes._draft_training import chain_drafts, validate
+from optc.passes._draft_training import _window_loss, chain_drafts, validate
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.eagle import load_eagle_head
 from optc.runtime.text import prompt_token_ids
@@ -80,6 +80,29 @@ def test_training_is_deterministic_given_the_seed():
     curve = stats["loss_curve"]
     assert curve[-1][0] == 30 and curve[-1][1] < curve[0][1]  # it learns
     assert len(stats["validation_acceptance_per_position"]) == 4
+
+
+def test_the_loss_scores_only_the_positions_decoding_drafts_from(headed):
+    """A prompt's next features and tokens (the chat template's, never drafted from) do not move the loss, at
+    any unrolled level; an answer's do."""
+    artifact = read(headed)
+    executor = Executor(artifact.graph, bind_params(artifact.graph, artifact.store))
+    tokens = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(2))
+    features, greedy = target_outputs(executor, [tokens])
+    proposer = Engine.load(headed, speculative=EAGLE).speculator.proposer
+    head, o = proposer.head, make_pass("train_draft_head", {"unroll": 3, "enable_bf16": False}).options
+    labels = greedy[0] % 200
+    scored = torch.arange(24) >= 10  # positions 0..9: a prompt
+
+    def loss(f: torch.Tensor, y: torch.Tensor) -> float:
+        return float(_window_loss(head, tokens, features[0], f, y, scored, o))
+
+    prompt_moved, answer_moved = features[0].clone(), features[0].clone()
+    prompt_moved[:10] += 1.0
+    answer_moved[12] += 1.0
+    assert loss(prompt_moved, labels.where(scored, 0)) == loss(features[0], labels)
+    assert loss(answer_moved, labels) != loss(features[0], labels)
+    assert float(_window_loss(head, tokens[:8], features[0][:8], features[0][:8], labels[:8], scored[:8], o)) == 0
 
 
 class _ByteChat:
