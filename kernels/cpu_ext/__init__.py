@@ -56,7 +56,7 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
     """Compile the .cpp files of `sources` (all of them hashed; `compile_only`: just these, which include the
     others) into root/<torch version>-<hash>, a no-op when built there already; None, logged with what runs
     `instead`, where it fails."""
-    digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in sources) + " ".join(flags).encode())
+    digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in sources) + " ".join(flags).encode() + b"omp")
     tag = digest.hexdigest()[:12]
     where = root / f"torch{torch.__version__}-{tag}"
     try:
@@ -67,8 +67,11 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
             print(f"optc: compiling its C++ CPU kernels ({name}), once: about a minute; cached in {where}",
                   file=sys.stderr, flush=True)
         compiled = [str(HERE / s) for s in compile_only or sources if s.endswith(".cpp")]
-        return cpp_extension.load(f"optc_{name}_{tag}", compiled,
-                                  extra_cflags=flags, build_directory=str(where), extra_include_paths=[str(HERE)])
+        # -fopenmp: at::parallel_for is a header that splits work only where the including code is compiled with
+        # OpenMP (else it runs its whole range on the calling thread); libgomp.so.1 resolves to torch's own copy
+        return cpp_extension.load(f"optc_{name}_{tag}", compiled, extra_cflags=[*flags, "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], build_directory=str(where),
+                                  extra_include_paths=[str(HERE)])
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
         log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "", instead)
