@@ -219,3 +219,20 @@ def test_qdot_logits_recomputes_each_rows_best_exactly(ext, name):
     assert torch.equal(got.argmax(-1, keepdim=True), best) and torch.equal(got.gather(-1, best), ref.gather(-1, best))
     magnitude = x.float().abs() @ dequantize(w.parts, w.format, torch.float32).abs().T  # sum_i |x_i w_i|
     assert ((got - ref).abs() <= 2 ** -9 * magnitude + 2 ** -7 * ref.abs()).all()
+
+
+def test_the_kernels_split_their_work_over_torchs_threads(ext):
+    """at::parallel_for divides a range only in code compiled with OpenMP (it is a header): qdot.cpp and
+    ops.cpp are, so a 2-thread decode step runs their rows on both threads."""
+    from optc.kernels import cpu_ext
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ext.threads_used(64) == 2
+        ops = cpu_ext.load_ops()
+        assert ops is None or ops.threads_used(64) == 2
+        torch.set_num_threads(1)
+        assert ext.threads_used(64) == 1
+    finally:
+        torch.set_num_threads(saved)

@@ -147,7 +147,18 @@ int64_t best_isa() {
   return 0;
 }
 
+// how many threads an at::parallel_for of `items` ran on: more than one only where this file was compiled with
+// OpenMP (at::parallel_for is a header; without it the whole range runs on the calling thread)
+int64_t threads_used(int64_t items) {
+  std::vector<int> used(at::get_num_threads(), 0);
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  int64_t n = 0;
+  for (int u : used) n += u;
+  return n;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("threads_used", &threads_used, "threads an at::parallel_for of `items` ran on");
   m.def("qlinear", &qlinear, "grouped integer-code linear with integer activations per block of 32");
   m.def("best_isa", &best_isa, "the best ISA path this CPU runs");
 }
