@@ -376,20 +376,9 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   return out;
 }
 
-// how many threads an at::parallel_for of `items` ran on: more than one only where this file was compiled with
-// OpenMP (at::parallel_for is a header; without it the whole range runs on the calling thread)
-int64_t threads_used(int64_t items) {
-  std::vector<int> used(at::get_num_threads(), 0);
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
-  int64_t n = 0;
-  for (int u : used) n += u;
-  return n;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("threads_used", &threads_used, "threads an at::parallel_for of `items` ran on");
   m.def("rms_norm", &rms_norm, "rms_norm / add_rms_norm");
   m.def("rope_kv_store", &rope_kv_store, "rotary on q and k, k and v into the paged cache");
   m.def("row_attention", &row_attention, "each query row on its own over the paged cache");
