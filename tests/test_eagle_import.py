@@ -164,6 +164,20 @@ def test_a_later_rtn_pass_rounds_the_heads_linears(tmp_path, recipes):
     assert 0 < error < 1 / 127  # int8 per channel: within half a step of the row's largest
 
 
+def test_rounding_only_the_head_keeps_the_models_quantization_record(tmp_path, recipes):
+    """GPTQ int8, then a head, then RTN int8: RTN rounds the head alone and the manifest still says gptq."""
+    directory = _checkpoint(tmp_path / "head", 64, 256)
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml",
+                          f"passes=[fuse_qkv, fuse_gate_up, {{quantize_gptq: {{bits: 8}}}}, "
+                          f"{{import_draft_head: {{path: {directory}}}}}, {{quantize_rtn: {{bits: 8}}}}]",
+                          "calibration.samples=4", "calibration.seq_len=32")
+    artifact = read(path)
+    assert artifact.manifest.quantization["method"] == "gptq"
+    assert artifact.graph.tensors["eagle.qkv_proj.weight"].format.is_quantized
+    stats = next(p for p in artifact.manifest.passes if p["name"] == "quantize_rtn")["stats"]
+    assert stats["quantized"] == stats["draft_head_tensors"] == 5
+
+
 @pytest.mark.parametrize(("config", "match"), [
     ({"hidden_size": 32}, "hidden_size 32; the target's is 64"),
     ({"vocab_size": 300}, "vocab_size 300; the target's is 256"),

@@ -135,8 +135,10 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
     by `quantize`, lazily (`lazy_entries`); the manifest's quantization section is method rtn plus `record`.
     Experts (E, N, K) are rounded one expert at a time, their parts stacked (`Format.part_shapes`). A draft
     head stored before this pass has its linears rounded too, like the model's (the runtime dequantizes them
-    when it loads the head)."""
-    targets = dense_linear_weights(graph) + expert_weights(graph) + draft_head_weights(graph)
+    when it loads the head); where the head's are the only linears left dense (the model's were quantized in
+    this format by an earlier pass), the manifest's quantization section stays that pass's."""
+    model = dense_linear_weights(graph) + expert_weights(graph)
+    targets = model + draft_head_weights(graph)
     if not targets:
         return PassResult(graph, store, changed=False, stats={"quantized": 0})
     num_experts, num_head = len(expert_weights(graph)), len(draft_head_weights(graph))
@@ -153,7 +155,7 @@ def round_linears(graph: Graph, store: TensorStore, format_of: Callable[[str], F
         entries.update(lazy_entries(name, info.shape, store.entry(part_name(name, "weight", info.format)), fmt, last))
     return PassResult(new, store.with_entries(entries, remove=targets), changed=True,
                       stats={"quantized": len(targets), "method": "rtn", **counts},
-                      manifest={"quantization": {"method": "rtn", **record}})
+                      manifest={"quantization": {"method": "rtn", **record}} if model else {})
 
 
 def per_expert(quantize: Callable[[Any, Format, str], dict], w: Any, fmt: Format, name: str) -> dict:
