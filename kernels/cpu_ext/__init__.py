@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -63,6 +64,7 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
         from torch.utils import cpp_extension
 
         where.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(where / "lock")
         if not any(where.glob("*.so")):
             print(f"optc: compiling its C++ CPU kernels ({name}), once: about a minute; cached in {where}",
                   file=sys.stderr, flush=True)
@@ -76,6 +78,22 @@ def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, ins
         log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "", instead)
         return None
+
+
+STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by a killed one
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """Remove the lock file torch's cpp_extension holds while it builds, when it is older than any build: a
+    process killed mid-build leaves it, and cpp_extension then waits on it forever, even for a built module."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("optc: removing %s, left %.0f minutes ago by a C++ kernel build that did not finish", lock,
+                    age / 60)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache
