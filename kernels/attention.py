@@ -31,15 +31,18 @@ def paged_attention(
     max_seq_len: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """optc.core.ops.attention.attention_ref: stores k, v (None: stored already), then attends (causal,
-    soft-capped by `softcap`, within `window` when given).
+    soft-capped by `softcap`, within `window` when given). `tree_mask` is never given: this kernel does not
+    declare `takes_tree_mask`, so the op runs draft trees through the reference.
 
     `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
     kernel's split count is baked into the graph.
     """
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    assert tree_mask is None, "triton.paged_attention takes no tree mask"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
     args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale, kv_cache.scales)
