@@ -181,7 +181,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
-            chunk = lambda out, first: _completion_chunk(ids, out, echo if first else "", body.return_token_ids)
+            chunk = lambda out, first: r.completion_chunk(ids, out, echo if first else "", body.return_token_ids)
             return _stream(request, outputs, body, chunk, ids.completion)
         text, last, entries, token_ids = await _collect(request, outputs)
         if last is None:
@@ -205,7 +205,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         accepted, outputs = await state.start(body.chat_messages(), params, body.stream, params_of)
         ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
         if body.stream:
-            return _stream(request, outputs, body, lambda out, first: _chat_chunk(ids, out, first, body.logprobs),
+            return _stream(request, outputs, body, lambda out, first: r.chat_chunk(ids, out, first, body.logprobs),
                            ids.chat)
         text, last, entries, _ = await _collect(request, outputs)
         if last is None:
@@ -329,24 +329,6 @@ async def _collect(request: Request, outputs: AsyncIterator[Output]) -> tuple[st
         if out.finish_reason is not None:
             last = out
     return "".join(texts), last, entries, token_ids
-
-
-def _completion_chunk(ids: r.ResponseIds, out: Output, prefix: str, with_token_ids: bool) -> dict | None:
-    if not (out.text or prefix or out.finish_reason or with_token_ids and out.token_ids):
-        return None
-    logprobs = r.completion_logprobs(out.logprobs) if out.logprobs else None
-    choice = {"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-    if with_token_ids:
-        choice["token_ids"] = out.token_ids
-    return ids.completion(choice, is_chunk=True)
-
-
-def _chat_chunk(ids: r.ResponseIds, out: Output, first: bool, with_logprobs: bool) -> dict | None:
-    if not (out.text or first or out.finish_reason):
-        return None
-    delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-    logprobs = r.chat_logprobs(out.logprobs) if with_logprobs and out.logprobs else None
-    return ids.chat({"delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}, is_chunk=True)
 
 
 def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,

@@ -7,7 +7,7 @@ import json
 import time
 from typing import Any
 
-from optc.runtime.server.async_engine import TokenLogprob
+from optc.runtime.server.async_engine import Output, TokenLogprob
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
@@ -73,3 +73,23 @@ class ResponseIds:
         if usage_ is not None or not is_chunk:
             body["usage"] = usage_
         return body
+
+
+def completion_chunk(ids: ResponseIds, out: Output, prefix: str, with_token_ids: bool) -> dict | None:
+    """A stream chunk of a completion (`prefix`: the echoed prompt, on the first); None when it carries nothing."""
+    if not (out.text or prefix or out.finish_reason or with_token_ids and out.token_ids):
+        return None
+    logprobs = completion_logprobs(out.logprobs) if out.logprobs else None
+    choice = {"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    if with_token_ids:
+        choice["token_ids"] = out.token_ids
+    return ids.completion(choice, is_chunk=True)
+
+
+def chat_chunk(ids: ResponseIds, out: Output, first: bool, with_logprobs: bool) -> dict | None:
+    """A stream chunk of a chat completion (the first names the role); None when it carries nothing."""
+    if not (out.text or first or out.finish_reason):
+        return None
+    delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+    logprobs = chat_logprobs(out.logprobs) if with_logprobs and out.logprobs else None
+    return ids.chat({"delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}, is_chunk=True)
