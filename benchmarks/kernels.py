@@ -54,6 +54,7 @@ from yardstick import fraction_of, gbps
 
 BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
 MAX_REL_ERR = 3e-2  # bf16 outputs against the torch path: a larger error marks the row (and exit 1)
+TREE_ROWS = 11  # a draft tree's verification rows: the root and 10 nodes
 PREFILL = 512  # prompt tokens of the prefill rows (linears at M=PREFILL take the tiled GEMM path)
 
 
@@ -167,10 +168,12 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     from optc.core.formats import Format, FormatKind, linear_ref
     from optc.core.kv_cache import KVCache
     from optc.core.ops import Param
+    from optc.core.ops.attention import paged_attention_ref
     from optc.core.ops.elementwise import gated_act_ref
     from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
     from optc.core.ops.rope import rope_kv_store_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
+    from optc.runtime.batch import tree_rows
 
     m, rand = model, rand or torch.randn
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
@@ -230,6 +233,18 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         for kernel, window in _layers(m):
             fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill, window=window)
             yield ("paged_prefill" + kernel, f"B={batch} T={PREFILL}", byts, *fns)
+    # an EAGLE draft tree's verification at batch 1 (the attention op's tree_mask): the root and 10 nodes,
+    # two children per node, after PREFILL - 11 tokens of context
+    if not m.window:
+        cache, tables, seq_lens = _paged(m, 1, PREFILL, dev, data)
+        q = data(TREE_ROWS, m.heads, m.head_dim)
+        starts = torch.tensor([0, TREE_ROWS], device=dev, dtype=torch.int32)
+        tree_mask = torch.tensor(tree_rows([(j - 1) // 2 for j in range(TREE_ROWS - 1)])[1], device=dev)
+        args = (q, cache, tables, seq_lens, starts, m.head_dim ** -0.5)
+        byts = 2 * PREFILL * m.kv_heads * m.head_dim * e + 2 * TREE_ROWS * m.heads * m.head_dim * e
+        yield ("paged_prefill.tree", f"B=1 T={TREE_ROWS} ctx={PREFILL}", byts,
+               bind(paged_prefill.paged_prefill, *args, max_query_len=TREE_ROWS, tree_mask=tree_mask),
+               bind(paged_attention_ref, *args, tree_mask=tree_mask))
     # int8 / fp8 KV (a value byte per element, an fp32 scale per (token, KV head) for K and V): the
     # fused store at T=32, decode at batch 32 x 4,096 (compare its GB/s with the bf16 row above:
     # the target is the same bytes per second on half the bytes), prefill at B=1

@@ -6,7 +6,10 @@ layer, the key range a sliding window leaves, and the launchers' checks of the c
 Rows are query (token, head) pairs; `query_pos` is each row's position, so a row sees keys up to
 it (decode passes the request's last position: every key in the context), and with a sliding
 window (`WINDOW`) only keys above query_pos - window. Without a window the step compiles as plain
-causal attention (the launchers pass NO_WINDOW, unread). With one, callers start their key loop at
+causal attention (the launchers pass NO_WINDOW, unread). A speculative draft tree (`TREE`, prefill's
+only: the attention op's `tree_mask`) also hides this step's key j (at context_len + j) from a row
+whose `tree_bits` lack bit j (a node sees itself and its ancestors; a row of a causal request passes
+all bits set, -1, so causality alone decides). With one, callers start their key loop at
 the window start of their first row (`window_start`), so blocks wholly before it, which the runtime
 may have freed (null block 0 in the table), are never read. Scores are in log2 units (the scale is
 folded into `qk_scale` with log2 e) and exp2 is used; the running max `m_i`, sum `l_i` and
@@ -41,9 +44,9 @@ NO_WINDOW = 1 << 30  # the window of a layer without one: longer than any contex
 def attend(
     q, m_i, l_i, acc, query_pos,
     kv_base, scale_base, table_ptr, n0, end, block_size, stride_cb, stride_ckv, stride_co,
-    stride_sb, stride_skv, stride_so, D, qk_scale, cap_log2, window,
-    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_sb, stride_skv, stride_so, D, qk_scale, cap_log2, window, tree_bits, context_len,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, TREE: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # keys n0 .. n0 + BLOCK_N - 1 below `end`; kv_base (scale_base) points at the KV head's K (K
     # scale) of block 0
@@ -68,6 +71,10 @@ def attend(
     visible = (offs_n[None, :] <= query_pos[:, None]) & mask_n[None, :]
     if WINDOW:
         visible = visible & (offs_n[None, :] > query_pos[:, None] - window)
+    if TREE:  # this step's key j (at context_len + j) is seen where bit j of the row's tree bits is set
+        new = offs_n[None, :] - context_len
+        bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(new, 0), 63).to(tl.int64)) & 1
+        visible = visible & ((new < 0) | (bit != 0))
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     if WINDOW:  # a row whose window starts past this step has seen no key: p = 0 and alpha = 0, not NaN

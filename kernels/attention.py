@@ -34,15 +34,14 @@ def paged_attention(
     tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """optc.core.ops.attention.attention_ref: stores k, v (None: stored already), then attends (causal,
-    soft-capped by `softcap`, within `window` when given). `tree_mask` is never given: this kernel does not
-    declare `takes_tree_mask`, so the op runs draft trees through the reference.
+    soft-capped by `softcap`, within `window` when given; draft trees under `tree_mask`, in paged_prefill:
+    a batch of single rows is causal whatever its bits).
 
     `max_query_len` and `max_seq_len` size the grids; without them the launchers read the tensors (a
     device sync). A CUDA-graph capture passes its context capacity as `max_seq_len`: the decode
     kernel's split count is baked into the graph.
     """
     # q: (T, H_q, D), k, v: (T, H_kv, D), kv_cache.data: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
-    assert tree_mask is None, "triton.paged_attention takes no tree mask"
     if k is not None:
         kv_store(k, v, kv_cache, slot_mapping)
     args = (q, kv_cache.data, block_tables, seq_lens, query_start_loc, scale, kv_cache.scales)
@@ -51,4 +50,4 @@ def paged_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if q.shape[0] else 0
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         return paged_decode(*args, max_seq_len=max_seq_len, **scores)
-    return paged_prefill(*args, max_query_len=max_query_len, **scores)
+    return paged_prefill(*args, max_query_len=max_query_len, tree_mask=tree_mask, **scores)

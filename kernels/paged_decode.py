@@ -87,8 +87,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend(q, m_i, l_i, acc, last, kv_base, scale_base, block_tables_ptr + req * stride_bt,
                                n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
-                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, WINDOW, FP32_DOT,
-                               BLOCK_D, BLOCK_N)
+                               stride_so, D, qk_scale, cap_log2, window, last, 0, HAS_SCALES, SOFTCAP, WINDOW,
+                               False, FP32_DOT, BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (or request) stays zero
     if IS_SPLIT:

@@ -6,7 +6,9 @@ The K/V of every token, the earlier context's and this step's, are read from the
 store happens first, in rope_kv_store or kv_store), so a chunk of a long prompt attends to the
 chunks before it through the block table with no special case. Query i of request b sits at
 position seq_lens[b] - query_len_b + i and sees keys 0 .. its own position (with a `window`, the
-last `window` of them).
+last `window` of them). With a `tree_mask` (speculative draft trees), a request of at most 64 rows
+whose first row has bits sees this step's keys as its rows' bits say (optc.core.ops.attention's
+`attention_ref`): each node itself and its ancestors.
 
 One program serves one (request, KV head, row tile): the rows of a tile are (query token, query
 head of the group) pairs flattened as row = i * G + g, so each K/V tile is read once per group.
@@ -43,7 +45,7 @@ TILES = {16: (64, 32, 4), 32: (64, 32, 4), 64: (64, 32, 4), 128: (64, 32, 4), 25
 @triton.jit
 def _prefill_kernel(
     # pointers
-    q_ptr, cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr, cache_ptr, scale_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tree_ptr, out_ptr,
     # sizes
     G, D, block_size, qk_scale, cap_log2, window,
     # strides: q / out (token, head); cache (block, k|v, offset, head); scales (block, k|v, offset, head);
@@ -51,8 +53,8 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ckv, stride_co, stride_ch,
     stride_sb, stride_skv, stride_so, stride_sh, stride_bt,
     # meta
-    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALES: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, TREE: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     req, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_ptr + req)
@@ -72,6 +74,10 @@ def _prefill_kernel(
                 mask=mask_md, other=0.0)
     if not HAS_SCALES:  # a float cache: both dots in the cache dtype; a scaled one reads K/V into q's
         q = q.to(cache_ptr.dtype.element_ty)
+    tree_bits = tl.full([BLOCK_M], -1, tl.int64)  # all bits: causality alone decides
+    if TREE:  # a request of at most 64 rows whose first row has bits is a draft tree
+        is_tree = (query_len <= 64) & (tl.load(tree_ptr + q_start) != 0)
+        tree_bits = tl.where(is_tree, tl.load(tree_ptr + tokens, mask=mask_m, other=-1), tree_bits)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -88,8 +94,8 @@ def _prefill_kernel(
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc = attend(q, m_i, l_i, acc, query_pos, kv_base, scale_base, block_tables_ptr + req * stride_bt,
                                n0, end, block_size, stride_cb, stride_ckv, stride_co, stride_sb, stride_skv,
-                               stride_so, D, qk_scale, cap_log2, window, HAS_SCALES, SOFTCAP, WINDOW, FP32_DOT,
-                               BLOCK_D, BLOCK_N)
+                               stride_so, D, qk_scale, cap_log2, window, tree_bits, context_len, HAS_SCALES,
+                               SOFTCAP, WINDOW, TREE, FP32_DOT, BLOCK_D, BLOCK_N)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -107,14 +113,17 @@ def paged_prefill(
     max_query_len: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """paged_attention_ref for any query lengths (prefill, chunked prefill, speculative verify).
+    """paged_attention_ref for any query lengths (prefill, chunked prefill, speculative verify, draft trees).
 
     `kv_scales`: an int8 / fp8 cache's scales (None: a float cache). `max_query_len` sizes the grid;
-    without it the launcher reads query_start_loc (a device sync). `softcap`, `window`: the
-    reference's (None: none).
+    without it the launcher reads query_start_loc (a device sync). `softcap`, `window`, `tree_mask`:
+    the reference's (None: none; trees take no window).
     """
-    # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D) -> (T, H_q, D)
+    # q: (T, H_q, D), kv_cache: (num_blocks, 2, block_size, H_kv, D), tree_mask: (T,) int64 -> (T, H_q, D)
+    assert tree_mask is None or (window is None and tree_mask.shape == q.shape[:1]
+                                 and tree_mask.dtype == torch.int64), "tree_mask must be (T,) int64, without a window"
     num_requests, _, num_kv_heads, head_dim, block_size, group = check_paged_args(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -128,12 +137,13 @@ def paged_prefill(
     block_m, block_n, num_warps = TILES[block_d]
     grid = lambda meta: (num_requests, num_kv_heads, triton.cdiv(max_query_len * group, meta["BLOCK_M"]))
     _prefill_kernel[grid](
-        q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc, out,
+        q, kv_cache, kv_scales if kv_scales is not None else kv_cache, block_tables, seq_lens, query_start_loc,
+        tree_mask if tree_mask is not None else seq_lens, out,
         group, head_dim, block_size, *score_args(scale, softcap, window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs[0], cs[1], cs[2], cs[3], *ss,
         block_tables.stride(0),
         HAS_SCALES=kv_scales is not None, SOFTCAP=softcap is not None, WINDOW=window is not None,
-        FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
+        TREE=tree_mask is not None, FP32_DOT=fp32_dot(q if kv_scales is not None else kv_cache),
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out

@@ -113,7 +113,7 @@ CUDA_KERNELS: tuple[KernelSpec, ...] = (
     # not yet run on a GPU
     KernelSpec("triton.fused_moe", "moe", _fused_moe_ok, "moe_fused:fused_moe", by_default=False),
     KernelSpec("triton.rope_kv_store", "rope_kv_store", _rope_kv_store_ok, "rope:rope_kv_store"),
-    KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention"),
+    KernelSpec("triton.paged_attention", "attention", _attention_ok, "attention:paged_attention", takes_tree_mask=True),
     # MLA's absorbed decode: checked under the interpreter and compiled for sm_90, not yet run on a GPU
     KernelSpec("triton.mla_decode", "mla_attention", _mla_decode_ok, "mla_decode:mla_decode", by_default=False),
     # torch's tinygemm int4 matmul, ahead of w4a16 but off unless enabled: a candidate GPU sessions measure

@@ -4,13 +4,16 @@ Caches hold random K/V in shuffled blocks; block 0 (the null block) is filled wi
 request may read. Sequence and query lengths are ragged and not multiples of the block or tile.
 """
 
+import numpy as np
 import pytest
 import torch
 
-from optc.core.kv_cache import QMAX, STORAGE_DTYPES, dequantize, quantize
+from optc.core.kv_cache import QMAX, STORAGE_DTYPES, KVCache, dequantize, quantize
 from optc.core.ops.attention import paged_attention_ref, paged_attention_sdpa
+from optc.kernels.attention import paged_attention
 from optc.kernels.paged_decode import paged_decode
 from optc.kernels.paged_prefill import paged_prefill
+from optc.runtime.batch import tree_rows
 
 GQA = [(2, 2), (6, 2), (8, 2), (8, 1)]  # (H_q, H_kv): ratios 1, 3, 4, 8
 
@@ -143,6 +146,39 @@ def test_paged_attention_sdpa_decode_step_is_the_reference_math(kv_dtype, dtype)
 def test_paged_prefill_kernel_half_precision(dtype):
     args = _case([45, 80], [45, 33], 6, 2, 16, 16, dtype, seed=4)
     assert_close(paged_prefill(*args, 0.25, max_query_len=45), paged_attention_ref(*args, 0.25), TOL[dtype])
+
+
+def _tree_case(dtype, seed):
+    """A batch beside draft trees: a 20-row causal chunk with causal bits, an 11-row tree after 100 context
+    tokens, a decode row, a 64-row tree (bit 63: the sign bit) and a 70-row prompt without bits (too long
+    for a tree: causal); random parents, each before its children. Returns (args, tree_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    masks = [(2 << i) - 1 for i in range(20)]
+    for n in (11, 1, 64):
+        parents = [int(torch.randint(-1, j, (1,), generator=g)) for j in range(n - 1)]
+        masks += tree_rows(parents)[1]
+    masks += [0] * 70
+    args = _case([60, 111, 30, 90, 70], [20, 11, 1, 64, 70], 8, 2, 32, 16, dtype, seed=seed)
+    return args, torch.tensor(np.array(masks, dtype=np.uint64).view(np.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_kernel_takes_draft_trees_like_ref(dtype):
+    """Draft trees through the Triton launcher (the attention op's `tree_mask`) against the reference; the
+    trees' rows differ from causal attention's, so a kernel that ignored the mask fails."""
+    args, tree_mask = _tree_case(dtype, seed=6)
+    expected = paged_attention_ref(*args, 0.2, tree_mask=tree_mask)
+    out = paged_prefill(*args, 0.2, max_query_len=70, tree_mask=tree_mask)
+    assert_close(out, expected, TOL[dtype])
+    causal = paged_attention_ref(*args, 0.2)
+    trees = torch.zeros(len(tree_mask), dtype=torch.bool)
+    trees[20:31] = trees[32:96] = True
+    assert torch.equal(out[~trees], paged_prefill(*args, 0.2)[~trees])
+    assert (out[trees] - causal[trees]).abs().amax() > 10 * TOL[dtype]
+    q, cache, tables, seq_lens, starts = args  # the op's launcher routes trees to paged_prefill
+    kv = KVCache(cache)
+    out_op = paged_attention(q, None, None, kv, None, tables, seq_lens, starts, 0.2, tree_mask=tree_mask)
+    assert torch.equal(out_op, out)
 
 
 def test_paged_prefill_kernel_rejects_bad_gqa():

@@ -1,7 +1,7 @@
 """EAGLE draft trees in the engine (`--speculative eagle-tree:D:TOPK:NODES`) on random:tiny in float32: the
 batch's tree rows (positions at their depth, consecutive slots, ancestor bits), greedy output identical to plain
 decoding under batching, chunked prefill, preemption and prefix caching, with optc's C++ tree attention and with
-every node on its op reference (the masked SDPA path), an oracle tree whose accepted path is never its first
+every node on its op reference (the masked SDPA path) and with the Triton kernels, an oracle tree whose accepted path is never its first
 children (the path's K/V must move), the sampled distribution preserved (a chi-square test) and the option."""
 
 from __future__ import annotations
@@ -121,6 +121,22 @@ def test_a_target_without_the_mask_drafts_chains_of_the_depth(headed, plain):
     engine.speculator.proposer.propose_tree = None  # a call would raise
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
     assert engine.stats().num_accepted_tokens > 0
+
+
+def test_greedy_identical_with_eagle_tree_on_the_triton_kernels(tmp_path, recipes):
+    """A `target: cuda` build binds triton.paged_attention, which takes the tree mask (its prefill kernel's
+    TREE variant; under TRITON_INTERPRET=1 here): its steps verify trees, and the greedy tokens are its own
+    plain decoding's, batched and under chunked prefill with preemption."""
+    path = build_artifact(tmp_path / "a", recipes / "tiny.yaml", "target=cuda",
+                          f"passes=[fuse_qkv, fuse_gate_up, {HEAD}, select_kernels]", *CALIBRATION)
+    engine = Engine.load(path, device="cpu", speculative=TREE, **SMALL)
+    assert "triton.paged_attention" in {n.attrs["kernel"] for n in engine.model.graph.nodes}
+    assert engine.speculator.use_tree
+    plain = [c.token_ids for c in Engine.load(path, device="cpu").generate(PROMPTS, GREEDY)]
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == plain
+    stats = engine.stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_preemptions > 0
+    assert_no_leaks(engine)
 
 
 def test_tensor_parallelism_drafts_chains(headed, plain):
