@@ -30,9 +30,10 @@ batch holds more than `disable_above_num_requests` running requests does not spe
 batch already keeps the device busy: measured in benchmarks/speculative.py, docs/PERF.md), and (2) each request
 picks k from its measured acceptance rate a (a decayed count of accepted over tried drafts): the k
 in 0..K that maximizes expected tokens per step over its relative cost,
-(1 + a + a^2 + ... + a^k) / (1 + token_cost * k), for a tree of depth k its nodes in place of k (a the
-per-depth rate, top_k + (k - 1) top_k^2 nodes at most). A request whose k drops to 0 drifts back to the
-prior rate while it does not speculate, so it probes again later.
+(1 + a + a^2 + ... + a^k) / (1 + token_cost * k); for a tree of depth k (a the per-depth rate) the cost is
+1 + (TREE_NODE_COST * nodes + TREE_DEPTH_COST * k) * token_cost / eagle's default token_cost (nodes: top_k +
+(k - 1) top_k^2 at most, within NODES): a node costs a verification row, a depth a head forward. A request
+whose k drops to 0 drifts back to the prior rate while it does not speculate, so it probes again later.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ import numpy as np
 import torch
 
 from optc.core.errors import InputError
-from optc.core.settings import SpeculativeConfig, SpeculativeMethod
+from optc.core.settings import (
+    DEFAULT_TOKEN_COST,
+    TREE_DEPTH_COST,
+    TREE_NODE_COST,
+    SpeculativeConfig,
+    SpeculativeMethod,
+)
 from optc.runtime.batch import tree_rows
 from optc.runtime.request import Request
 from optc.runtime.verifier import rejection_sample, target_probs, verify_tree
@@ -185,11 +192,11 @@ class Speculator:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         k = config.num_speculative_tokens
         self._gain_denominators = [1.0 + config.cost * i for i in range(k + 1)]
-        if config.is_tree:  # a tree of depth i verifies its nodes: top_k at depth 1, top_k^2 below each later depth
-            top_k = config.tree_top_k
-            self._tree_denominators = [1.0 + config.cost * min(config.tree_num_nodes, top_k * (1 + (i - 1) * top_k))
-                                       for i in range(1, k + 1)]
-            self._tree_denominators.insert(0, 1.0)
+        if config.is_tree:  # depth i: top_k nodes at depth 1, top_k^2 below each later depth, NODES at most
+            top_k, scale = config.tree_top_k, config.cost / DEFAULT_TOKEN_COST[SpeculativeMethod.EAGLE.value]
+            self._tree_denominators = [1.0] + [
+                1.0 + scale * (TREE_NODE_COST * min(config.tree_num_nodes, top_k * (1 + (i - 1) * top_k))
+                               + TREE_DEPTH_COST * i) for i in range(1, k + 1)]
         self.needs_features = hasattr(proposer, "observe")  # the model runner then hands it every step's
         self.use_tree = False  # draft trees: set by the target's model runner where its model takes them
         self._tree_parents: dict[str, list[int]] = {}  # this step's trees (request id -> parent of each node)

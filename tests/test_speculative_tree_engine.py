@@ -1,8 +1,9 @@
 """EAGLE draft trees in the engine (`--speculative eagle-tree:D:TOPK:NODES`) on random:tiny in float32: the
 batch's tree rows (positions at their depth, consecutive slots, ancestor bits), greedy output identical to plain
-decoding under batching, chunked prefill, preemption and prefix caching, with optc's C++ tree attention and with
-every node on its op reference (the masked SDPA path) and with the Triton kernels, an oracle tree whose accepted path is never its first
-children (the path's K/V must move), the sampled distribution preserved (a chi-square test) and the option."""
+decoding under batching, chunked prefill, preemption and prefix caching, with optc's C++ tree attention, with
+every node on its op reference (the masked SDPA path) and with the Triton kernels, an oracle tree whose accepted
+path is never its first children (the path's K/V must move), the sampled distribution preserved (a chi-square
+test), the adaptive depth's tree cost and the option."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 import torch
 
 from optc.core.errors import InputError
-from optc.core.settings import SpeculativeConfig
+from optc.core.settings import TREE_DEPTH_COST, TREE_NODE_COST, SpeculativeConfig
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
-from optc.runtime.speculative import Speculator
+from optc.runtime.speculative import Speculator, _Acceptance
 from optc.testing import assert_no_leaks, assert_second_tokens_distributed, build_artifact
 
 HEAD = "{train_draft_head: {steps: 80, samples: 6, validation_windows: 2, vocab_size: 200}}"
@@ -219,6 +220,29 @@ def test_sampling_matches_the_target_distribution(headed):
     runs = engine.generate([prompt] * 3000, [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(3000)])
     assert engine.stats().num_drafts > 0 and engine.stats().num_accepted_tokens > 0
     assert_second_tokens_distributed(headed, prompt, params, [r.token_ids[1] for r in runs])
+
+
+def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
+    """A tree's cost is a verification row per node and a head forward per depth, not a chain token's cost per
+    node: at a per-depth acceptance of 0.35 a 4:2:10 tree still drafts (the old per-node charge, 1 + 0.2 x 2 at
+    depth 1, made it stop), and a doubled token_cost doubles both parts."""
+    def speculator(text, **changes):
+        s = Speculator(replace(SpeculativeConfig.parse(text), **changes), proposer=None)
+        s.allow_trees(True)
+        return s
+
+    def chosen(s, rate):
+        s._acceptance["r"] = _Acceptance(accepted=2 * rate, tried=2.0)
+        return s._choose_k("r")
+
+    tree = speculator("eagle-tree:4:2:10")
+    costs = [1.0 + TREE_NODE_COST * n + TREE_DEPTH_COST * d for d, n in enumerate((2, 6, 10, 10), 1)]
+    assert tree._gain_denominators == pytest.approx([1.0, *costs])
+    assert speculator("eagle-tree:4:2:10", token_cost=0.4)._gain_denominators == pytest.approx(
+        [1.0, *(1 + 2 * (c - 1) for c in costs)])
+    assert [chosen(tree, a) for a in (0.1, 0.35, 0.9)] == [0, 1, 4]
+    chain = Speculator(SpeculativeConfig.parse("eagle:4"), proposer=None)
+    assert chain._gain_denominators == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.8])
 
 
 def test_parse_eagle_tree():

@@ -34,6 +34,11 @@ TREE = "eagle-tree"
 MAX_TREE_NODES = 63
 MAX_TREE_TOP_K = 8
 DEFAULT_TOKEN_COST = {"ngram": 0.1, "draft": 0.3, "eagle": 0.2}
+# an EAGLE tree of depth d and n nodes costs 1 + TREE_NODE_COST * n + TREE_DEPTH_COST * d decode steps (times
+# token_cost / eagle's default): a verification row per node, a head forward per depth (its expanded nodes at
+# once, with the mask and top-k work in Python); SmolLM2 bf16, 2 threads, batch 1 (docs/PERF.md, 2026-11-27)
+TREE_NODE_COST = 0.065
+TREE_DEPTH_COST = 0.135
 
 
 @dataclass(frozen=True)
