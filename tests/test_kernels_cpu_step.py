@@ -1,7 +1,8 @@
 """kernels/cpu_ext/step.cpp: a decode step's decoder layers as one C++ call give the node-by-node step's logits
-bit for bit (dense bfloat16 and float32 weights, int4 on torch's int4pack and on qdot), decline what they do not
-take (prefill steps run node by node), and leave a model whose extension cannot be built node by node; the
-executor's fused runs refuse a range whose values escape it."""
+bit for bit (dense bfloat16 and float32 weights, int4 on torch's int4pack and on qdot), and so do a speculative
+verification's rows and a draft tree's under its mask; they decline what they do not take (a prefill of more than
+MAX_ROWS rows runs node by node), and leave a model whose extension cannot be built node by node; the executor's
+fused runs refuse a range whose values escape it."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from optc.core.ir import Graph, Node
 from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext import step as cpu_step
 from optc.runtime import Engine, SamplingParams
+from optc.runtime.batch import ForwardBatch
 from optc.testing import build_artifact
 
 needs_ext = pytest.mark.skipif(cpu_ext.load_ops() is None or cpu_ext.isa() is None,
@@ -36,7 +38,7 @@ def _artifact(tmp_path, name):
     return build_artifact(tmp_path / name, recipe)
 
 
-def _logits_per_step(engine: Engine, fused: dict, prompts=((5, 9, 13, 200, 3), (7,) * 11)) -> list[torch.Tensor]:
+def _logits_per_step(engine: Engine, fused: dict, prompts=((5, 9, 13, 200, 3), (7,) * 21)) -> list[torch.Tensor]:
     """The logits of every step of a greedy run of `prompts`, with the executor's fused runs set to `fused`."""
     model = engine.model
     model.executor._fused = dict(fused)
@@ -79,7 +81,39 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     assert len(with_fused) == len(node_by_node) > 2
     for got, want in zip(with_fused, node_by_node, strict=True):
         assert torch.equal(got, want)
-    assert calls[0] is False and all(calls[1:]) and len(calls) == len(with_fused)  # the prefill step declines
+    assert calls[0] is False and all(calls[1:]) and len(calls) == len(with_fused)  # the 26-row prefill declines
+
+
+@needs_ext
+@pytest.mark.parametrize("name", ["bf16", "qdot"])
+def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
+    """A step of a decode row, a chain's 5 verification rows, a draft tree's 7 nodes (under its ancestor bits) and a
+    3-token prompt: the fused run takes it and gives the node-by-node logits bit for bit; the tree's rows differ
+    from the same tokens read as a chain (the mask reached the attention)."""
+    engine = Engine.load(_artifact(tmp_path, name), enable_prefix_caching=False)
+    model = engine.model
+    caches = model.allocate_kv_caches(24, 16)
+    g = torch.Generator().manual_seed(0)
+    for cache in caches:
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+    tokens = [[11], [3, 8, 1, 9, 4], [2, 6, 6, 7, 9, 5, 1, 4], [5, 9, 13]]
+    tables = [[1, 2], [3, 4], [5, 6], [7]]
+    parents = [None, None, [-1, -1, 0, 0, 1, 2, 4], None]
+
+    def logits(fused: bool, tree: bool):
+        model.executor._fused = dict(fused_runs) if fused else {}
+        batch = ForwardBatch.build(tokens, [20, 17, 23, 0], tables, 16, [len(t) for t in tokens],
+                                   tree_parents=parents if tree else None)
+        return model.forward(batch, caches)
+
+    fused_runs = dict(model.executor._fused)
+    (start, (stop, names, outs, fn, dead)), = fused_runs.items()
+    taken = []
+    fused_runs[start] = (stop, names, outs, lambda values, step: taken.append(fn(values, step)) or taken[-1], dead)
+    for tree in (False, True):
+        assert torch.equal(logits(True, tree), logits(False, tree))
+    assert len(taken) == 2 and all(t is not None for t in taken)
+    assert not torch.equal(logits(True, True)[6:13], logits(True, False)[6:13])
 
 
 @needs_ext

@@ -1,5 +1,5 @@
-// A decode step's decoder layers in one C++ call (kernels/cpu_ext/step.py binds it): per layer the qkv linear,
-// rotary + KV store, decode attention, o linear, add + RMSNorm, gate_up linear, silu gate, down linear and the
+// A decode or verification step's decoder layers in one C++ call (kernels/cpu_ext/step.py binds it): per layer the
+// qkv linear, rotary + KV store, row attention (each request's rows, causal or a draft tree's), o linear, add + RMSNorm, gate_up linear, silu gate, down linear and the
 // next add + RMSNorm, each the very function its graph node binds one at a time (ops.cpp's norms, rotary, attention
 // and silu, qdot.cpp's qlinear, torch's packed int4 matmul, a dense linear), called in the same order on the same
 // tensors: the results are those of the node-by-node step, bit for bit. What it removes is the Python between them
@@ -103,19 +103,20 @@ class Stack {
     layers_.push_back(std::move(layer));
   }
 
-  // x (T, H): the first layer's normed input, residual (T, H) its residual; caches: per KV layer. Returns the
-  // last layer's (normed, summed): what its trailing add + RMSNorm node outputs.
+  // x (T, H): the first layer's normed input, residual (T, H) its residual; starts (B + 1,) int32: each
+  // request's first row; tree_mask: draft trees' row bits (row_attention's), or none; caches: per KV layer.
+  // Returns the last layer's (normed, summed): what its trailing add + RMSNorm node outputs.
   std::vector<at::Tensor> forward(at::Tensor x, at::Tensor residual, at::Tensor positions, at::Tensor cos_sin,
-                                  at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens,
-                                  std::vector<at::Tensor> caches, int64_t max_rows) {
+                                  at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens, at::Tensor starts,
+                                  c10::optional<at::Tensor> tree_mask, std::vector<at::Tensor> caches,
+                                  int64_t max_rows) {
     const int64_t t = x.size(0);
-    const auto starts = at::arange(t + 1, seq_lens.options());  // one query row per request
     for (const Layer& l : layers_) {
       const at::Tensor& cache = caches.at(l.cache_index);
       auto qkv = l.qkv(x).split_with_sizes(l.qkv.split, -1);
       auto q = rope_kv_store(qkv[0].view({t, l.hq, l.d}).contiguous(), qkv[1].view({t, l.hkv, l.d}).contiguous(),
                              qkv[2].view({t, l.hkv, l.d}).contiguous(), positions, cos_sin, cache, slots);
-      auto attn = row_attention(q, cache, block_tables, seq_lens, starts, l.scale, 0.0, 0, max_rows, c10::nullopt)
+      auto attn = row_attention(q, cache, block_tables, seq_lens, starts, l.scale, 0.0, 0, max_rows, tree_mask)
                       .flatten(1);
       // the add + RMSNorm nodes' operands in their order: the residual stream, then the new value
       auto post = rms_norm(residual, l.o(attn).contiguous(), l.post_norm, l.post_eps, 0.0);
@@ -140,6 +141,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Stack>(m, "Stack")
       .def(pybind11::init<>())
       .def("add", &Stack::add, "append a decoder layer")
-      .def("forward", &Stack::forward, "every layer of a decode step")
+      .def("forward", &Stack::forward, "every layer of a decode or verification step")
       .def("__len__", &Stack::size);
 }

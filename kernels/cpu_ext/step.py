@@ -1,16 +1,18 @@
-"""A decode step's run of decoder layers as one call into step.cpp (kernels/cpu_ext), in place of 9 graph nodes a
-layer each called from Python.
+"""A decode or verification step's run of decoder layers as one call into step.cpp (kernels/cpu_ext), in place of
+9 graph nodes a layer each called from Python.
 
 `fuse_decoder_layers(graph, executor)` finds, in a graph bound to the CPU kernels, the longest run of decoder
-layers of the plain Llama shape (a qkv linear split in three, rotary + KV store, decode attention over the stored
+layers of the plain Llama shape (a qkv linear split in three, rotary + KV store, attention over the stored
 cache, an o linear, add + RMSNorm, a gate_up linear split in two, silu gate, a down linear and the next add +
 RMSNorm; every non-matmul node on its `cpu.cpp_*` kernel, every linear on kernels step.cpp runs: a dense or widened
-weight, torch's int4pack, qdot), and hands the executor that run (`Executor.fuse`). Per decode step (one query per
-request, a float KV cache of the activations' dtype, one KV-cache group) the run is one call that runs each node's
-own kernel in the node order, so its outputs equal the node-by-node step's bit for bit
-(tests/test_kernels_cpu_step.py); any other step (a prefill, speculative verification, a quantized KV cache) runs the
-nodes one by one. Weights are the nodes' prepared layouts, shared with the node-by-node path (`PreparedImpl.params`),
-so nothing is held twice. Where the extension cannot be built, nothing is fused.
+weight, torch's int4pack, qdot), and hands the executor that run (`Executor.fuse`). Per step whose requests bring
+at most MAX_ROWS query rows each (a decode step's one, a speculative verification's k + 1 or a draft tree's nodes,
+a short prompt), over a float KV cache of the activations' dtype and one KV-cache group, the run is one call that
+runs each node's own kernel in the node order, with the attention node's own row_attention call (its tree bits
+included), so its outputs equal the node-by-node step's bit for bit (tests/test_kernels_cpu_step.py); any other
+step (a longer prefill, a quantized KV cache) runs the nodes one by one. Weights are the nodes' prepared layouts,
+shared with the node-by-node path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot
+be built, nothing is fused.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.ops.linear import one_row_as_two
 from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
-from optc.kernels.cpu_ext.ops import MAX_ROWS
+from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES
 from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.spec import PreparedImpl
 
@@ -59,17 +61,21 @@ class DecoderRun:
         x, residual = inputs
         b = step.batch
         rows = x.shape[0]
-        if (getattr(b, "max_query_len", None) != 1 or x.dtype != self.dtype or rows != b.seq_lens.shape[0]
+        query_len = getattr(b, "max_query_len", None)
+        if (not isinstance(query_len, int) or query_len > MAX_ROWS or x.dtype != self.dtype
                 or (self.max_rows is not None and rows > self.max_rows)
                 or getattr(b, "group_tables", ()) or not x.is_contiguous() or not residual.is_contiguous()):
             return None
         caches = self._cache_data(step.kv_caches)
         if caches is None:
             return None
+        tree_mask = getattr(b, "tree_mask", None)  # with it, the attention node's own call: MAX_TREE_NODES rows
         return self.stack.forward(x, residual, step.positions.long().contiguous(),
                                   step.cos_sin[GLOBAL].contiguous(), b.slot_mapping.long().contiguous(),
-                                  b.block_tables.int().contiguous(), b.seq_lens.int().contiguous(), caches,
-                                  MAX_ROWS)
+                                  b.block_tables.int().contiguous(), b.seq_lens.int().contiguous(),
+                                  b.query_start_loc.int().contiguous(),
+                                  None if tree_mask is None else tree_mask.long().contiguous(), caches,
+                                  MAX_ROWS if tree_mask is None else MAX_TREE_NODES)
 
     def _cache_data(self, kv_caches) -> list[torch.Tensor] | None:
         """The layers' cache tensors when every one is a contiguous float cache of the activations' dtype, else
