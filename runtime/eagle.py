@@ -36,6 +36,7 @@ from optc.core.eagle import EagleHead, EagleHeadConfig
 from optc.core.errors import InputError
 from optc.core.formats import part_name
 from optc.core.ops import Param
+from optc.core.ops.linear import onednn_bf16_gemm
 from optc.runtime.draft import sample_drafts
 from optc.runtime.request import Request
 
@@ -65,7 +66,10 @@ def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
         raise InputError(f"artifact {artifact.path} has no draft head, which --speculative eagle needs: build it "
                          "with a recipe whose passes include train_draft_head or import_draft_head")
     config = EagleHeadConfig.from_json(section["config"])
-    dtype = torch.float32 if model.device.type == "cpu" else model.dtype  # CPU matmuls: fp32 is the fast kind
+    # on the CPU the head's small matmuls are fastest in bfloat16 where oneDNN runs them (AVX-512: 2-3x float32's,
+    # docs/PERF.md), else in float32
+    slow_bf16 = model.device.type == "cpu" and not (model.dtype == torch.bfloat16 and onednn_bf16_gemm())
+    dtype = torch.float32 if slow_bf16 else model.dtype
 
     def dense(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
         fmt = artifact.graph.tensors[name].format

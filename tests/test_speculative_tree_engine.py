@@ -224,8 +224,8 @@ def test_sampling_matches_the_target_distribution(headed):
 
 def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
     """A tree's cost is a verification row per node and a head forward per depth, not a chain token's cost per
-    node: at a per-depth acceptance of 0.35 a 4:2:10 tree still drafts (the old per-node charge, 1 + 0.2 x 2 at
-    depth 1, made it stop), and a doubled token_cost doubles both parts."""
+    node: at a per-depth acceptance of 0.25 a 4:2:10 tree still drafts (a chain token's cost per node, 1 + 0.11 x 2
+    at depth 1 plus its head step, would make it stop), and a doubled token_cost doubles both parts."""
     def speculator(text, **changes):
         s = Speculator(replace(SpeculativeConfig.parse(text), **changes), proposer=None)
         s.allow_trees(True)
@@ -238,11 +238,11 @@ def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
     tree = speculator("eagle-tree:4:2:10")
     costs = [1.0 + TREE_NODE_COST * n + TREE_DEPTH_COST * d for d, n in enumerate((2, 6, 10, 10), 1)]
     assert tree._gain_denominators == pytest.approx([1.0, *costs])
-    assert speculator("eagle-tree:4:2:10", token_cost=0.4)._gain_denominators == pytest.approx(
+    assert speculator("eagle-tree:4:2:10", token_cost=2 * tree.config.cost)._gain_denominators == pytest.approx(
         [1.0, *(1 + 2 * (c - 1) for c in costs)])
-    assert [chosen(tree, a) for a in (0.1, 0.35, 0.9)] == [0, 1, 4]
+    assert [chosen(tree, a) for a in (0.1, 0.25, 0.9)] == [0, 1, 4]
     chain = Speculator(SpeculativeConfig.parse("eagle:4"), proposer=None)
-    assert chain._gain_denominators == pytest.approx([1.0, 1.2, 1.4, 1.6, 1.8])
+    assert chain._gain_denominators == pytest.approx([1.0 + chain.config.cost * k for k in range(5)])
 
 
 def test_parse_eagle_tree():

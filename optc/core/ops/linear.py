@@ -84,7 +84,9 @@ def _embedding_call(fn, node, inputs, params, step):
 
 
 @functools.cache
-def _onednn_bf16_gemm() -> bool:
+def onednn_bf16_gemm() -> bool:
+    """Whether torch's CPU bfloat16 matmuls of more than one row run oneDNN's GEMM (AVX-512): then bfloat16 is
+    the fast kind (half the bytes); capped to AVX2, torch runs bfloat16 products row by row and float32 is."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
@@ -94,7 +96,7 @@ def one_row_as_two(device: torch.device) -> bool:
     (SmolLM2's down_proj, K = 1536: rows differ in the last bit); as two rows a decode step's row rounds as the same
     row in a speculative verification does, for 1-2% of a bf16 decode step. Capped to AVX2, torch runs every row
     count row by row (a second row costs a whole one), so the rows agree already and one stays one."""
-    return device.type == "cpu" and _onednn_bf16_gemm()
+    return device.type == "cpu" and onednn_bf16_gemm()
 
 
 def _linear_call(fn, node, inputs, params, step):
