@@ -224,8 +224,8 @@ def test_sampling_matches_the_target_distribution(headed):
 
 def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
     """A tree's cost is a verification row per node and a head forward per depth, not a chain token's cost per
-    node: at a per-depth acceptance of 0.25 a 4:2:10 tree still drafts (a chain token's cost per node, 1 + 0.11 x 2
-    at depth 1 plus its head step, would make it stop), and a doubled token_cost doubles both parts."""
+    node: at a per-depth acceptance of 0.25 a 4:2:10 tree drafts one depth (charged a chain token's 0.2 per node, as
+    before, it stopped below 0.4), and a doubled token_cost doubles both parts."""
     def speculator(text, **changes):
         s = Speculator(replace(SpeculativeConfig.parse(text), **changes), proposer=None)
         s.allow_trees(True)
