@@ -164,15 +164,18 @@ def test_a_later_rtn_pass_rounds_the_heads_linears(tmp_path, recipes):
     assert 0 < error < 1 / 127  # int8 per channel: within half a step of the row's largest
 
 
-def test_rounding_only_the_head_keeps_the_models_quantization_record(tmp_path, recipes):
-    """GPTQ int8, then a head, then RTN int8: RTN rounds the head alone and the manifest still says gptq."""
+@pytest.mark.parametrize(("method", "options"), [("gptq", "{bits: 8}"),
+                                                ("awq", "{bits: 4, group_size: 32, zero_point: true}")])
+def test_rounding_only_the_head_keeps_the_models_quantization_record(tmp_path, recipes, method, options):
+    """GPTQ int8 (or AWQ int4), then a head, then RTN in the same format: RTN rounds the head alone and the
+    manifest still names the calibrated method."""
     directory = _checkpoint(tmp_path / "head", 64, 256)
     path = build_artifact(tmp_path / "a", recipes / "tiny.yaml",
-                          f"passes=[fuse_qkv, fuse_gate_up, {{quantize_gptq: {{bits: 8}}}}, "
-                          f"{{import_draft_head: {{path: {directory}}}}}, {{quantize_rtn: {{bits: 8}}}}]",
+                          f"passes=[fuse_qkv, fuse_gate_up, {{quantize_{method}: {options}}}, "
+                          f"{{import_draft_head: {{path: {directory}}}}}, {{quantize_rtn: {options}}}]",
                           "calibration.samples=4", "calibration.seq_len=32")
     artifact = read(path)
-    assert artifact.manifest.quantization["method"] == "gptq"
+    assert artifact.manifest.quantization["method"] == method
     assert artifact.graph.tensors["eagle.qkv_proj.weight"].format.is_quantized
     stats = next(p for p in artifact.manifest.passes if p["name"] == "quantize_rtn")["stats"]
     assert stats["quantized"] == stats["draft_head_tensors"] == 5
