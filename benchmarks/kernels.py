@@ -47,15 +47,13 @@ from dataclasses import dataclass
 from functools import partial as bind
 
 import torch
-import torch.nn.functional as F
+from attention_cases import BLOCK_SIZE, PREFILL, TREE_ROWS, decode, layers, prefill, quantized_cache, tree, tree_bytes
 from int4_cases import gemlite_cases, int4_tiles_cases
 from results import Rows
 from yardstick import fraction_of, gbps
 
-BATCHES, CONTEXTS, BLOCK_SIZE = (1, 8, 32), (512, 4096), 16
+BATCHES, CONTEXTS = (1, 8, 32), (512, 4096)
 MAX_REL_ERR = 3e-2  # bf16 outputs against the torch path: a larger error marks the row (and exit 1)
-TREE_ROWS = 11  # a draft tree's verification rows: the root and 10 nodes
-PREFILL = 512  # prompt tokens of the prefill rows (linears at M=PREFILL take the tiled GEMM path)
 
 
 @dataclass(frozen=True)
@@ -168,12 +166,10 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
     from optc.core.formats import Format, FormatKind, linear_ref
     from optc.core.kv_cache import KVCache
     from optc.core.ops import Param
-    from optc.core.ops.attention import paged_attention_ref
     from optc.core.ops.elementwise import gated_act_ref
     from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
     from optc.core.ops.rope import rope_kv_store_ref
     from optc.kernels import activation, norm, paged_decode, paged_prefill, rope, w4a16, w8a16
-    from optc.runtime.batch import tree_rows
 
     m, rand = model, rand or torch.randn
     data = lambda *shape, dtype=dt: rand(*shape, dtype=dtype, device=dev)  # noqa: E731
@@ -198,11 +194,11 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         args = (q, k, v, pos, cos_sin, cache, slots)
         yield "rope_kv_store", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
         for ctx in CONTEXTS:
-            for kernel, window in _layers(m):
+            for kernel, window in layers(m):
                 seen = min(ctx, window or ctx)  # the keys the kernel reads
                 byts = 2 * t * seen * m.kv_heads * m.head_dim * e + 2 * t * m.heads * m.head_dim * e
                 yield ("paged_decode" + kernel, f"B={t} ctx={ctx}", byts,
-                       *_decode(m, t, ctx, dev, data, paged_decode.paged_decode, window=window))
+                       *decode(m, t, ctx, dev, data, paged_decode.paged_decode, window=window))
     for t in BATCHES + (PREFILL,):
         for lin, (n, kk) in m.linears.items():
             xl = data(t, kk)
@@ -230,21 +226,12 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
                 bind(w8a16.w8a16_linear, xl, p8, fmt8), bind(linear_ref, xl, p8, fmt8)
     for batch in (1, 4):  # prefill: `batch` prompts of PREFILL tokens each (compute-bound; bytes are the minimum)
         byts = 4 * batch * PREFILL * (m.heads + m.kv_heads) * m.head_dim * e
-        for kernel, window in _layers(m):
-            fns = _prefill(m, batch, dev, data, paged_prefill.paged_prefill, window=window)
+        for kernel, window in layers(m):
+            fns = prefill(m, batch, dev, data, paged_prefill.paged_prefill, window=window)
             yield ("paged_prefill" + kernel, f"B={batch} T={PREFILL}", byts, *fns)
-    # an EAGLE draft tree's verification at batch 1 (the attention op's tree_mask): the root and 10 nodes,
-    # two children per node, after PREFILL - 11 tokens of context
-    if not m.window:
-        cache, tables, seq_lens = _paged(m, 1, PREFILL, dev, data)
-        q = data(TREE_ROWS, m.heads, m.head_dim)
-        starts = torch.tensor([0, TREE_ROWS], device=dev, dtype=torch.int32)
-        tree_mask = torch.tensor(tree_rows([(j - 1) // 2 for j in range(TREE_ROWS - 1)])[1], device=dev)
-        args = (q, cache, tables, seq_lens, starts, m.head_dim ** -0.5)
-        byts = 2 * PREFILL * m.kv_heads * m.head_dim * e + 2 * TREE_ROWS * m.heads * m.head_dim * e
-        yield ("paged_prefill.tree", f"B=1 T={TREE_ROWS} ctx={PREFILL}", byts,
-               bind(paged_prefill.paged_prefill, *args, max_query_len=TREE_ROWS, tree_mask=tree_mask),
-               bind(paged_attention_ref, *args, tree_mask=tree_mask))
+    if not m.window:  # an EAGLE draft tree's verification at batch 1 (the attention op's tree_mask)
+        yield ("paged_prefill.tree", f"B=1 T={TREE_ROWS} ctx={PREFILL}", tree_bytes(m, e),
+               *tree(m, dev, data, paged_prefill.paged_prefill))
     # int8 / fp8 KV (a value byte per element, an fp32 scale per (token, KV head) for K and V): the
     # fused store at T=32, decode at batch 32 x 4,096 (compare its GB/s with the bf16 row above:
     # the target is the same bytes per second on half the bytes), prefill at B=1
@@ -253,104 +240,17 @@ def _cases(model: Model, dev: str = "cuda", dt: torch.dtype = torch.bfloat16, ra
         q = data(t, m.heads, m.head_dim)
         k, v = data(2, t, m.kv_heads, m.head_dim)
         pos, slots = torch.arange(t, device=dev) + 100, torch.arange(t, device=dev) + BLOCK_SIZE
-        cache = _quantized_cache(data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim), kv, data)
+        cache = quantized_cache(data(t // BLOCK_SIZE + 2, 2, BLOCK_SIZE, m.kv_heads, m.head_dim), kv, data)
         byts = (2 * m.heads + 2 * m.kv_heads) * t * m.head_dim * e + 2 * t * m.kv_heads * (m.head_dim + 4)
         args = (q, k, v, pos, cos_sin, cache, slots)
         yield f"rope_kv_store.{kv}", f"T={t}", byts, bind(rope.rope_kv_store, *args), bind(rope_kv_store_ref, *args)
         ctx = CONTEXTS[-1]
         byts = 2 * t * ctx * m.kv_heads * (m.head_dim + 4) + 2 * t * m.heads * m.head_dim * e
         yield (f"paged_decode.{kv}", f"B={t} ctx={ctx}", byts,
-               *_decode(m, t, ctx, dev, data, paged_decode.paged_decode, kv))
+               *decode(m, t, ctx, dev, data, paged_decode.paged_decode, kv))
         byts = 2 * PREFILL * m.heads * m.head_dim * e + 2 * PREFILL * m.kv_heads * (m.head_dim + 4)
         yield (f"paged_prefill.{kv}", f"B=1 T={PREFILL}", byts,
-               *_prefill(m, 1, dev, data, paged_prefill.paged_prefill, kv))
-
-
-def _layers(m: Model) -> list[tuple[str, int | None]]:
-    """(kernel name suffix, window) per kind of attention layer the model has: global, and local if it slides."""
-    return [("", None)] + ([(".local", m.window)] if m.window else [])
-
-
-def _torch_path(m: Model, window, q, cache, tables, seq_lens, starts, scale, kv_scales, **bounds):
-    """The runtime's torch attention (SDPA, or the fp32 reference where it soft-caps), for rows with a
-    soft cap or a window, which the plain SDPA call of the other rows does not compute."""
-    from optc.core.ops.attention import paged_attention_sdpa
-
-    return bind(paged_attention_sdpa, q, cache, tables, seq_lens, starts, scale, kv_scales=kv_scales,
-                softcap=m.softcap, window=window, **bounds)
-
-
-def _gather(cache, kv_scales, tables, dtype):
-    """The blocks of `tables` (B, nb) as (B, nb, 2, block_size, H_kv, D) in `dtype` (dequantized with scales)."""
-    from optc.core.kv_cache import dequantize
-
-    table = tables.long()
-    return cache[table] if kv_scales is None else dequantize(cache[table], kv_scales[table], dtype)
-
-
-def _quantized_cache(cache, kv: str, data):
-    """A KVCache of `kv` (int8 | fp8_e4m3) with the float cache's shape: values from it, scales drawn."""
-    from optc.core.kv_cache import QMAX, STORAGE_DTYPES, KVCache
-
-    storage = STORAGE_DTYPES[kv]
-    values = (cache * 40).clamp(-127, 127).to(storage) if storage == torch.int8 else cache.to(storage)
-    return KVCache(values, data(*cache.shape[:4], dtype=torch.float32).abs() * 0.02, QMAX[kv])
-
-
-def _paged(m, batch, ctx, dev, data):
-    """A KV cache holding `batch` contexts of `ctx` tokens in shuffled blocks, with its tables."""
-    per = -(-ctx // BLOCK_SIZE)
-    cache = data(1 + batch * per, 2, BLOCK_SIZE, m.kv_heads, m.head_dim)
-    tables = (torch.randperm(batch * per, device=dev) + 1).int().view(batch, per)
-    seq_lens = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
-    return cache, tables, seq_lens
-
-
-def _decode(m, batch, ctx, dev, data, kernel, kv_dtype=None, window=None):
-    cache, tables, seq_lens = _paged(m, batch, ctx, dev, data)
-    starts = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    q = data(batch, m.heads, m.head_dim)
-    scale = m.head_dim ** -0.5
-    kv_scales = None
-    if kv_dtype is not None:  # the kernel reads the quantized cache; torch gathers and dequantizes, as the reference
-        quantized = _quantized_cache(cache, kv_dtype, data)
-        cache, kv_scales = quantized.data, quantized.scales
-
-    def torch_fn():  # gather each request's K/V (dequantized), then SDPA with GQA (no causal mask for decode)
-        kv = _gather(cache, kv_scales, tables, q.dtype).transpose(1, 2).reshape(batch, 2, ctx, m.kv_heads, m.head_dim)
-        k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)  # (B, H_kv, ctx, D)
-        return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
-
-    tri = bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_seq_len=ctx, softcap=m.softcap,
-               window=window)
-    if m.softcap or window:
-        torch_fn = _torch_path(m, window, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=1,
-                               max_seq_len=ctx)
-    return tri, torch_fn
-
-
-def _prefill(m, batch, dev, data, kernel, kv_dtype=None, window=None):
-    cache, tables, seq_lens = _paged(m, batch, PREFILL, dev, data)
-    starts = torch.arange(0, (batch + 1) * PREFILL, PREFILL, device=dev, dtype=torch.int32)
-    q = data(batch * PREFILL, m.heads, m.head_dim)
-    scale = m.head_dim ** -0.5
-    kv_scales = None
-    if kv_dtype is not None:
-        quantized = _quantized_cache(cache, kv_dtype, data)
-        cache, kv_scales = quantized.data, quantized.scales
-
-    def torch_fn():  # causal SDPA with GQA over each prompt's gathered (dequantized) K/V
-        kv = _gather(cache, kv_scales, tables, q.dtype)
-        kv = kv.transpose(1, 2).reshape(batch, 2, PREFILL, m.kv_heads, m.head_dim)
-        k, v = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
-        qb = q.view(batch, PREFILL, m.heads, m.head_dim).transpose(1, 2)
-        return F.scaled_dot_product_attention(qb, k, v, scale=scale, is_causal=True, enable_gqa=True)
-
-    tri = bind(kernel, q, cache, tables, seq_lens, starts, scale, kv_scales, max_query_len=PREFILL,
-               softcap=m.softcap, window=window)
-    if m.softcap or window:
-        torch_fn = _torch_path(m, window, q, cache, tables, seq_lens, starts, scale, kv_scales)
-    return tri, torch_fn
+               *prefill(m, 1, dev, data, paged_prefill.paged_prefill, kv))
 
 
 def compile_report(model: str, arch: int, all_configs: bool, dtypes: list[str], only: tuple[str, ...] = ()) -> dict:
