@@ -14,6 +14,10 @@ A kernel that raises on the shape is a build-time error naming the node, the sha
 Timings are cached per (op, format, shape, dtype, candidates), so a model's 30 identical layers cost
 one measurement.
 
+A kernel whose rows do not depend on the call's row count (`rows_independent`: bf16dot) and that wins one row
+keeps every bucket up to SPECULATIVE_ROWS even where torch's GEMM is a little faster: a decode row and the same
+row in a speculative verification then give the same bits, so speculative greedy output is plain decoding's.
+
 Not here: which kernels support a node (`registry.candidates`), Triton autotuning (on first use, on
 the GPU), or anything about the runtime's M: a bucket's choice holds for every M up to its bound.
 """
@@ -33,6 +37,9 @@ from optc.core.ops import OPS, Param
 from optc.kernels.registry import KernelQuery, KernelSpec
 
 M_BUCKETS = (1, 8, 32, 128, 512)  # upper bounds, measured at the bound; the last one holds for any larger M
+# a `rows_independent` kernel that wins one row keeps the buckets up to this bound: a speculative step's rows (a
+# chain's k + 1 <= 17, a tree's nodes + 1 <= 64, several requests' together) then sum as the decode row does
+SPECULATIVE_ROWS = 128
 MIN_ROUNDS = 3  # timed rounds per bucket, at least
 MAX_ROUNDS = 25  # and at most: more rounds only until ROUND_BUDGET_S is spent
 ROUND_BUDGET_S = 0.3  # after the first MIN_ROUNDS, spent on the contenders
@@ -88,6 +95,8 @@ class Chooser:
                 winners.append(min(times, key=lambda name: (times[name], names.index(name))))
         finally:
             torch.set_num_threads(threads)
+        if any(s.rows_independent and s.name == winners[0] for s in specs):
+            winners = [winners[0] if m <= SPECULATIVE_ROWS else w for m, w in zip(self.buckets, winners, strict=True)]
         by_m: list[tuple[int | None, str]] = []
         for i, (m, w) in enumerate(zip(self.buckets, winners, strict=True)):
             bound = None if i == len(self.buckets) - 1 else m

@@ -50,6 +50,9 @@ class KernelSpec:
     by_default: bool = True  # False: select_kernels binds it only when its `enable` option names it
     layout: str | None = None  # the in-memory weight layout `prepare` makes (None: the format's own parts)
     takes_tree_mask: bool = False  # attention: the launcher takes `tree_mask` (draft trees, attention_ref's)
+    # a row's result does not depend on the call's row count: where it wins one row, it keeps the speculative
+    # steps' rows too (kernels/choose.py), so a decode row and its verification row agree bit for bit
+    rows_independent: bool = False
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"

@@ -56,6 +56,13 @@ def _qdot_ok(q: KernelQuery) -> bool:
             and w.group_size in (32, 64, 128) and k % w.group_size == 0 and n % 16 == 0)
 
 
+def _bf16dot_ok(q: KernelQuery) -> bool:
+    # bf16dot.cpp: a dense bfloat16 weight (the cast pass's) with bfloat16 activations, K in chunks of 32
+    w = q.weight
+    return (q.dtype == "bfloat16" and w is not None and w.kind is FormatKind.DENSE and w.dtype == "bfloat16"
+            and len(q.weight_shape) == 2 and q.weight_shape[1] % 32 == 0)
+
+
 def _moe_packed_cpu_ok(q: KernelQuery) -> bool:
     # experts (E, 2I, H) in one quantized format, as the linear kernels take each expert's gate_up (2I, H) and
     # down (H, I): int8pack K % 16; int4pack with 16-bit x only (float32 int4pack loses to the reference), N % 16
@@ -111,6 +118,12 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
                prepare="cpu_ext.qdot:prepare_qdot", layout="the format's own parts + float32 scales"),
     KernelSpec("cpu.qdot_logits", "lm_head", _qdot_ok, "cpu_ext.qdot:qdot_logits", target="cpu",
                prepare="cpu_ext.qdot:prepare_qdot", layout="the format's own parts + float32 scales"),
+    # dense bfloat16: a row's sums independent of the call's rows (a decode row = its verification row), one pass
+    # over the weight for every row; torch's GEMM above ROWS rows (prefills)
+    KernelSpec("cpu.bf16dot", "linear", _bf16dot_ok, "cpu_ext.bf16dot:bf16dot_linear", target="cpu",
+               rows_independent=True),
+    KernelSpec("cpu.bf16dot_logits", "lm_head", _bf16dot_ok, "cpu_ext.bf16dot:bf16dot_logits", target="cpu",
+               rows_independent=True),
     # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",

@@ -1,8 +1,8 @@
 """kernels/cpu_ext/step.cpp: a decode step's decoder layers as one C++ call give the node-by-node step's logits
-bit for bit (dense bfloat16 and float32 weights, int4 on torch's int4pack and on qdot), and so do a speculative
-verification's rows and a draft tree's under its mask; they decline what they do not take (a prefill of more than
-MAX_ROWS rows runs node by node), and leave a model whose extension cannot be built node by node; the executor's
-fused runs refuse a range whose values escape it."""
+bit for bit (dense bfloat16 weights on bf16dot and on torch, float32 weights, int4 on torch's int4pack and on
+qdot), and so do a speculative verification's rows and a draft tree's under its mask; they decline what they do
+not take (a prefill of more than MAX_ROWS rows runs node by node), and leave a model whose extension cannot be
+built node by node; the executor's fused runs refuse a range whose values escape it."""
 
 import pytest
 import torch
@@ -19,7 +19,8 @@ needs_ext = pytest.mark.skipif(cpu_ext.load_ops() is None or cpu_ext.isa() is No
                                reason="the C++ CPU kernels cannot be built here (no compiler/AVX2)")
 PASSES = "fuse_qkv, fuse_gate_up, {quant}fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select}"
 CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options)
-    "bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
+    "bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # cpu.bf16dot
+    "bf16-torch": ("bfloat16", "", "{select_kernels: {measure: false, disable: [cpu.bf16dot, cpu.bf16dot_logits]}}"),
     "phi3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # partial rotary, LongRoPE
     "f32": ("float32", "", "{select_kernels: {measure: false}}"),
     "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
@@ -65,7 +66,8 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     model = engine.model
     assert model.fused_layers
     kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
-    assert kernels == {"torch": {"torch"}, "int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}}.get(name, {"torch"})
+    assert kernels == {"bf16": {"cpu.bf16dot"}, "phi3-bf16": {"cpu.bf16dot"}, "int4pack": {"cpu.int4pack"},
+                       "qdot": {"cpu.qdot"}}.get(name, {"torch"})
     fused = dict(model.executor._fused)
     calls = []
     (start, (stop, names, outs, fn, dead)), = fused.items()
@@ -85,7 +87,7 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
 
 
 @needs_ext
-@pytest.mark.parametrize("name", ["bf16", "qdot"])
+@pytest.mark.parametrize("name", ["bf16", "bf16-torch", "qdot"])
 def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
     """A step of a decode row, a chain's 5 verification rows, a draft tree's 7 nodes (under its ancestor bits) and a
     3-token prompt: the fused run takes it and gives the node-by-node logits bit for bit; the tree's rows differ

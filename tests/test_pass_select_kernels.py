@@ -50,7 +50,8 @@ def test_select_kernels_binds_triton_on_cuda_and_torch_elsewhere():
                                     "o": "torch", "lm_head": "torch"}  # dense linears stay on cuBLAS
     assert cuda.stats["kernels"]["torch"] == 3
     cpu = make_pass("select_kernels", {"measure": False}).run(graph, None, PassContext(target="cpu"))
-    on_cpu = {"qkv": "cpu.int4pack", "norm": "cpu.cpp_rms_norm", "attention": "cpu.cpp_attention"}
+    on_cpu = {"qkv": "cpu.int4pack", "norm": "cpu.cpp_rms_norm", "attention": "cpu.cpp_attention",
+              "o": "cpu.bf16dot", "lm_head": "cpu.bf16dot_logits"}  # dense bfloat16 on the C++ dot
     assert _kernels(cpu.graph) == {n.name: on_cpu.get(n.name, "torch") for n in graph.nodes}
     assert "kernel" not in graph.nodes[0].attrs  # the input graph is untouched
 
@@ -105,7 +106,8 @@ def test_min_cuda_capability_is_the_floor_raised_by_the_bound_kernels():
 def test_cpu_choice_is_measured_per_m_bucket_and_a_second_run_keeps_it():
     from optc.kernels.choose import M_BUCKETS
 
-    once = make_pass("select_kernels").run(_graph(), None, PassContext(target="cpu"))
+    dense_off = {"disable": ("cpu.bf16dot", "cpu.bf16dot_logits")}  # o and lm_head: tests/test_kernels_bf16dot.py
+    once = make_pass("select_kernels", dense_off).run(_graph(), None, PassContext(target="cpu"))
     qkv = next(n for n in once.graph.nodes if n.name == "qkv")
     table = qkv.attrs.get("kernel_by_m", [[None, qkv.kernel]])
     # increasing bounds from the buckets, the last open; neighbours differ; `kernel` names one of them
@@ -119,7 +121,7 @@ def test_cpu_choice_is_measured_per_m_bucket_and_a_second_run_keeps_it():
     (measured,) = once.stats["measured_us"].values()  # one shape measured, every bucket, both candidates
     assert sorted(measured) == list(M_BUCKETS) and all(set(t) == {"cpu.int4pack", "cpu.qdot", "torch"}
                                                        for t in measured.values())
-    twice = make_pass("select_kernels").run(once.graph, None, PassContext(target="cpu"))
+    twice = make_pass("select_kernels", dense_off).run(once.graph, None, PassContext(target="cpu"))
     assert not twice.changed and twice.graph.to_json() == once.graph.to_json()
 
 
@@ -248,7 +250,7 @@ def test_inspect_shows_the_choice_per_m_and_the_packed_layout(tmp_path):
     s = summarize(build_artifact(tmp_path / "a", recipe))
     measured = next(p for p in s["passes"] if p["name"] == "select_kernels")["stats"]["measured_us"]
     assert set(measured["linear 128x64 int4_g/g32 bfloat16"]) == {"1", "8", "32", "128", "512"}  # JSON keys
-    bound = {n for n, k in s["kernels"].items() if k in ("cpu.int4pack", "cpu.qdot")}
+    bound = {n for n, k in s["kernels"].items() if k in ("cpu.int4pack", "cpu.qdot", "cpu.bf16dot_logits")}
     assert set(s["kernel_by_m"]) <= bound
     qkv = "model.layers.0.self_attn.qkv_proj"
     s["kernels"][qkv] = "cpu.int4pack"

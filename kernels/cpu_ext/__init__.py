@@ -1,6 +1,7 @@
 """optc's own C++ CPU kernels, compiled on first use with torch's cpp_extension and cached on disk: qdot.cpp
-(grouped int4 / int8 code linears with integer activations per block of 32) and ops.cpp (a decode step's norms,
-gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
+(grouped int4 / int8 code linears with integer activations per block of 32), bf16dot.cpp (dense bfloat16
+linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py) and ops.cpp (a decode
+step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns
 the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile): the failure is
@@ -8,7 +9,8 @@ logged once and every launcher bound to these kernels runs torch's packed kernel
 so an install without a compiler still runs every artifact. `load_ops()` is ops.cpp's module the same way (None:
 its launchers run the op references). `isa()` is the path qdot runs on this CPU: AVX-512
 VNNI where the CPU has it, else AVX2, capped to AVX2 when ATEN_CPU_CAPABILITY=avx2 (the cap that makes torch's
-own kernels take their AVX2 paths, so that a capped measurement compares like with like).
+own kernels take their AVX2 paths, so that a capped measurement compares like with like); `bf16_isa()` is
+bf16dot's the same way (AVX-512 BF16 or AVX2).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from types import ModuleType
 
 import torch
 
-AVX2, AVX512_VNNI = 2, 3  # qdot.cpp's `isa` argument
-ISA_NAMES = {AVX2: "avx2", AVX512_VNNI: "avx512_vnni"}
+AVX2, AVX512_VNNI, AVX512_BF16 = 2, 3, 4  # qdot.cpp's and bf16dot.cpp's `isa` argument
+ISA_NAMES = {AVX2: "avx2", AVX512_VNNI: "avx512_vnni", AVX512_BF16: "avx512_bf16"}
 HERE = Path(__file__).parent
 
 log = logging.getLogger("optc.kernels.cpu_ext")
@@ -40,6 +42,12 @@ def cache_root() -> Path:
 def load() -> ModuleType | None:
     """qdot's extension, or None (logged) where it cannot be built on this machine."""
     return build("qdot", ("qdot.cpp", "qdot_body.h"), ["-O3"], cache_root(), "torch's packed kernels")
+
+
+@functools.cache
+def load_bf16dot() -> ModuleType | None:
+    """bf16dot's extension, or None (logged) where it cannot be built on this machine."""
+    return build("bf16dot", ("bf16dot.cpp",), ["-O3"], cache_root(), "torch's bfloat16 matmul")
 
 
 @functools.cache
@@ -100,7 +108,18 @@ def _drop_stale_lock(lock: Path) -> None:
 def isa() -> int | None:
     """qdot's ISA path on this CPU (AVX2 or AVX512_VNNI), None where the extension is absent or the CPU has
     no AVX2 (or ATEN_CPU_CAPABILITY caps torch below it)."""
-    ext = load()
+    return _capped(load())
+
+
+@functools.cache
+def bf16_isa() -> int | None:
+    """bf16dot's ISA path on this CPU (AVX512_BF16 or AVX2), None where the extension is absent or the CPU has no
+    AVX2 with FMA (or ATEN_CPU_CAPABILITY caps torch below it)."""
+    return _capped(load_bf16dot())
+
+
+def _capped(ext: ModuleType | None) -> int | None:
+    """The extension's best path on this CPU under ATEN_CPU_CAPABILITY's cap."""
     if ext is None:
         return None
     best = ext.best_isa()

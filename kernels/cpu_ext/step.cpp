@@ -1,12 +1,12 @@
 // A decode or verification step's decoder layers in one C++ call (kernels/cpu_ext/step.py binds it): per layer the
 // qkv linear, rotary + KV store, row attention (each request's rows, causal or a draft tree's), o linear, add +
 // RMSNorm, gate_up linear, silu gate, down linear and the next add + RMSNorm, each the very function its graph node
-// binds one at a time (ops.cpp's norms, rotary, attention and silu, qdot.cpp's qlinear, torch's packed int4 matmul,
-// a dense linear), called in the same order on the same tensors: the results are those of the node-by-node step,
+// binds one at a time (ops.cpp's norms, rotary, attention and silu, qdot.cpp's qlinear, bf16dot.cpp's bf16dot,
+// torch's packed int4 matmul, a dense linear), called in the same order on the same tensors: the results are those of the node-by-node step,
 // bit for bit. What it removes is the Python between them (op adapters, kernel-table routing, launcher checks): at
 // batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time, node by node").
 //
-// ops.cpp and qdot.cpp are compiled into this file (each its own extension too): their module definitions are
+// ops.cpp, qdot.cpp and bf16dot.cpp are compiled into this file (each its own extension too): their module definitions are
 // renamed to unused functions around the includes, so this extension defines only its own.
 #include <torch/extension.h>
 
@@ -18,6 +18,9 @@
 #define PYBIND11_MODULE(name, m) [[maybe_unused]] static void qdot_module_unused(pybind11::module_& m)
 #include "qdot.cpp"
 #undef PYBIND11_MODULE
+#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void bf16dot_module_unused(pybind11::module_& m)
+#include "bf16dot.cpp"
+#undef PYBIND11_MODULE
 #pragma pop_macro("PYBIND11_MODULE")
 
 #include <tuple>
@@ -27,10 +30,12 @@ namespace {
 
 // DENSE_ROWS2: a dense bfloat16 weight whose one-row product runs as two rows, as the linear node's does (torch's
 // one-row gemv sums in another order than the GEMM of more rows; optc/core/ops/linear.py)
-enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3 };
+// BF16DOT: bf16dot.cpp's kernel (its launcher's: float32 sums rounded to bfloat16)
+enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3, BF16DOT = 4 };
 
 // one kernel of a linear, for calls of at most `max_rows` rows (< 0: any); tensors by kind:
-// DENSE {weight (N, K)}; INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff}
+// DENSE, DENSE_ROWS2, BF16DOT {weight (N, K)} (BF16DOT: `isa` its path, `group` the most rows it sums, more
+// run at::linear as its launcher's do); INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff}
 struct Choice {
   int64_t max_rows;
   int64_t kind;
@@ -60,6 +65,9 @@ struct Linear {
         if (m == 1 && x.scalar_type() == at::kBFloat16)
           return at::linear(x.expand({2, -1}).contiguous(), c->t[0]).narrow(0, 0, 1);
         return at::linear(x, c->t[0]);
+      case BF16DOT:
+        if (m <= c->group) return bf16dot::bf16dot(x, c->t[0], c->isa).to(at::kBFloat16);
+        return at::linear(x, c->t[0]);
       case INT4PACK: return at::_weight_int4pack_mm_for_cpu(x.contiguous(), c->t[0], c->group, c->t[1]);
       default: return qlinear(x, c->t[0], c->bits, c->group, c->t[1], c->t[2], c->t[3], c->offset, c->isa);
     }
@@ -84,7 +92,7 @@ class Stack {
     Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int i = 0; i < 4; ++i) {
       for (auto& [max_rows, kind, tensors, group, bits, isa, offset] : linears[i]) {
-        TORCH_CHECK(kind >= DENSE && kind <= DENSE_ROWS2, "unknown linear kind");
+        TORCH_CHECK(kind >= DENSE && kind <= BF16DOT, "unknown linear kind");
         slots[i]->choices.push_back({max_rows, kind, tensors, group, bits, isa, offset});
       }
       TORCH_CHECK(!slots[i]->choices.empty(), "a linear needs a kernel");

@@ -1,18 +1,18 @@
 """A decode or verification step's run of decoder layers as one call into step.cpp (kernels/cpu_ext), in place of
 9 graph nodes a layer each called from Python.
 
-`fuse_decoder_layers(graph, executor)` finds, in a graph bound to the CPU kernels, the longest run of decoder
-layers of the plain Llama shape (a qkv linear split in three, rotary + KV store, attention over the stored
-cache, an o linear, add + RMSNorm, a gate_up linear split in two, silu gate, a down linear and the next add +
-RMSNorm; every non-matmul node on its `cpu.cpp_*` kernel, every linear on kernels step.cpp runs: a dense or widened
-weight, torch's int4pack, qdot), and hands the executor that run (`Executor.fuse`). Per step whose requests bring
-at most MAX_ROWS query rows each (a decode step's one, a speculative verification's k + 1 or a draft tree's nodes,
-a short prompt), over a float KV cache of the activations' dtype and one KV-cache group, the run is one call that
-runs each node's own kernel in the node order, with the attention node's own row_attention call (its tree bits
-included), so its outputs equal the node-by-node step's bit for bit (tests/test_kernels_cpu_step.py); any other
-step (a longer prefill, a quantized KV cache) runs the nodes one by one. Weights are the nodes' prepared layouts,
-shared with the node-by-node path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot
-be built, nothing is fused.
+`fuse_decoder_layers(graph, executor)` finds, in a graph bound to the CPU kernels, the longest run of decoder layers
+of the plain Llama shape (a qkv linear split in three, rotary + KV store, attention over the stored cache, an o
+linear, add + RMSNorm, a gate_up linear split in two, silu gate, a down linear and the next add + RMSNorm; every
+non-matmul node on its `cpu.cpp_*` kernel, every linear on kernels step.cpp runs: a dense or widened weight, torch's
+int4pack, qdot, bf16dot), and hands the executor that run (`Executor.fuse`). Per step whose requests bring at most
+MAX_ROWS query rows each (a decode step's one, a speculative verification's k + 1 or a draft tree's nodes, a short
+prompt), over a float KV cache of the activations' dtype and one KV-cache group, the run is one call that runs each
+node's own kernel in the node order, with the attention node's own row_attention call (its tree bits included), so
+its outputs equal the node-by-node step's bit for bit (tests/test_kernels_cpu_step.py); any other step (a longer
+prefill, a quantized KV cache) runs the nodes one by one. Weights are the nodes' prepared layouts, shared with the
+node-by-node path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot be built, nothing is
+fused.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.ops.linear import one_row_as_two
 from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext import bf16dot
 from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES
 from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.spec import PreparedImpl
 
-DENSE, INT4PACK, QDOT, DENSE_ROWS2 = 0, 1, 2, 3  # step.cpp's linear kinds
+DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT = 0, 1, 2, 3, 4  # step.cpp's linear kinds
 LAYER_OPS = ("linear", "rope_kv_store", "attention", "linear", "add_rms_norm", "linear", "gated_act", "linear",
              "add_rms_norm")
 LINEARS = (0, 3, 5, 7)  # qkv, o, gate_up, down in LAYER_OPS
@@ -38,11 +39,11 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 
 def load_step():
-    """step.cpp's module (it compiles ops.cpp and qdot.cpp in), or None where it cannot be built or the CPU lacks
-    AVX2."""
+    """step.cpp's module (it compiles ops.cpp, qdot.cpp and bf16dot.cpp in), or None where it cannot be built or
+    the CPU lacks AVX2."""
     if cpu_ext.load_ops() is None or cpu_ext.isa() is None:
         return None
-    return cpu_ext.build("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h"),
+    return cpu_ext.build("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp"),
                          ["-O3", "-ffp-contract=off", "-mavx2", "-mf16c"], cpu_ext.cache_root(),
                          "the node-by-node step", compile_only=("step.cpp",))
 
@@ -199,6 +200,9 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
         rows2 = not fmt.is_quantized and fmt.torch_dtype == torch.bfloat16 and one_row_as_two(w.parts["weight"].device)
         kind = DENSE_ROWS2 if rows2 else DENSE
         return (kind, [w.parts["weight"]], 0, 0, 0, 0.0) if dense else None
+    if name == "cpu.bf16dot":  # as its launcher runs: bf16dot up to its ROWS, torch's GEMM above
+        isa = cpu_ext.bf16_isa()
+        return None if isa is None else (BF16DOT, [w.parts["weight"]], bf16dot.ROWS, 0, isa, 0.0)
     if not isinstance(impl, PreparedImpl):
         return None
     parts = impl.params(node, params)["weight"].parts

@@ -91,7 +91,8 @@ def onednn_bf16_gemm() -> bool:
 
 
 def one_row_as_two(device: torch.device) -> bool:
-    """Whether a one-row bfloat16 product of an unquantized weight runs as two rows (the first kept). With AVX-512,
+    """Whether the reference's one-row bfloat16 product of an unquantized weight runs as two rows (the first kept;
+    cpu.bf16dot, the kernel such weights bind on the CPU, sums a row alike at any row count). With AVX-512,
     torch computes one row with its own gemv and two or more with oneDNN's GEMM, whose sums run in another order
     (SmolLM2's down_proj, K = 1536: rows differ in the last bit); as two rows a decode step's row rounds as the same
     row in a speculative verification does, for 1-2% of a bf16 decode step. Capped to AVX2, torch runs every row
@@ -103,7 +104,8 @@ def _linear_call(fn, node, inputs, params, step):
     # linear(x) {split?} [weight, bias?] -> y, or its split along features
     w, x = params["weight"], inputs[0]
     bias = params["bias"].dense() if "bias" in params else None
-    if x.shape[0] == 1 and x.dtype == torch.bfloat16 and not w.format.is_quantized and one_row_as_two(x.device):
+    if (fn is linear_ref and x.shape[0] == 1 and x.dtype == torch.bfloat16 and not w.format.is_quantized
+            and one_row_as_two(x.device)):
         y = fn(x.expand(2, -1).contiguous(), w.parts, w.format, bias)[:1]
     else:
         y = fn(x, w.parts, w.format, bias)

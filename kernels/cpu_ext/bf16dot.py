@@ -1,0 +1,51 @@
+"""Launchers for bf16dot.cpp (kernels/cpu_ext): dense bfloat16 linears and lm_heads for decode and speculative
+verification steps.
+
+A row's sums are the same sequence of float32 operations whatever the call's row count (vdpbf16ps's lanes, then
+a fixed tree), so a decode step's row and the same row in a k + 1 row verification agree bit for bit, and one pass
+over the weight serves every row: at batch 1 on SmolLM2 its linears read the weights at about twice the rate of
+torch's one-row gemv on AVX-512, and capped to AVX2, where torch runs a product row by row, a verification's
+extra rows cost a fraction of a step instead of a step each (docs/PERF.md). From 32 rows on torch's GEMM is
+faster (1.1-1.4x at 64-128 rows, one thread), but the kernel choice keeps bf16dot up to ROWS
+(kernels/choose.py, `rows_independent`) so that every speculative step's rows sum as decode rows do; calls of
+more rows (long prefills) run torch's GEMM. Where the extension cannot be built, the op references run.
+
+Numerics: bfloat16 products are exact in float32; the sums run in float32 in another order than torch's, so an
+output moves within float32 rounding of the exact sum (tests/test_kernels_bf16dot.py) before the linear's
+rounding to bfloat16. The `_logits` launcher keeps the float32 sums and recomputes each row's best logits exactly
+(optc.core.ops.linear.exact_top_logits), as every lm_head kernel does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optc.core.formats import Format, linear_ref
+from optc.core.ops.linear import exact_top_logits, logits_ref
+from optc.kernels import cpu_ext
+
+ROWS = 128  # the most rows a call sums here (kernels/choose.py SPECULATIVE_ROWS); more run torch's GEMM
+
+
+def bf16dot_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_ref for a dense bfloat16 weight: x (..., K) bfloat16 -> (..., N) bfloat16."""
+    w = parts["weight"]
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    isa = cpu_ext.bf16_isa()
+    if isa is None or flat.shape[0] > ROWS or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return linear_ref(x, parts, fmt, bias)
+    y = cpu_ext.load_bf16dot().bf16dot(flat, w, isa).to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def bf16dot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
+    """logits_ref for a dense bfloat16 lm_head: x (M, K) -> (M, V) float32."""
+    w = parts["weight"]
+    isa = cpu_ext.bf16_isa()
+    if isa is None or x.shape[0] > ROWS or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return logits_ref(x, parts, fmt)
+    return exact_top_logits(cpu_ext.load_bf16dot().bf16dot(x, w, isa), x, parts, fmt)
