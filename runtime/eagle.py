@@ -31,12 +31,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from optc.core.eagle import EagleHead, EagleHeadConfig
 from optc.core.errors import InputError
 from optc.core.formats import part_name
 from optc.core.ops import Param
 from optc.core.ops.linear import onednn_bf16_gemm
+from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext.bf16dot import dense_linear
 from optc.runtime.draft import sample_drafts
 from optc.runtime.request import Request
 
@@ -66,9 +69,11 @@ def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
         raise InputError(f"artifact {artifact.path} has no draft head, which --speculative eagle needs: build it "
                          "with a recipe whose passes include train_draft_head or import_draft_head")
     config = EagleHeadConfig.from_json(section["config"])
-    # on the CPU the head's small matmuls are fastest in bfloat16 where oneDNN runs them (AVX-512: 2-3x float32's,
-    # docs/PERF.md), else in float32
-    slow_bf16 = model.device.type == "cpu" and not (model.dtype == torch.bfloat16 and onednn_bf16_gemm())
+    # on the CPU the head's small matmuls are fastest in bfloat16 on bf16dot (one pass over a weight for a tree's
+    # rows, AVX-512 or AVX2), else where oneDNN runs them (AVX-512: 2-3x float32's, docs/PERF.md), else in float32
+    cpu = model.device.type == "cpu"
+    on_bf16dot = cpu and model.dtype == torch.bfloat16 and cpu_ext.bf16_isa() is not None
+    slow_bf16 = cpu and not on_bf16dot and not (model.dtype == torch.bfloat16 and onednn_bf16_gemm())
     dtype = torch.float32 if slow_bf16 else model.dtype
 
     def dense(name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -81,7 +86,8 @@ def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
     nodes = {n.op: n for n in artifact.graph.nodes if n.op in ("embedding", "lm_head")}
     vocab_ids = torch.tensor(config.vocab_ids, device=model.device)
     lm_rows = dense(nodes["lm_head"].params["weight"], dtype)[vocab_ids]
-    return EagleHead(config, weights, dense(nodes["embedding"].params["weight"]), lm_rows)
+    return EagleHead(config, weights, dense(nodes["embedding"].params["weight"]), lm_rows,
+                     dense_linear if on_bf16dot else F.linear)
 
 
 class EagleProposer:

@@ -223,9 +223,9 @@ def test_sampling_matches_the_target_distribution(headed):
 
 
 def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
-    """A tree's cost is a verification row per node and a head forward per depth, not a chain token's cost per
-    node: at a per-depth acceptance of 0.25 a 4:2:10 tree drafts one depth (charged a chain token's 0.2 per node, as
-    before, it stopped below 0.4), and a doubled token_cost doubles both parts."""
+    """A tree's cost is a verification row per node and a head forward per depth: a 4:2:10 tree of depth d and n
+    nodes costs 1 + TREE_NODE_COST * n + TREE_DEPTH_COST * d steps, so at a per-depth acceptance of 0.3 it drafts
+    nothing, at 0.6 one depth (two nodes) and at 0.95 all four; a doubled token_cost doubles both parts."""
     def speculator(text, **changes):
         s = Speculator(replace(SpeculativeConfig.parse(text), **changes), proposer=None)
         s.allow_trees(True)
@@ -240,7 +240,7 @@ def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
     assert tree._gain_denominators == pytest.approx([1.0, *costs])
     assert speculator("eagle-tree:4:2:10", token_cost=2 * tree.config.cost)._gain_denominators == pytest.approx(
         [1.0, *(1 + 2 * (c - 1) for c in costs)])
-    assert [chosen(tree, a) for a in (0.1, 0.25, 0.9)] == [0, 1, 4]
+    assert [chosen(tree, a) for a in (0.3, 0.6, 0.95)] == [0, 1, 4]
     chain = Speculator(SpeculativeConfig.parse("eagle:4"), proposer=None)
     assert chain._gain_denominators == pytest.approx([1.0 + chain.config.cost * k for k in range(5)])
 

@@ -31,21 +31,30 @@ def bf16dot_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """linear_ref for a dense bfloat16 weight: x (..., K) bfloat16 -> (..., N) bfloat16."""
     w = parts["weight"]
-    k = x.shape[-1]
-    flat = x.reshape(-1, k)
-    isa = cpu_ext.bf16_isa()
-    if isa is None or flat.shape[0] > ROWS or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return linear_ref(x, parts, fmt, bias)
-    y = cpu_ext.load_bf16dot().bf16dot(flat, w, isa).to(x.dtype)
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return dense_linear(x, w, bias) if _takes(x, w) else linear_ref(x, parts, fmt, bias)
 
 
 def bf16dot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for a dense bfloat16 lm_head: x (M, K) -> (M, V) float32."""
     w = parts["weight"]
-    isa = cpu_ext.bf16_isa()
-    if isa is None or x.shape[0] > ROWS or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+    if not _takes(x, w):
         return logits_ref(x, parts, fmt)
-    return exact_top_logits(cpu_ext.load_bf16dot().bf16dot(x, w, isa), x, parts, fmt)
+    return exact_top_logits(cpu_ext.load_bf16dot().bf16dot(x, w, cpu_ext.bf16_isa()), x, parts, fmt)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear's signature on bf16dot where it takes the operands (CPU tensors, bfloat16 x and weight, K a multiple
+    of 32, at most ROWS rows), else F.linear: the EAGLE head's projections while decoding."""
+    if not _takes(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    k = x.shape[-1]
+    y = cpu_ext.load_bf16dot().bf16dot(x.reshape(-1, k), weight, cpu_ext.bf16_isa()).to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    k = x.shape[-1]
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and k % 32 == 0
+            and x.numel() <= ROWS * k and cpu_ext.bf16_isa() is not None)

@@ -24,6 +24,7 @@ afterwards. Not here: training (passes/train_draft_head.py) or the per-request d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -88,9 +89,11 @@ class EagleHead:
     """The head's forward over weights in a dict (trainable tensors in training, loaded ones in decoding)."""
 
     def __init__(self, config: EagleHeadConfig, weights: dict[str, torch.Tensor], embedding: torch.Tensor,
-                 lm_rows: torch.Tensor) -> None:
-        """`embedding`: the target's (V, H) table; `lm_rows`: (N, H) the target lm_head's rows of vocab_ids."""
+                 lm_rows: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear) -> None:
+        """`embedding`: the target's (V, H) table; `lm_rows`: (N, H) the target lm_head's rows of vocab_ids;
+        `linear`: F.linear's signature, the matmul of every projection (decoding on the CPU: bf16dot's)."""
         self.config = config
+        self.linear = linear
         self.w = {k.removeprefix(f"{PREFIX}."): v for k, v in weights.items()}
         self.embedding, self.lm_rows = embedding, lm_rows
         c = config
@@ -106,9 +109,9 @@ class EagleHead:
         c, w = self.config, self.w
         dtype = w["fc.weight"].dtype
         x = torch.cat([self.embedding[token_ids].to(dtype), features.to(dtype)], dim=-1)
-        x = F.linear(x, w["fc.weight"], w["fc.bias"])  # x: (T, H)
+        x = self.linear(x, w["fc.weight"], w["fc.bias"])  # x: (T, H)
         normed = _rms_norm(x, w["input_layernorm.weight"], c.rms_norm_eps) if c.input_norm else x
-        q, k, v = F.linear(normed, w["qkv_proj.weight"]).split(self._split, dim=-1)
+        q, k, v = self.linear(normed, w["qkv_proj.weight"]).split(self._split, dim=-1)
         t = x.shape[0]
         q, k = self._rope(q.view(t, c.num_heads, c.head_dim), positions), self._rope(
             k.view(t, c.num_kv_heads, c.head_dim), positions)
@@ -122,15 +125,15 @@ class EagleHead:
         a = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.repeat_interleave(group, 1).transpose(0, 1),
             values.repeat_interleave(group, 1).transpose(0, 1), attn_mask=mask)  # a: (H, T, D)
-        x = x + F.linear(a.transpose(0, 1).reshape(t, -1), w["o_proj.weight"])
-        gate, up = F.linear(_rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps),
+        x = x + self.linear(a.transpose(0, 1).reshape(t, -1), w["o_proj.weight"])
+        gate, up = self.linear(_rms_norm(x, w["post_attention_layernorm.weight"], c.rms_norm_eps),
                             w["gate_up_proj.weight"]).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, w["down_proj.weight"])
+        x = x + self.linear(F.silu(gate) * up, w["down_proj.weight"])
         return x, (k, v)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """(T, N) float32 logits over vocab_ids."""
-        return F.linear(features.to(self.lm_rows.dtype), self.lm_rows).float()
+        return self.linear(features.to(self.lm_rows.dtype), self.lm_rows).float()
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (T, heads, D), rotate-half rope as Llama's
