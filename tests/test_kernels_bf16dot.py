@@ -1,6 +1,7 @@
 """cpu.bf16dot (kernels/cpu_ext/bf16dot.cpp): dense bfloat16 linears within float32 rounding of the exact product, a
 row's bits independent of the call's row count and of the ISA path, the launchers' bias, leading dims, torch's GEMM
-above ROWS rows and the exact best logits; the kernel choice keeps such a kernel over a speculative step's rows."""
+above ROWS rows and the exact best logits, the references where the extension is absent; the kernel choice keeps
+such a kernel over a speculative step's rows."""
 
 import pytest
 import torch
@@ -100,3 +101,14 @@ def test_a_rows_independent_winner_of_one_row_keeps_the_speculative_rows(monkeyp
     choice = choose.Chooser().choose(node, KernelQuery("linear", "bfloat16", DENSE, (96, 64)), [spec])
     bound = choose.SPECULATIVE_ROWS if rows_independent else 1
     assert choice.by_m == ((bound, "cpu.fake"), (None, "torch"))
+
+
+def test_without_the_extension_the_launchers_run_the_references(monkeypatch):
+    from optc.kernels.cpu_ext import bf16dot
+
+    monkeypatch.setattr(cpu_ext, "bf16_isa", lambda: None)
+    x, w = _operands(3, 40, 64, seed=4)
+    parts = {"weight": w}
+    assert torch.equal(bf16dot.bf16dot_linear(x, parts, DENSE), torch.nn.functional.linear(x, w))
+    assert torch.equal(bf16dot.dense_linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(bf16dot.bf16dot_logits(x, parts, DENSE), logits_ref(x, parts, DENSE))

@@ -196,10 +196,11 @@ def test_a_failed_build_falls_back_to_torchs_packed_kernel(tmp_path):
 
 
 def test_the_aten_avx2_cap_selects_the_avx2_path(ext):
-    code = "from optc.kernels import cpu_ext; print(cpu_ext.isa())"
+    """qdot's and bf16dot's paths both follow torch's cap."""
+    code = "from optc.kernels import cpu_ext; print(cpu_ext.isa(), cpu_ext.bf16_isa())"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.split()[-1] == "2", out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["2", "2"], out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["int8_wo", "int8_gf/g32"])
