@@ -102,7 +102,7 @@ def test_tiny_model_logits_with_int4pack_bound():
                           ("fuse_qkv", {})):
         result = make_pass(name, options).run(graph, store, ctx)
         graph, store = result.graph, result.store
-    torch_only = {"disable": ("cpu.int4pack", "cpu.qdot", *CPP_KERNELS)}
+    torch_only = {"disable": ("cpu.int4pack", "cpu.qdot", "cpu.bf16dot", "cpu.bf16dot_logits", *CPP_KERNELS)}
     reference = make_pass("select_kernels", torch_only).run(graph, store, ctx).graph
     graph = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     bound = {n.name for n in graph.nodes if n.kernel == "cpu.int4pack"}

@@ -56,7 +56,7 @@ def test_tiny_model_logits_with_int8pack_bound():
     for name, options in (("cast", {"dtype": "bfloat16"}), ("quantize_rtn", {"bits": 8}), ("fuse_qkv", {})):
         result = make_pass(name, options).run(graph, store, ctx)
         graph, store = result.graph, result.store
-    torch_only = {"disable": ("cpu.int8pack", "cpu.qdot", *CPP_KERNELS)}
+    torch_only = {"disable": ("cpu.int8pack", "cpu.qdot", "cpu.bf16dot", "cpu.bf16dot_logits", *CPP_KERNELS)}
     reference = make_pass("select_kernels", torch_only).run(graph, store, ctx).graph
     graph = make_pass("select_kernels", {"measure": False}).run(graph, store, ctx).graph
     bound = {n.name for n in graph.nodes if n.kernel == "cpu.int8pack"}
