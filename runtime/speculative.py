@@ -33,7 +33,9 @@ in 0..K that maximizes expected tokens per step over its relative cost,
 (1 + a + a^2 + ... + a^k) / (1 + token_cost * k); for a tree of depth k (a the per-depth rate) the cost is
 1 + (TREE_NODE_COST * nodes + TREE_DEPTH_COST * k) * token_cost / eagle's default token_cost (nodes: top_k +
 (k - 1) top_k^2 at most, within NODES): a node costs a verification row, a depth a head forward. A request
-whose k drops to 0 drifts back to the prior rate while it does not speculate, so it probes again later.
+whose k drops to 0 drifts back to the prior rate while it does not speculate, so it probes again later; a request
+not yet measured drafts one token even where the prior says 0 (a costly draft model is measured before it is
+judged: a draft that is always accepted pays at any cost below a step).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, num_tokens: i
 class _Acceptance:
     accepted: float = 2 * PRIOR_ACCEPTANCE  # decayed counts, starting at the prior
     tried: float = 2.0
+    measured: bool = False  # a verification of its drafts has been recorded
 
     @property
     def rate(self) -> float:
@@ -341,6 +344,8 @@ class Speculator:
             gain = expected / self._gain_denominators[i]
             if gain > best_gain:
                 best, best_gain = i, gain
+        if best == 0 and not state.measured:  # unmeasured: one draft token, so that a costly method gets measured
+            return 1
         if best == 0:  # not speculating: drift back towards the prior so that it probes again
             state.accepted = DECAY * state.accepted + (1 - DECAY) * 2 * PRIOR_ACCEPTANCE
             state.tried = DECAY * state.tried + (1 - DECAY) * 2
@@ -357,3 +362,4 @@ class Speculator:
         # accepted drafts are successes, the first rejected one a failure; later drafts were never tried
         state.accepted = DECAY * state.accepted + num_accepted
         state.tried = DECAY * state.tried + num_accepted + (num_accepted < num_drafted)
+        state.measured = True

@@ -232,7 +232,7 @@ def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
         return s
 
     def chosen(s, rate):
-        s._acceptance["r"] = _Acceptance(accepted=2 * rate, tried=2.0)
+        s._acceptance["r"] = _Acceptance(accepted=2 * rate, tried=2.0, measured=True)
         return s._choose_k("r")
 
     tree = speculator("eagle-tree:4:2:10")
@@ -243,6 +243,19 @@ def test_the_adaptive_depth_charges_a_tree_per_node_and_per_depth():
     assert [chosen(tree, a) for a in (0.3, 0.6, 0.95)] == [0, 1, 4]
     chain = Speculator(SpeculativeConfig.parse("eagle:4"), proposer=None)
     assert chain._gain_denominators == pytest.approx([1.0 + chain.config.cost * k for k in range(5)])
+
+
+def test_a_costly_method_drafts_one_token_until_measured_then_follows_its_rate():
+    """A draft model at 0.7 of a step: the prior acceptance (0.6) alone would never draft, so a fresh request
+    probes with one token; a rejected probe stops it (and its rate drifts back to the prior without probing again),
+    accepted ones raise k."""
+    speculator = Speculator(SpeculativeConfig("draft", 4, draft="unused", token_cost=0.7), proposer=None)
+    assert speculator._choose_k("fresh") == 1
+    speculator._record("rejected", 1, 0)
+    assert [speculator._choose_k("rejected") for _ in range(30)] == [0] * 30
+    for _ in range(6):
+        speculator._record("accepted", 1, 1)
+    assert speculator._choose_k("accepted") > 1
 
 
 def test_parse_eagle_tree():

@@ -33,10 +33,10 @@ DEFAULT_DISABLE_ABOVE_NUM_REQUESTS = 4
 TREE = "eagle-tree"
 MAX_TREE_NODES = 63
 MAX_TREE_TOP_K = 8
-# ngram and eagle: SmolLM2 bf16 at 2 threads on cpu.bf16dot (AVX-512 and capped to AVX2 alike), batch 1, a
-# verification row 0.09-0.19 of a decode step, an EAGLE head step (bfloat16 on bf16dot) 0.06 (docs/PERF.md,
-# 2026-11-27); draft: an int4 draft's forward (not re-measured)
-DEFAULT_TOKEN_COST = {"ngram": 0.15, "draft": 0.3, "eagle": 0.21}
+# SmolLM2 bf16 at 2 threads on cpu.bf16dot (AVX-512 and capped to AVX2 alike), batch 1 (docs/PERF.md, 2026-11-27):
+# a verification row 0.09-0.19 of a decode step, an EAGLE head step (bfloat16 on bf16dot) 0.06, the int4 RTN
+# draft's forward 0.6 (6.7 against 11.3 ms) plus its row
+DEFAULT_TOKEN_COST = {"ngram": 0.15, "draft": 0.7, "eagle": 0.21}
 # an EAGLE tree of depth d and n nodes costs 1 + TREE_NODE_COST * n + TREE_DEPTH_COST * d decode steps (times
 # token_cost / eagle's default): a verification row per node, a head forward per depth (its expanded nodes at once)
 TREE_NODE_COST = 0.2
