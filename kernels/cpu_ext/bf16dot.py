@@ -23,8 +23,9 @@ import torch
 from optc.core.formats import Format, linear_ref
 from optc.core.ops.linear import exact_top_logits, logits_ref
 from optc.kernels import cpu_ext
+from optc.kernels.choose import SPECULATIVE_ROWS
 
-ROWS = 128  # the most rows a call sums here (kernels/choose.py SPECULATIVE_ROWS); more run torch's GEMM
+ROWS = SPECULATIVE_ROWS  # the most rows a call sums here (the rows the kernel choice keeps it for); more: torch
 
 
 def bf16dot_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,

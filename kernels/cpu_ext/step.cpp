@@ -2,12 +2,13 @@
 // qkv linear, rotary + KV store, row attention (each request's rows, causal or a draft tree's), o linear, add +
 // RMSNorm, gate_up linear, silu gate, down linear and the next add + RMSNorm, each the very function its graph node
 // binds one at a time (ops.cpp's norms, rotary, attention and silu, qdot.cpp's qlinear, bf16dot.cpp's bf16dot,
-// torch's packed int4 matmul, a dense linear), called in the same order on the same tensors: the results are those of the node-by-node step,
-// bit for bit. What it removes is the Python between them (op adapters, kernel-table routing, launcher checks): at
-// batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time, node by node").
+// torch's packed int4 matmul, a dense linear), called in the same order on the same tensors: the results are those
+// of the node-by-node step, bit for bit. What it removes is the Python between them (op adapters, kernel-table
+// routing, launcher checks): at batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time,
+// node by node").
 //
-// ops.cpp, qdot.cpp and bf16dot.cpp are compiled into this file (each its own extension too): their module definitions are
-// renamed to unused functions around the includes, so this extension defines only its own.
+// ops.cpp, qdot.cpp and bf16dot.cpp are compiled into this file (each its own extension too): their module
+// definitions are renamed to unused functions around the includes, so this extension defines only its own.
 #include <torch/extension.h>
 
 #pragma push_macro("PYBIND11_MODULE")
