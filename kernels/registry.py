@@ -30,7 +30,7 @@ from optc.kernels.table_cpu import CPU_KERNELS
 from optc.kernels.table_cuda import CUDA_KERNELS, GATED_ACTS, MAX_GROUP, MAX_HIDDEN
 
 __all__ = ["GATED_ACTS", "KERNELS", "MAX_GROUP", "MAX_HIDDEN", "TARGETS", "ByM", "KernelQuery", "KernelSpec",
-           "PreparedImpl", "candidates", "impls", "select"]
+           "PreparedImpl", "candidates", "compile_extensions", "impls", "select"]
 
 KERNELS: dict[str, KernelSpec] = {s.name: s for s in CUDA_KERNELS + CPU_KERNELS}
 
@@ -94,3 +94,10 @@ def impls(names: set[str] | list[str]) -> dict[str, Impl]:
         raise ValueError(f"unknown kernel(s) {unknown}; known: {', '.join(sorted(KERNELS))}")
     bound = _Bound()
     return {name: ByM(name, bound) for name in sorted(names)}
+
+
+def compile_extensions(names: set[str] | list[str]) -> None:
+    """Compile the C++ extensions the named kernels call (KernelSpec.extension), each once per machine: a runtime
+    does it when it loads a model, not at its first request."""
+    for name in sorted(set(names) & set(KERNELS)):
+        KERNELS[name].compile_extension()

@@ -53,9 +53,18 @@ class KernelSpec:
     # a row's result does not depend on the call's row count: where it wins one row, it keeps the speculative
     # steps' rows too (kernels/choose.py), so a decode row and its verification row agree bit for bit
     rows_independent: bool = False
+    # "module:function" in optc.kernels that compiles the C++ extension the launcher calls (once per machine, about a
+    # minute): a runtime loading a model calls it (registry.compile_extensions), so no request waits on a compile
+    extension: str | None = None
 
     def __post_init__(self) -> None:
         assert self.target in TARGETS, f"{self.name}: target {self.target!r} not in {TARGETS}"
+
+    def compile_extension(self) -> None:
+        """Compile (or find cached) the extension the launcher calls; where it cannot be built, the launcher's
+        own fallback runs, as it would have at its first call."""
+        if self.extension is not None:
+            _load(self.extension)()
 
     def bind(self) -> Impl:
         """Import the launcher and adapt it to the executor's Impl(node, inputs, params, step)."""

@@ -54,10 +54,12 @@ def _refine_kernel_choice(graph: Graph, device: str) -> Graph:
 
 
 def _impls(graph: Graph) -> dict:
-    """Implementations for the non-reference kernels the graph's nodes are bound to."""
+    """Implementations for the non-reference kernels the graph's nodes are bound to, their C++ extensions
+    compiled now (about a minute, once per machine) rather than in the first request's step."""
     names = {n.kernel for n in graph.nodes} - {REFERENCE_KERNEL}
     if not names:
         return {}
-    from optc.kernels.registry import impls  # Triton launchers adapted to the op signature
+    from optc.kernels.registry import compile_extensions, impls  # Triton launchers adapted to the op signature
 
+    compile_extensions(names | {k for n in graph.nodes for _, k in n.attrs.get("kernel_by_m") or ()})
     return impls(names)

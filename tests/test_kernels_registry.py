@@ -124,3 +124,28 @@ def test_prepared_impl_prepares_each_node_once_and_passes_the_prepared_params():
     assert seen == ["packed A", "packed B"] * 3
     impl(a, [None], {"weight": "A2"}, None)  # new params (a reloaded model): prepared again
     assert len(prepared) == 3 and seen[-1] == "packed A2"
+
+
+def test_every_kernel_calling_a_cpp_extension_names_its_loader():
+    # a launcher in kernels/cpu_ext compiles its extension on first use unless the runtime compiled it at load
+    for name, spec in KERNELS.items():
+        assert (spec.extension is not None) == spec.launcher.startswith("cpu_ext."), name
+        if spec.extension is not None:
+            module, function = spec.extension.split(":")
+            assert callable(getattr(importlib.import_module(f"optc.kernels.{module}"), function)), name
+
+
+def test_loading_a_model_compiles_its_kernels_extensions_before_any_request(recipes, tmp_path, monkeypatch):
+    from optc.core.artifact import read
+    from optc.kernels.spec import KernelSpec
+    from optc.runtime.loader import load_model
+    from optc.testing import build_artifact
+
+    artifact = read(build_artifact(tmp_path / "a", recipes / "tiny.yaml",
+                                   "passes=[fuse_qkv, {select_kernels: {measure: false}}]"))
+    bound = {n.kernel for n in artifact.graph.nodes} - {"torch"}
+    assert {"cpu.cpp_attention", "cpu.cpp_rms_norm"} <= bound
+    compiled = []
+    monkeypatch.setattr(KernelSpec, "compile_extension", lambda self: compiled.append(self.name))
+    load_model(artifact)
+    assert sorted(compiled) == sorted(bound)

@@ -1,4 +1,5 @@
-"""optc's own C++ CPU kernels, compiled on first use with torch's cpp_extension and cached on disk: qdot.cpp
+"""optc's own C++ CPU kernels, compiled with torch's cpp_extension when a model using them loads (the kernel table's
+`extension` loaders) or on first use, and cached on disk: qdot.cpp
 (grouped int4 / int8 code linears with integer activations per block of 32), bf16dot.cpp (dense bfloat16
 linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py) and ops.cpp (a decode
 step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
