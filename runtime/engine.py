@@ -14,7 +14,9 @@ The scheduler and KV manager below see only block ids; the runner owns every ten
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -25,18 +27,20 @@ import torch
 from optc.core.errors import InputError
 from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.config import EngineConfig
+from optc.runtime.grammar import GrammarCompiler, Matcher
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.model import kv_windows
 from optc.runtime.model_runner import ModelRunner
 from optc.runtime.outputs import Completion, EngineStats
-from optc.runtime.request import FinishReason, Request, fit_max_tokens
+from optc.runtime.request import FinishReason, Request, RequestStatus, fit_max_tokens
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
 from optc.runtime.speculative import Speculator, make_speculator
 from optc.runtime.text import IncrementalDetokenizer, find_stop, prompt_token_ids
 
 Prompt = str | Sequence[int]
+log = logging.getLogger("optc.engine")
 
 
 class Engine:
@@ -78,6 +82,20 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        self._forks: dict[str, list[Request]] = {}  # a request's siblings (n > 1), queued once its prompt is computed
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' grammar compiler for this tokenizer (built on first use: about a second)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InputError("this artifact has no tokenizer, so it cannot constrain output to a grammar",
+                                     "response_format")
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self._eos_token_ids))
+            return self._grammars
 
     @property
     def speculator(self) -> Speculator | None:
@@ -162,19 +180,42 @@ class Engine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
-        request_id: str | None = None,
+        request_id: str | None = None, matcher: Matcher | None = None,
     ) -> Request:
         """Validate, tokenize and queue one prompt (InputError if it can never be served: empty, not
-        Unicode, outside the vocabulary, or it and max_tokens longer than the context)."""
-        request = self._make_request(prompt, params or SamplingParams(), chat, request_id)
+        Unicode, outside the vocabulary, or it and max_tokens longer than the context, or a grammar that does
+        not compile). `matcher`: params.grammar's, compiled already (the server compiles off this thread)."""
+        request = self._make_request(prompt, params or SamplingParams(), chat, request_id, matcher)
         self._add(request)
         return request
 
+    def add_requests(
+        self, prompt: Prompt, params: Sequence[SamplingParams], request_ids: Sequence[str],
+        matcher: Matcher | None = None,
+    ) -> list[Request]:
+        """Several completions of one prompt (OpenAI's `n`), one per params: the first is queued now, the others
+        once its prompt's K/V is computed, so that they find its full blocks in the prefix cache instead of
+        computing them again. All are validated before any is queued."""
+        requests = [self._make_request(prompt, p, False, i, matcher and matcher.copy())
+                    for p, i in zip(params, request_ids, strict=True)]
+        self._add(requests[0])
+        if len(requests) > 1:
+            self._forks[requests[0].request_id] = requests[1:]
+        return requests
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        for forks in self._forks.values():  # a sibling not queued yet
+            for fork in forks:
+                if fork.request_id == request_id:
+                    forks.remove(fork)
+                    fork.status, fork.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+                    return True
         if self.speculator is not None:
             self.speculator.release(request_id)
-        return self.scheduler.abort(request_id) is not None
+        aborted = self.scheduler.abort(request_id) is not None
+        self._queue_forks(request_id)
+        return aborted
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (with one rank: nothing); the engine steps no more."""
@@ -182,7 +223,7 @@ class Engine:
             self.runner.group.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(self._forks.values())
 
     def step(self) -> list[Request]:
         """Run one model step; the requests that got a token in it (or, with max_tokens 0, finished)."""
@@ -199,6 +240,9 @@ class Engine:
         result = self.runner.execute(out)
         self.scheduler.update(out)
         self._num_steps += 1
+        for request in out.requests if self._forks else ():
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                self._queue_forks(request.request_id)
         now = time.perf_counter()
         for request in [out.requests[b] for b in result.ready if out.requests[b].params.max_tokens == 0]:
             request.finish_time = now  # max_tokens 0: the prompt is scored, nothing is generated
@@ -244,8 +288,13 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------------------
 
+    def _queue_forks(self, request_id: str) -> None:
+        for fork in self._forks.pop(request_id, ()):
+            self._add(fork)
+
     def _make_request(
         self, prompt: Prompt, params: SamplingParams, chat: bool, request_id: str | None = None,
+        matcher: Matcher | None = None,
     ) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -268,6 +317,13 @@ class Engine:
             raise InputError(
                 f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.model.vocab_size})", "prompt"
             )
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise InputError(f"{name} names token ids {bad[:8]} outside the vocabulary "
+                                 f"[0, {self.model.vocab_size})", name)
+        if params.grammar is not None and matcher is None:
+            matcher = self.grammars.matcher(params.grammar)
         params = fit_max_tokens(params, len(prompt_ids), self.max_model_len, self._context_limit)
         if request_id is None:
             request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
@@ -278,7 +334,7 @@ class Engine:
         return Request(
             request_id, prompt_ids, params, max_num_tokens=min(self.max_model_len, capacity),
             generator=generator, arrival_time=time.perf_counter(),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(self.tokenizer), matcher=matcher,
         )
 
     @property
@@ -293,8 +349,14 @@ class Engine:
     def _check_stop(self, request: Request, now: float) -> None:
         params, token_id = request.params, request.token_ids[-1]
         reason = None
-        if token_id in self._eos_token_ids and not params.ignore_eos:
+        if token_id in self._eos_token_ids and not params.ignore_eos or token_id in params.stop_token_ids:
             reason = FinishReason.STOP
+        elif request.matcher is not None and not request.matcher.consume(token_id):
+            log.warning("request %s: token %d is outside its grammar (%s); it stops here", request.request_id,
+                        token_id, request.matcher.error)
+            reason = FinishReason.STOP
+        elif request.matcher is not None and request.matcher.is_complete:
+            reason = FinishReason.STOP  # the grammar allows nothing more
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_num_tokens:
             reason = FinishReason.LENGTH
         delta = request.detokenizer.step(request.output_token_ids, final=reason is not None)

@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from optc.runtime import logprobs
+from optc.runtime import logits_processors, logprobs
 from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
+from optc.runtime.grammar import Masks
 from optc.runtime.model import kv_windows
 from optc.runtime.rank_stats import RankStats
 from optc.runtime.sampler import Logprobs, compute_logprobs, sample
@@ -75,6 +76,8 @@ class ModelRunner:
                                    and self.graph_runner is None)
         self.num_blocks = num_blocks
         self.num_forwards = 0  # what tensor-parallel ranks compare: each runs every forward of rank 0
+        self.eos_token_ids = tuple(model.eos_token_ids)  # banned by min_tokens
+        self._masks: Masks | None = None  # structured outputs' bitmask worker, from the first constrained step
 
     @property
     def cuda_graph_batch_sizes(self) -> tuple[int, ...] | None:
@@ -132,6 +135,18 @@ class ModelRunner:
         for cache in self._pool_caches:
             cache.copy_slots(src, dst)
 
+    def _shape(self, logits: torch.Tensor, requests: list, histories: list[list[list[int]]],
+               bitmasks: list[torch.Tensor | None]) -> torch.Tensor:
+        """A shaped copy of the rows of `requests` (each request's rows one after another, following its
+        `histories`: runtime/logits_processors.py); a request without a grammar gets all-allowed masks."""
+        rows = [logits_processors.RowTokens(r, d) for r, h in zip(requests, histories, strict=True) for d in h]
+        bitmask = None
+        if any(m is not None for m in bitmasks):
+            width = next(m for m in bitmasks if m is not None).shape[1]
+            bitmask = torch.cat([m if m is not None else torch.full((len(h), width), -1, dtype=torch.int32)
+                                 for m, h in zip(bitmasks, histories, strict=True)])
+        return logits_processors.shape(logits, rows, self.eos_token_ids, bitmask)
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         for source, destination in copies:
             for cache in self._pool_caches:
@@ -151,11 +166,18 @@ class ModelRunner:
         if self.speculator is not None and self.speculator.use_tree:
             trees = [self.speculator.tree_parents(r) for r in requests]
             trees = trees if any(t is not None for t in trees) else None
-        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees)  # (sum(num_rows), V)
-        last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
         ends = [s + n for s, n in zip(starts, out.num_new_tokens, strict=True)]
         result = RunnerOutput(ready=[b for b, r in enumerate(requests) if ends[b] >= r.num_tokens])
         ready = [b for b in result.ready if requests[b].params.max_tokens > 0]  # max_tokens 0: scored only
+        shaped = {b: logits_processors.row_histories(requests[b], trees[b] if trees else None)
+                  for b in ready if requests[b].params.shapes_logits}
+        constrained = [b for b in shaped if requests[b].matcher is not None]
+        if constrained:  # the grammar's masks fill on a worker thread while the forward runs
+            self._masks = self._masks or Masks()
+            masks = self._masks.start([(requests[b].matcher, shaped[b]) for b in constrained])
+        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees)  # (sum(num_rows), V)
+        last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
+        bitmasks = _split(masks.result(), [len(shaped[b]) for b in constrained], constrained) if constrained else {}
         plain = [b for b in ready if num_drafts[b] == 0]
         spec = [b for b in ready if num_drafts[b] > 0]
         first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token
@@ -163,11 +185,16 @@ class ModelRunner:
         if plain:
             rows = [last_rows[b] for b in plain]
             selected = logits if rows == list(range(logits.shape[0])) else logits[rows]  # no gather: no index copy
+            if any(b in shaped for b in plain):
+                selected = self._shape(selected, [requests[b] for b in plain], [[[]] for _ in plain],
+                                       [bitmasks.get(b) for b in plain])
             sampled = sample(selected, [requests[b].params for b in plain], [requests[b].generator for b in plain])
             new_tokens.update((b, [t]) for b, t in zip(plain, sampled.tolist(), strict=True))
         if spec:
-            verified = self.speculator.verify(
-                [requests[b] for b in spec], [logits[first_rows[b] : last_rows[b] + 1] for b in spec])
+            rows = [logits[first_rows[b] : last_rows[b] + 1] for b in spec]
+            rows = [self._shape(x, [requests[b]], [shaped[b]], [bitmasks.get(b)]) if b in shaped else x
+                    for b, x in zip(spec, rows, strict=True)]
+            verified = self.speculator.verify([requests[b] for b in spec], rows)
             new_tokens.update(zip(spec, verified, strict=True))
             if trees is not None:
                 self._move_tree_paths([requests[b] for b in spec], [starts[b] for b in spec],
@@ -184,3 +211,8 @@ class ModelRunner:
                         else logits[[first_rows[b], *(first_rows[b] + 1 + j for j in path)]])  # a tree: its path's
                 result.logprobs[b] = compute_logprobs(rows, torch.tensor(result.token_ids[b]), num_top)
         return result
+
+
+def _split(bitmask: torch.Tensor, num_rows: list[int], keys: list[int]) -> dict[int, torch.Tensor]:
+    """Rows of a stacked bitmask, by request: `num_rows[i]` rows for keys[i], in order."""
+    return dict(zip(keys, bitmask.split(num_rows), strict=True))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optc.core.errors import InputError
+from optc.runtime.grammar import Matcher
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.text import IncrementalDetokenizer, held_back
 
@@ -56,6 +57,7 @@ class Request:
     num_emitted_chars: int = 0  # streaming: text already handed out by take_delta
     logprobs: list[Logprobs] = field(default_factory=list)  # per output token, with params.logprobs
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)  # per prompt token (None first)
+    matcher: Matcher | None = None  # params.grammar's state over the output so far (runtime/grammar.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from optc.core.errors import InputError
+from optc.runtime.grammar import GrammarSpec
 
 # Seeds are signed 64-bit integers, as in vLLM. torch.Generator.manual_seed also takes [2**63, 2**64),
 # but those alias the negatives (-1 is 2**64 - 1), and a larger int is its ValueError.
@@ -35,6 +36,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating after EOS (benchmarks)
     logprobs: int | None = None  # None = none; k = each output token's logprob and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
+    presence_penalty: float = 0.0  # OpenAI's: minus this from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times each token's count in the output
+    repetition_penalty: float = 1.0  # CTRL's (HF, vLLM): a prompt or output token's logit / r if > 0, else * r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many output tokens
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (finish "stop"), kept in the output
+    grammar: GrammarSpec | None = None  # structured output: only tokens the grammar allows (runtime/grammar.py)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -57,6 +65,24 @@ class SamplingParams:
                 raise InputError(f"{name} must be >= 0 or None, got {getattr(self, name)}", name)
         if any(not isinstance(s, str) or not s for s in stop):
             raise InputError(f"stop strings must be non-empty strings, got {stop!r}", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InputError(f"{name} must be in [-2, 2] (OpenAI's range), got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise InputError(f"repetition_penalty must be in (0, 100] (1 = off), got {self.repetition_penalty}",
+                             "repetition_penalty")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise InputError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}",
+                             "min_tokens")
+        for token_id, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise InputError(f"logit_bias of token {token_id} must be in [-100, 100], got {bias}", "logit_bias")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits need more than temperature / top-k / top-p (runtime/logits_processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     @property
     def is_greedy(self) -> bool:
