@@ -1,0 +1,108 @@
+"""Structured outputs in the engine (random:tiny, its byte tokenizer): every kind of grammar gives text the grammar
+accepts, greedy and sampled, batched beside unconstrained rows; speculative decoding (n-gram, a draft model)
+gives the same greedy text as plain constrained decoding; compiled grammars are cached; a bad grammar is an
+InputError naming its field."""
+
+import json
+
+import jsonschema
+import pytest
+
+from optc.core.errors import InputError
+from optc.core.settings import SpeculativeConfig
+from optc.runtime.engine import Engine
+from optc.runtime.grammar import GrammarKind, GrammarSpec
+from optc.runtime.sampler import SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 8}},
+            "required": ["kind", "legs"], "additionalProperties": False}},
+        "note": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+PROMPTS = [[5, 9, 5, 7], [100, 101], [42] * 20, [7, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_artifact):
+    return Engine.load(tiny_artifact)
+
+
+def constrained(grammar: GrammarSpec, temperature: float = 0.0, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=160, temperature=temperature, seed=seed, grammar=grammar)
+
+
+def test_json_schema_output_is_valid_greedy_and_sampled_beside_free_rows(engine):
+    spec = GrammarSpec.json_schema(SCHEMA)
+    params = [constrained(spec), SamplingParams(max_tokens=20), constrained(spec, 1.0, 3), constrained(spec, 1.0, 4)]
+    for out in engine.generate(PROMPTS, params)[::2] + engine.generate(PROMPTS, params)[3:]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    alone = engine.generate([PROMPTS[0]], [params[0]])[0]
+    assert alone.text == engine.generate(PROMPTS, params)[0].text  # batching does not change a row
+
+
+@pytest.mark.parametrize(("spec", "check"), [
+    (GrammarSpec(GrammarKind.REGEX, r"[0-9]{3}-[a-c]{2}"), lambda t: len(t) == 6 and t[3] == "-"),
+    (GrammarSpec(GrammarKind.CHOICE, '["yes", "no", "maybe not"]'), lambda t: t in ("yes", "no", "maybe not")),
+    (GrammarSpec(GrammarKind.LARK, 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,2}/'),
+     lambda t: t.startswith("(") and t.endswith(")")),
+    (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'), lambda t: isinstance(json.loads(t), dict)),
+])
+def test_regex_choice_lark_and_any_object(engine, spec, check):
+    for params in (constrained(spec), constrained(spec, 1.0, 11)):
+        out = engine.generate([PROMPTS[1]], params)[0]
+        assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_max_tokens_mid_value_is_length(engine):
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=5, grammar=GrammarSpec.json_schema(SCHEMA)))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("{")
+
+
+def test_grammars_are_compiled_once_and_refusals_name_the_field(engine):
+    spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+    engine.generate([PROMPTS[0]], constrained(spec))
+    compiled = engine.grammars.num_compiled
+    engine.generate([PROMPTS[1], PROMPTS[2]], [constrained(spec), constrained(spec, 1.0, 1)])
+    assert engine.grammars.num_compiled == compiled
+    for spec, words in ((GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "string", "format": "bogus"}',
+                                     "response_format"), "Unknown format: bogus"),
+                        (GrammarSpec(GrammarKind.REGEX, "(a"), "regex"),
+                        (GrammarSpec(GrammarKind.LARK, "start: missing_rule"), "missing_rule")):
+        with pytest.raises(InputError, match=words) as error:
+            engine.generate([PROMPTS[0]], constrained(spec))
+        assert error.value.field == spec.field
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_artifact(tmp_path_factory, recipes):
+    from optc.testing import build_artifact
+
+    # the C++ ops, whose verification rows are decode's bits (tests/test_speculative_bf16.py)
+    passes = ("passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, {kv_layout: {block_size: 16}}, "
+              "select_kernels]")
+    return build_artifact(tmp_path_factory.mktemp("tiny-bf16") / "a", recipes / "tiny.yaml", "dtype=bfloat16", passes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_constrained_greedy_equals_plain_constrained(request, dtype, method):
+    artifact = request.getfixturevalue("tiny_artifact" if dtype == "float32" else "tiny_bf16_artifact")
+    spec = GrammarSpec.json_schema(SCHEMA)
+    params = [constrained(spec) for _ in PROMPTS]
+    plain = Engine.load(artifact).generate(PROMPTS, params)
+    config = SpeculativeConfig(method, 4, draft=str(artifact) if method == "draft" else None, adaptive=False)
+    fast = Engine.load(artifact, speculative=config)
+    out = fast.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    stats = fast.speculator.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # drafts were both accepted and rejected
