@@ -56,14 +56,21 @@ def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[int], chat: bool = F
     return list(tokenizer(prompt)["input_ids"])
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
+def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the reply (`template_kwargs`:
+    more variables for the template, such as `tools`). A template that raises is an InputError quoting it."""
     if tokenizer is None:
         raise InputError("this artifact has no tokenizer, so it cannot format chat messages")
     if not getattr(tokenizer, "chat_template", None):
         raise InputError("this model's tokenizer has no chat template (a base model, not an instruction-tuned "
                          "one): send a plain prompt, or give a template with --chat-template FILE", "messages")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            **template_kwargs)
+    except TemplateError as e:  # the template's own raise_exception("Conversation roles must alternate ...")
+        raise InputError(f"the model's chat template refused these messages: {e}", "messages") from None
     if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # transformers 5: a BatchEncoding
         ids = ids["input_ids"]
     if len(ids) and not isinstance(ids[0], int):  # a batch of one

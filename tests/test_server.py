@@ -166,8 +166,16 @@ def test_output_logprobs(server, engine):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"made_up": 1}, "made_up"), ({"max_tokens": "many"}, "max_tokens"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"best_of": 3}, "best_of"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -2.1}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 2.0}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"9999": 1}}, "logit_bias"), ({"stop_token_ids": [256]}, "stop_token_ids"),
+    ({"min_tokens": 3}, "min_tokens"), ({"stop": ["a"] * 17}, "stop"), ({"stop": "a" * 257}, "stop"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}},
+     "response_format"),
+    ({"made_up": 1}, "made_up"), ({"max_tokens": "many"}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"logprobs": 21}, "logprobs"), ({"top_p": 0}, "top_p"),
     ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": None}, "prompt"),
     ({"prompt": "\ud800"}, "prompt"), ({"prompt": ["a\udfffb"]}, "prompt"),
@@ -182,8 +190,8 @@ def test_invalid_or_unsupported_completion_fields_are_400_naming_the_field(serve
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": []}, "messages"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),

@@ -37,10 +37,10 @@ from optc.runtime.server.async_engine import (
     FAILURE_WINDOW_S,
     Accepted,
     AsyncEngine,
+    ChatPrompt,
     EngineFailed,
     Output,
     Prompt,
-    apply_chat_template,
 )
 from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, BodyLimits
 from optc.runtime.server.metrics import CONTENT_TYPE, Metrics
@@ -52,6 +52,7 @@ from optc.runtime.server.protocol import (
     TokenizeRequest,
     parse,
 )
+from optc.runtime.text import chat_token_ids
 
 log = logging.getLogger("optc.serve")
 
@@ -89,7 +90,7 @@ class ServerState:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
                            "model", "model_not_found")
 
-    async def start(self, prompt: Prompt, params: SamplingParams, is_streaming: bool,
+    async def start(self, prompt: Prompt | ChatPrompt, params: list[SamplingParams], is_streaming: bool,
                     params_of: Mapping[str, str]) -> tuple[Accepted, AsyncIterator[Output]]:
         """Queue a request: its Accepted and the iterator of its outputs (a 400/503 ApiError instead).
         `params_of` maps the engine's field names (InputError.field; none = "prompt") to the body's."""
@@ -177,22 +178,25 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         params = _params(body, max_tokens, logprobs=body.logprobs,
                          prompt_logprobs=(body.logprobs or 0) if body.echo and body.logprobs is not None
                          or max_tokens == 0 else None)
-        accepted, outputs = await state.start(body.single_prompt, params, body.stream, {})
+        accepted, outputs = await state.start(body.single_prompt, params, body.stream, _PARAMS_OF)
         ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
             chunk = lambda out, first: r.completion_chunk(ids, out, echo if first else "", body.return_token_ids)
             return _stream(request, outputs, body, chunk, ids.completion)
-        text, last, entries, token_ids = await _collect(request, outputs)
-        if last is None:
+        results = await _collect(request, outputs, body.n)
+        if results is None:
             return Response(status_code=499)
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = r.completion_logprobs((last.prompt_logprobs or []) + entries if body.echo else entries)
-        choice = {"text": echo + text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        if body.return_token_ids:
-            choice |= {"prompt_token_ids": accepted.prompt_token_ids, "token_ids": token_ids}
-        return JSONResponse(ids.completion(choice, r.usage(last.num_prompt_tokens, last.num_output_tokens)))
+        choices = []
+        for index, (text, last, entries, token_ids) in enumerate(results):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = r.completion_logprobs((last.prompt_logprobs or []) + entries if body.echo else entries)
+            choice = {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": last.finish_reason}
+            if body.return_token_ids:
+                choice |= {"prompt_token_ids": accepted.prompt_token_ids, "token_ids": token_ids}
+            choices.append(choice)
+        return JSONResponse(ids.completion(choices, _usage(results)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -200,19 +204,22 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         state.check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to the context
         params = _params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        params_of = {"prompt": "messages",
+        params_of = {**_PARAMS_OF, "prompt": "messages",
                      "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
-        accepted, outputs = await state.start(body.chat_messages(), params, body.stream, params_of)
+        prompt = ChatPrompt(body.chat_messages(), {})
+        accepted, outputs = await state.start(prompt, params, body.stream, params_of)
         ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
         if body.stream:
             return _stream(request, outputs, body, lambda out, first: r.chat_chunk(ids, out, first, body.logprobs),
                            ids.chat)
-        text, last, entries, _ = await _collect(request, outputs)
-        if last is None:
+        results = await _collect(request, outputs, body.n)
+        if results is None:
             return Response(status_code=499)
-        choice = {"message": {"role": "assistant", "content": text},
-                  "logprobs": r.chat_logprobs(entries) if body.logprobs else None, "finish_reason": last.finish_reason}
-        return JSONResponse(ids.chat(choice, r.usage(last.num_prompt_tokens, last.num_output_tokens)))
+        choices = [{"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": r.chat_logprobs(entries) if body.logprobs else None,
+                    "finish_reason": last.finish_reason}
+                   for index, (text, last, entries, _) in enumerate(results)]
+        return JSONResponse(ids.chat(choices, _usage(results)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -222,8 +229,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
         special = body.add_special_tokens
-        tokens = await _call(state, lambda e: apply_chat_template(e, messages) if body.messages is not None
-                             else list(e.tokenizer(body.prompt, add_special_tokens=special)["input_ids"]))
+        tokens = await _tokenizer_call(state, lambda t: chat_token_ids(t, messages) if body.messages is not None
+                                       else list(t(body.prompt, add_special_tokens=special)["input_ids"]))
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": _engine(state).max_model_len})
 
     @app.post("/detokenize")
@@ -234,7 +241,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})", "tokens")
-        return JSONResponse({"prompt": await _call(state, lambda e: e.tokenizer.decode(body.tokens))})
+        return JSONResponse({"prompt": await _tokenizer_call(state, lambda t: t.decode(body.tokens))})
 
     app.include_router(v1)
     return app
@@ -254,11 +261,15 @@ def _engine(state: ServerState) -> Engine:
     return state.engine.engine
 
 
-async def _call(state: ServerState, fn: Callable[[Engine], Any]) -> Any:
+async def _tokenizer_call(state: ServerState, fn: Callable[[Any], Any]) -> Any:
+    """fn(tokenizer) on the preparation thread (off the engine's); a template's refusal is a 400."""
     engine = _engine(state)
     if engine.tokenizer is None:
         raise ApiError(400, "this artifact has no tokenizer")
-    return await state.engine.call(fn)
+    try:
+        return await state.engine.prepare(fn)
+    except UserError as e:
+        raise ApiError(400, str(e).splitlines()[0], getattr(e, "field", None)) from None
 
 
 async def _json(request: Request, config: ServerConfig) -> Any:
@@ -274,23 +285,37 @@ async def _json(request: Request, config: ServerConfig) -> Any:
     return body
 
 
+_PARAMS_OF: dict[str, str] = {"grammar": "response_format"}  # the engine's field names the body's
+
+
 def _params(body: Any, max_tokens: int | None, logprobs: int | None,
-            prompt_logprobs: int | None = None) -> SamplingParams:
+            prompt_logprobs: int | None = None) -> list[SamplingParams]:
+    """One SamplingParams per completion (`n`); a seeded request's completion i draws from seed + i."""
+    seeds = [None] * body.n if body.seed is None else [body.seed] + [
+        (body.seed + i + (1 << 63)) % (1 << 64) - (1 << 63) for i in range(1, body.n)]  # wraps within int64
     try:
-        return SamplingParams(
+        return [SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
             max_tokens=max_tokens, stop=body.stops, ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+            prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+            min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()), grammar=body.grammar(),
+        ) for seed in seeds]
     except ValueError as e:
         raise ApiError(400, str(e), getattr(e, "field", None)) from None
+
+
+def _usage(results: list[tuple[str, Output, list, list[int]]]) -> dict[str, int]:
+    """The prompt once, every completion's tokens."""
+    return r.usage(results[0][1].num_prompt_tokens, sum(last.num_output_tokens for _, last, _, _ in results))
 
 
 async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:
     if isinstance(prompt, str):
         return prompt
-    return await _call(state, lambda e: e.tokenizer.decode(accepted.prompt_token_ids))
+    return await _tokenizer_call(state, lambda t: t.decode(accepted.prompt_token_ids))
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -319,30 +344,38 @@ async def _items(request: Request, outputs: AsyncIterator[Output]) -> AsyncItera
         await outputs.aclose()
 
 
-async def _collect(request: Request, outputs: AsyncIterator[Output]) -> tuple[str, Output | None, list, list[int]]:
-    """Text, the finishing output (None if the client left), token logprobs and token ids of a request."""
-    texts, entries, token_ids, last = [], [], [], None
+async def _collect(request: Request, outputs: AsyncIterator[Output],
+                   n: int) -> list[tuple[str, Output, list, list[int]]] | None:
+    """Per completion (by index): text, the finishing output, token logprobs and token ids; None if the client
+    left before all finished."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    entries: list[list] = [[] for _ in range(n)]
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    last: list[Output | None] = [None] * n
     async for out in _items(request, outputs):
-        texts.append(out.text)
-        entries.extend(out.logprobs)
-        token_ids.extend(out.token_ids)
+        texts[out.index].append(out.text)
+        entries[out.index].extend(out.logprobs)
+        token_ids[out.index].extend(out.token_ids)
         if out.finish_reason is not None:
-            last = out
-    return "".join(texts), last, entries, token_ids
+            last[out.index] = out
+    if any(x is None for x in last):
+        return None
+    return [("".join(t), x, e, i) for t, x, e, i in zip(texts, last, entries, token_ids, strict=True)]
 
 
 def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,
             chunk: Callable[[Output, bool], dict | None], wrap: Callable[..., dict]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        first, last = True, None
+        started: set[int] = set()  # completions whose first chunk went out
+        last: dict[int, Output] = {}
         try:
             async for out in _items(request, outputs):
-                event = chunk(out, first)
+                event = chunk(out, out.index not in started)
                 if event is not None:
-                    first = False
+                    started.add(out.index)
                     yield r.sse(event)
                 if out.finish_reason is not None:
-                    last = out
+                    last[out.index] = out
         except EngineFailed as e:  # the response has started: report in the stream
             yield r.sse(ApiError(500, str(e)).body())
             return
@@ -350,10 +383,11 @@ def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,
             log.exception("a streaming request failed")
             yield r.sse(ApiError(500, "internal server error").body())
             return
-        if last is None:
+        if len(last) < body.n:
             return
         if body.include_usage:
-            yield r.sse(wrap(None, r.usage(last.num_prompt_tokens, last.num_output_tokens), is_chunk=True))
+            usage = r.usage(last[0].num_prompt_tokens, sum(out.num_output_tokens for out in last.values()))
+            yield r.sse(wrap(None, usage, is_chunk=True))
         yield r.sse("[DONE]")
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -7,6 +7,11 @@ unfinished and hands each request's outputs to that request's asyncio queue with
 block a step, and every request in flight is batched into the same steps (continuous batching).
 Nothing here knows HTTP; the engine knows nothing of asyncio.
 
+Prompts are tokenized (chat templates applied) and grammars compiled on a preparation thread with its own
+copy of the tokenizer, never on the engine thread: a prompt of megabytes delays only itself. A request of
+`n` completions is `n` engine requests over one prompt (runtime/engine.py's add_requests), answering into
+one queue, each Output tagged with its completion's `index`.
+
 A streaming request gets an `Output` after every step that gave it a token (new stable text, new
 token ids and logprobs); any other request gets one `Output` when it finishes. The first item of a
 queue is the request's `Accepted` (or the error that rejected it), so a handler can answer 400 before
@@ -24,25 +29,36 @@ when it ends, which stops the other ranks.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from optc.runtime.distributed import TensorParallelError
 from optc.runtime.engine import Engine, EngineStats
+from optc.runtime.grammar import Matcher
 from optc.runtime.request import Request
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.server.metrics import Metrics
-from optc.runtime.text import chat_token_ids
+from optc.runtime.text import chat_token_ids, prompt_token_ids
 
 log = logging.getLogger("optc.serve")
 FAILURE_WINDOW_S = 60.0  # a second failed step this soon after the first stops the server
 
-Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat messages
+Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat messages
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages and the chat template's other variables (`tools`)."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,7 @@ class Output:
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_logprobs: list[TokenLogprob] | None = None  # with the finishing output, when asked for
+    index: int = 0  # which of the request's n completions
 
 
 class EngineFailed(Exception):
@@ -91,6 +108,7 @@ class _Stream:
     queue: asyncio.Queue
     arrival_time: float
     is_streaming: bool
+    index: int = 0
     last_token_time: float | None = None
     num_sent_tokens: int = 0
 
@@ -117,6 +135,8 @@ class AsyncEngine:
         self.num_in_flight = 0  # requests added and not yet finished (event-loop side)
         self._next_id = 0
         self._thread = threading.Thread(target=self._run, name="optc-engine", daemon=True)
+        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optc-prepare")
+        self._tokenizer: Any = None  # the preparation thread's copy of the engine's tokenizer
 
     def start(self) -> None:
         self._thread.start()
@@ -125,21 +145,24 @@ class AsyncEngine:
         self._is_stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
 
     # -- event-loop side --------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, is_streaming: bool, arrival_time: float
+        self, prompt: Prompt | ChatPrompt, params: Sequence[SamplingParams], is_streaming: bool, arrival_time: float
     ) -> AsyncIterator[Accepted | Output]:
-        """Accepted, then Outputs until one has a finish_reason. Raises the engine's ValueError /
-        UserError for a prompt it cannot serve. Closing the iterator early aborts the request."""
-        request_id = f"req-{self._next_id}"
+        """Accepted, then Outputs (of `len(params)` completions, by index) until each has had a finish_reason.
+        Raises the engine's ValueError / UserError for a prompt it cannot serve. Closing the iterator early
+        aborts every completion."""
+        request_ids = [f"req-{self._next_id}-{i}" for i in range(len(params))]
         self._next_id += 1
         results: asyncio.Queue = asyncio.Queue()
         self.num_in_flight += 1
-        self._send(("add", request_id, prompt, params, is_streaming, arrival_time, results))
-        is_finished = False
+        num_finished, is_finished = 0, False
         try:
+            prompt_ids, matcher = await self.prepare(lambda tokenizer: self._prepare(tokenizer, prompt, params[0]))
+            self._send(("add", request_ids, prompt_ids, list(params), matcher, is_streaming, arrival_time, results))
             while True:
                 item = await results.get()
                 if isinstance(item, BaseException):
@@ -147,12 +170,28 @@ class AsyncEngine:
                     raise item
                 yield item
                 if isinstance(item, Output) and item.finish_reason is not None:
-                    is_finished = True
-                    return
+                    num_finished += 1
+                    if num_finished == len(params):
+                        is_finished = True
+                        return
         finally:
             self.num_in_flight -= 1
             if not is_finished:
-                self.abort(request_id)
+                for request_id in request_ids:
+                    self.abort(request_id)
+
+    async def prepare(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(tokenizer) on the preparation thread (its own copy of the tokenizer: not the engine's)."""
+        return await self._loop.run_in_executor(self._preparer, fn, self._tokenizer)
+
+    def _prepare(self, tokenizer: Any, prompt: Prompt | ChatPrompt,
+                 params: SamplingParams) -> tuple[list[int], Matcher | None]:
+        if isinstance(prompt, ChatPrompt):
+            prompt_ids = chat_token_ids(tokenizer, prompt.messages, **prompt.template_kwargs)
+        else:
+            prompt_ids = prompt_token_ids(tokenizer, prompt)
+        matcher = self.engine.grammars.matcher(params.grammar) if params.grammar is not None else None
+        return prompt_ids, matcher
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -171,8 +210,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = self._load()
-            self.stats = self.engine.stats()
+            engine = self._load()
+            self._tokenizer = copy.deepcopy(engine.tokenizer)
+            if engine.tokenizer is not None:
+                engine.grammars  # noqa: B018 -- built here, once (about a second), not in a first request
+            self.stats = engine.stats()
+            self.engine = engine
         except BaseException as e:  # reported by the server, which exits
             self.load_error = e
             self._loop.call_soon_threadsafe(self.ready.set)
@@ -243,17 +286,16 @@ class AsyncEngine:
                     result, error = None, e
                 self._loop.call_soon_threadsafe(_resolve, future, result, error)
 
-    def _add(self, engine: Engine, request_id: str, prompt: Prompt, params: SamplingParams, is_streaming: bool,
-             arrival_time: float, results: asyncio.Queue) -> None:
+    def _add(self, engine: Engine, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
+             matcher: Matcher | None, is_streaming: bool, arrival_time: float, results: asyncio.Queue) -> None:
         try:
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-                prompt = apply_chat_template(engine, prompt)
-            request = engine.add_request(prompt, params, request_id=request_id)
+            requests = engine.add_requests(prompt_ids, params, request_ids, matcher)
         except Exception as e:  # ValueError / UserError: the handler answers 400; anything else 500
             self._put(results, e)
             return
-        self._streams[request_id] = _Stream(request, results, arrival_time, is_streaming)
-        self._put(results, Accepted(list(request.prompt_token_ids)))
+        for index, request in enumerate(requests):
+            self._streams[request.request_id] = _Stream(request, results, arrival_time, is_streaming, index)
+        self._put(results, Accepted(list(prompt_ids)))
 
     def _emit(self, engine: Engine, stream: _Stream, now: float) -> None:
         request = stream.request
@@ -282,7 +324,7 @@ class AsyncEngine:
         logprobs = [_token_logprob(engine, e) for e in request.logprobs[start:]]
         self._put(stream.queue, Output(
             text, token_ids, logprobs, str(request.finish_reason) if finished else None,
-            request.num_prompt_tokens, num_tokens, prompt_logprobs,
+            request.num_prompt_tokens, num_tokens, prompt_logprobs, stream.index,
         ))
 
     def _fail_all(self, engine: Engine, error: Exception) -> None:
@@ -293,11 +335,6 @@ class AsyncEngine:
 
     def _put(self, results: asyncio.Queue, item: Any) -> None:
         self._loop.call_soon_threadsafe(results.put_nowait, item)
-
-
-def apply_chat_template(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of chat messages through the tokenizer's chat template, ready for the reply."""
-    return chat_token_ids(engine.tokenizer, messages)
 
 
 def token_text(engine: Engine, token_id: int) -> str:

@@ -1,22 +1,29 @@
 """The OpenAI API's request bodies (pydantic) and the error shape, as far as this server supports them.
 
 Every model forbids unknown fields, takes each field only in its JSON type (strict: "0.5", true or 1.0 is not
-an integer, "1" is not a number) and no NaN or infinity (JSON's `1e999` parses as infinity), and fields the
-API has but this server does not implement are
-accepted only at their neutral value (`n` 1, penalties 0, no tools, a text response format): any
-other value is an `ApiError` 400 naming the field, never silently ignored. `top_k`, `ignore_eos` and
-`return_token_ids` are extensions (as in vLLM). Validation errors become 400s in OpenAI's shape, not FastAPI's 422;
-so does text with a lone surrogate, which no tokenizer takes. Limits that need the prompt's length (it and
-max_tokens must fit in the context) and the seed's range are the engine's, named by its InputError's `field`.
+an integer, "1" is not a number) and no NaN or infinity (JSON's `1e999` parses as infinity); a field the API
+has but this server does not implement is an `ApiError` 400 naming the field, never silently ignored
+(docs/SERVE.md lists every field). `top_k`, `ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`,
+`structured_outputs` and `return_token_ids` are extensions (as in vLLM). Stop strings are bounded in number and
+length (they are matched on every token), and so is `logit_bias`. Validation errors become 400s in OpenAI's
+shape, not FastAPI's 422; so does text with a lone surrogate, which no tokenizer takes. Limits that need the
+prompt's length (it and max_tokens must fit in the context), the vocabulary (logit_bias, stop_token_ids), a
+grammar's compilation and the seed's range are the engine's, named by its InputError's `field`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from optc.runtime.grammar import GrammarKind, GrammarSpec
+
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions of one request
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings: scanned after every token
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_TOP_K = 2**31 - 1  # a bound the sampler's int64 tensors hold (10**30 made the engine step raise)
 _TYPES = ("str", "int", "float", "bool", "dict", "list")  # names pydantic puts in a union member's location
 
@@ -45,6 +52,28 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extension: exactly one of its constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF / EBNF
+    json_object: bool | None = None
+
+
 class _Sampling(_Body):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # OpenAI's range; None = OpenAI's default, 1
@@ -55,32 +84,71 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate max_tokens whatever the model says (benchmarks)
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)  # extension (vLLM): 1 = off
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # extension: EOS and stop_token_ids banned until this many tokens
+    stop_token_ids: list[int] | None = None  # extension: tokens that end the output (kept in it)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
     user: str | None = None  # an end-user id for the caller's own records; it changes nothing
 
     def check_supported(self) -> None:
-        """400 naming the first field set to a value this server does not implement."""
-        unsupported = {
-            "n": self.n != 1,
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, is_set in unsupported.items():
-            if is_set:
-                raise ApiError(400, f"'{name}' = {getattr(self, name)!r} is not supported by this server", name)
+        """400 naming the first field set to a value this server does not implement or bounds."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ApiError(400, "'stop' strings must be non-empty", "stop")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ApiError(400, f"'stop' takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+                           "stop")
         for i, stop in enumerate(stops):
             _check_text(stop, f"stop[{i}]", "stop")
         if self.user is not None:
             _check_text(self.user, "user", "user")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100.0 <= bias <= 100.0:
+                raise ApiError(400, f"'logit_bias' maps token ids (integers as strings) to biases in [-100, 100]; "
+                               f"got {key!r}: {bias}", "logit_bias")
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}",
+                           "logit_bias")
+        self.grammar()
+
+    def grammar(self) -> GrammarSpec | None:
+        """The output's grammar: from response_format or structured_outputs (one of them), None for free text."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ApiError(400, "give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+        if fmt is not None and fmt.type == "json_object":
+            return GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}', "response_format")
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(400, "'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
+                               "'schema': {...}}", "response_format")
+            return GrammarSpec.json_schema(fmt.json_schema.schema_, "response_format")
+        if fmt is not None and fmt.json_schema is not None:
+            raise ApiError(400, "'response_format.json_schema' needs 'type': 'json_schema'", "response_format")
+        if so is None:
+            return None
+        given = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object)) if v}
+        if len(given) != 1:
+            raise ApiError(400, "'structured_outputs' takes exactly one of 'json', 'regex', 'choice', 'grammar' and "
+                           f"'json_object'; got {sorted(given) or 'none'}", "structured_outputs")
+        (kind, value), = given.items()
+        if kind == "json":
+            if isinstance(value, str):
+                return GrammarSpec(GrammarKind.JSON_SCHEMA, value)
+            return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(value))
+        if kind == "json_object":
+            return GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}')
+        if kind == "choice":
+            return GrammarSpec(GrammarKind.CHOICE, json.dumps(value))
+        return GrammarSpec(GrammarKind.REGEX if kind == "regex" else GrammarKind.LARK, value)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -161,26 +229,18 @@ class ChatMessage(_Body):
         return parts
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ApiError(400, f"'response_format' of type {self.response_format.type!r} is not supported "
-                           "(only 'text')", "response_format")
         for name in ("tools", "tool_choice"):
             if getattr(self, name) not in (None, [], "none"):
                 raise ApiError(400, f"'{name}' is not supported by this server (no tool calling)", name)

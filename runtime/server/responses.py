@@ -58,18 +58,18 @@ class ResponseIds:
         self.created = int(time.time())
         self.model = model
 
-    def completion(self, choice: dict[str, Any], usage_: dict[str, int] | None = None,
+    def completion(self, choices: dict[str, Any] | list[dict[str, Any]] | None, usage_: dict[str, int] | None = None,
                    is_chunk: bool = False) -> dict[str, Any]:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, **choice}] if choice else []}
+                "choices": _choices(choices)}
         if usage_ is not None or not is_chunk:
             body["usage"] = usage_
         return body
 
-    def chat(self, choice: dict[str, Any] | None, usage_: dict[str, int] | None = None,
+    def chat(self, choices: dict[str, Any] | list[dict[str, Any]] | None, usage_: dict[str, int] | None = None,
              is_chunk: bool = False) -> dict[str, Any]:
         body = {"id": self.id, "object": "chat.completion.chunk" if is_chunk else "chat.completion",
-                "created": self.created, "model": self.model, "choices": [{"index": 0, **choice}] if choice else []}
+                "created": self.created, "model": self.model, "choices": _choices(choices)}
         if usage_ is not None or not is_chunk:
             body["usage"] = usage_
         return body
@@ -80,7 +80,7 @@ def completion_chunk(ids: ResponseIds, out: Output, prefix: str, with_token_ids:
     if not (out.text or prefix or out.finish_reason or with_token_ids and out.token_ids):
         return None
     logprobs = completion_logprobs(out.logprobs) if out.logprobs else None
-    choice = {"text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+    choice = {"index": out.index, "text": prefix + out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
     if with_token_ids:
         choice["token_ids"] = out.token_ids
     return ids.completion(choice, is_chunk=True)
@@ -92,4 +92,12 @@ def chat_chunk(ids: ResponseIds, out: Output, first: bool, with_logprobs: bool) 
         return None
     delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
     logprobs = chat_logprobs(out.logprobs) if with_logprobs and out.logprobs else None
-    return ids.chat({"delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}, is_chunk=True)
+    return ids.chat({"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason},
+                    is_chunk=True)
+
+
+def _choices(choices: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A response's choices: one (a stream chunk's) or a list, each with its `index` first."""
+    if not choices:
+        return []
+    return [{"index": 0, **c} for c in (choices if isinstance(choices, list) else [choices])]
