@@ -49,9 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from json_schemas import CASES, SchemaCase  # noqa: E402
+from json_schemas import CASES, SchemaCase
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("llguidance", "xgrammar")
