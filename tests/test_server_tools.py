@@ -188,12 +188,13 @@ def test_no_grammar_unless_a_call_is_required():
 def test_required_grammar_forces_valid_calls(parser, tokenizer, matcher_of):
     grammar = forced_call_grammar(tool_request([WEATHER, TIME], "required", None), parser)
     valid = _reply(parser, [("get_weather", {"city": "Paris", "days": 3, "unit": "F"}), ("get_time", {})])
-    assert _accepts(matcher_of(grammar), tokenizer, valid)
+    assert _verdict(matcher_of(grammar), tokenizer, valid) == "accepted"
     _, calls = parse_tool_calls(valid, parser)
     assert [c.name for c in calls] == ["get_weather", "get_time"]
     jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMETERS)
-    assert _accepts(matcher_of(grammar), tokenizer, _reply(parser, [("get_time", {})]))
-    assert not matcher_of(grammar).is_accepting()  # a reply with no call is refused
+    assert _verdict(matcher_of(grammar), tokenizer, _reply(parser, [("get_time", {})])) == "accepted"
+    assert _verdict(matcher_of(grammar), tokenizer, "") == "incomplete"  # a reply with no call cannot end
+    assert _verdict(matcher_of(grammar), tokenizer, "The weather is") == "refused"  # nor be text
     for name, arguments in [("get_wether", {"city": "Paris"}),  # no such function
                             ("get_weather", {"days": 3}),  # a required argument missing
                             ("get_weather", {"city": 5}),  # a wrong type
@@ -203,21 +204,22 @@ def test_required_grammar_forces_valid_calls(parser, tokenizer, matcher_of):
         if name == "get_weather":
             with pytest.raises(jsonschema.ValidationError):  # the case is really invalid
                 jsonschema.validate(arguments, WEATHER_PARAMETERS)
-        assert not _accepts(matcher_of(grammar), tokenizer, _reply(parser, [(name, arguments)])), (name, arguments)
+        verdict = _verdict(matcher_of(grammar), tokenizer, _reply(parser, [(name, arguments)]))
+        assert verdict == "refused", (name, arguments)
     compact = _reply(parser, [("get_time", {})]).replace(": ", ":")
-    assert not _accepts(matcher_of(grammar), tokenizer, compact)  # JSON is spaced as json.dumps spaces it
+    assert _verdict(matcher_of(grammar), tokenizer, compact) == "refused"  # JSON is spaced as json.dumps spaces it
 
 
 @pytest.mark.parametrize("parser", list(Parser))
 def test_named_and_single_call_grammars(parser, tokenizer, matcher_of):
     named = forced_call_grammar(tool_request([WEATHER, TIME], {"type": "function", "function": {
         "name": "get_weather"}}, None), parser)
-    assert _accepts(matcher_of(named), tokenizer, _reply(parser, [("get_weather", {"city": "Oslo"})]))
-    assert not _accepts(matcher_of(named), tokenizer, _reply(parser, [("get_time", {})]))
-    assert not _accepts(matcher_of(named), tokenizer, _reply(parser, [("get_weather", {"city": "Oslo"})] * 2))
+    assert _verdict(matcher_of(named), tokenizer, _reply(parser, [("get_weather", {"city": "Oslo"})])) == "accepted"
+    assert _verdict(matcher_of(named), tokenizer, _reply(parser, [("get_time", {})])) == "refused"
+    assert _verdict(matcher_of(named), tokenizer, _reply(parser, [("get_weather", {"city": "Oslo"})] * 2)) == "refused"
     single = forced_call_grammar(tool_request([WEATHER, TIME], "required", False), parser)
-    assert _accepts(matcher_of(single), tokenizer, _reply(parser, [("get_time", {})]))
-    assert not _accepts(matcher_of(single), tokenizer, _reply(parser, [("get_time", {})] * 2))
+    assert _verdict(matcher_of(single), tokenizer, _reply(parser, [("get_time", {})])) == "accepted"
+    assert _verdict(matcher_of(single), tokenizer, _reply(parser, [("get_time", {})] * 2)) == "refused"
 
 
 def test_markers_that_are_added_tokens_are_named_by_id():
@@ -235,7 +237,8 @@ def test_markers_that_are_added_tokens_are_named_by_id():
     request = tool_request([TIME], "required", None)
     for marker_ids, is_accepted in [(ids, True), ({}, False)]:  # spelled as text, the added tokens do not match
         grammar = llguidance.LLMatcher.grammar_from_lark(forced_call_grammar(request, Parser.HERMES, marker_ids))
-        assert _accepts(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), tok, reply) is is_accepted
+        verdict = _verdict(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), tok, reply)
+        assert verdict == ("accepted" if is_accepted else "refused")
 
 
 def _smollm2_tokenizer():
@@ -257,8 +260,9 @@ def _reply(parser: Parser, calls: list[tuple[str, dict]]) -> str:
     return "[TOOL_CALLS][" + ", ".join(objects) + "]"
 
 
-def _accepts(matcher, tokenizer, text: str) -> bool:
-    """Whether the grammar takes `text`'s tokens and may end there."""
-    return matcher.consume_tokens(tokenizer(text, add_special_tokens=False)["input_ids"]) and \
-        not matcher.is_error() and matcher.is_accepting()
-
+def _verdict(matcher, tokenizer, text: str) -> str:
+    """What the grammar makes of `text`'s tokens: "refused" (a token it does not allow), "accepted" (all taken,
+    and the reply may end there) or "incomplete"."""
+    if not matcher.consume_tokens(tokenizer(text, add_special_tokens=False)["input_ids"]) or matcher.is_error():
+        return "refused"
+    return "accepted" if matcher.is_accepting() else "incomplete"
