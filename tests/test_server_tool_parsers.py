@@ -92,6 +92,22 @@ def test_stream_on_random_replies_equals_parse(parser, fragments, cuts):
     assert _streamed(parser, pieces) == parse_tool_calls(reply, parser, random.Random(0))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(list(Parser)), st.text())
+def test_any_text_without_calls_is_its_own_content(parser, reply):
+    content, calls = parse_tool_calls(reply, parser)
+    assert calls or content == reply
+
+
+@pytest.mark.parametrize(("parser", "reply"), [
+    (Parser.HERMES, "<tool_call>" + "[" * 100_000 + "</tool_call>"),
+    (Parser.LLAMA3_JSON, '{"name": "f", "parameters": ' + "[" * 100_000),
+    (Parser.MISTRAL, "[TOOL_CALLS]" + "[" * 100_000),
+])
+def test_nesting_deeper_than_the_stack_is_content(parser, reply):
+    assert parse_tool_calls(reply, parser) == (reply, [])  # json raises RecursionError there, not ValueError
+
+
 def test_stream_holds_back_what_may_start_a_call():
     stream = ToolCallStream(Parser.HERMES)
     assert stream.feed("Hello <tool").content == "Hello"

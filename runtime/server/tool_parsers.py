@@ -10,9 +10,9 @@ A reply is content and tool calls, and each format (`Parser`) marks a call its o
 
 A call is valid when its JSON parses, names a function (a string) and holds an object of arguments (finite
 numbers only: the arguments are sent on as JSON text). Anything else (broken JSON, another shape, a reply
-cut off by max_tokens) stays content, verbatim: parsing never raises. The whitespace between content and a
-valid call is dropped (the model's separator, not part of an answer), and content is None when a reply
-holds calls and nothing else.
+cut off by max_tokens, nesting deeper than Python's stack) stays content, verbatim: parsing never raises.
+The whitespace between content and a valid call is dropped (the model's separator, not part of an answer),
+and content is None when a reply holds calls and nothing else.
 
 Streaming (`ToolCallStream`) runs the same scanner over the reply's text deltas, so the streamed content and
 calls joined are exactly the whole reply's parse (`parse_tool_calls` is the stream fed once). A call is
@@ -239,7 +239,7 @@ def _json_value(text: str) -> Any:
     """The JSON value `text` holds (whitespace around it allowed), or None: broken JSON, NaN or Infinity."""
     try:
         return json.loads(text, parse_constant=_refuse)
-    except ValueError:  # JSONDecodeError, and _refuse's
+    except (ValueError, RecursionError):  # JSONDecodeError and _refuse's; nesting deeper than Python's stack
         return None
 
 
@@ -251,7 +251,7 @@ def _calls_of_sequence(text: str) -> list[str | _Call] | None:
     while position < len(text):
         try:
             value, position = decoder.raw_decode(text, position)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _call_of(value, ("parameters", "arguments"))
         if call is None:
@@ -278,7 +278,7 @@ def _call_of(value: Any, argument_keys: tuple[str, ...]) -> _Call | None:
         return None
     try:  # json.loads reads 1e999 as infinity, which has no JSON text
         return _Call(value["name"], json.dumps(value[keys[0]], ensure_ascii=False, allow_nan=False))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
