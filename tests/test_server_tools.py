@@ -165,6 +165,14 @@ def test_qwen3_template_renders_tools_and_history(qwen3_tokenizer):
         "<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_history_arguments_that_are_not_an_object_stay_text(qwen3_tokenizer):
+    for arguments in ["[1, 2]", "{broken", "[" * 100_000]:  # the last: json raises RecursionError
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        prompt = tool_prompt(qwen3_tokenizer, messages, tool_request([WEATHER], None, None))
+        assert prompt.messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_auto_parses_qwen3_replies(qwen3_tokenizer):
     parser = choose_parser("Qwen3ForCausalLM", template_takes_tools(qwen3_tokenizer))
     reply = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '

@@ -239,7 +239,7 @@ def _for_tool_template(message: Mapping[str, Any]) -> dict[str, Any]:
 def _object_or_text(function: Mapping[str, Any]) -> Any:
     try:
         value = json.loads(function["arguments"])
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # not JSON text, or nested deeper than Python's stack
         return function["arguments"]
     return value if isinstance(value, dict) else function["arguments"]
 
