@@ -152,6 +152,7 @@ class _HermesScanner(_Scanner):
     def __init__(self) -> None:
         super().__init__()
         self.is_after_call = False  # whitespace right after a valid call is dropped
+        self.searched_to = 0  # an open call's closing tag is not before this index: each delta is searched once
 
     def scan(self, text: str, is_final: bool) -> list[str | _Call]:
         self.buffer += text
@@ -164,12 +165,13 @@ class _HermesScanner(_Scanner):
                 self.is_after_call = False
             buffer = self.buffer
             start = buffer.find(HERMES_OPEN)
-            end = buffer.find(HERMES_CLOSE, start + len(HERMES_OPEN)) if start >= 0 else -1
+            end = buffer.find(HERMES_CLOSE, max(start + len(HERMES_OPEN), self.searched_to)) if start >= 0 else -1
             if start < 0 and is_final:
                 return items + self._take_all()
             if start < 0 or (end < 0 and not is_final):  # a marker may be starting, or a call is open
-                return items + self._take_content(start if start >= 0 else
-                                                  len(buffer) - held_back(buffer, (HERMES_OPEN,)))
+                items += self._take_content(start if start >= 0 else len(buffer) - held_back(buffer, (HERMES_OPEN,)))
+                self.searched_to = max(0, len(self.buffer) - len(HERMES_CLOSE) + 1) if start >= 0 else 0
+                return items
             body_end = end if end >= 0 else len(buffer)  # at the reply's end, an unclosed call reads to the end
             stop = body_end + len(HERMES_CLOSE) if end >= 0 else body_end
             call = _call_of(_json_value(buffer[start + len(HERMES_OPEN):body_end]), ("arguments",))
@@ -179,7 +181,7 @@ class _HermesScanner(_Scanner):
                 head = buffer[:start].rstrip()
                 items += [head, call] if head else [call]
                 self.is_after_call = True
-            self.buffer = buffer[stop:]
+            self.buffer, self.searched_to = buffer[stop:], 0
         return items
 
 
