@@ -423,6 +423,11 @@ def serve(
     failure_window: float = typer.Option(60.0, "--failure-window", help="A failed engine step fails the requests "
                                          "in flight (500) and the server serves on; a second failure within this "
                                          "many seconds stops the server (exit 1)."),
+    tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are read from "
+                                                "replies: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), "
+                                                "llama3_json (Llama 3.x) or mistral ([TOOL_CALLS][...]); default: "
+                                                "the model family's. A chat template without tools gets optc's "
+                                                "tool prompt, which asks for hermes (docs/SERVE.md)."),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -437,7 +442,8 @@ def serve(
                                **_parallel_options(tensor_parallel_size, distributed_backend),
                                max_body_bytes=max_body_bytes, client_timeout=client_timeout,
                                failure_window=failure_window,
-                               chat_template=_read_text(chat_template, "--chat-template") if chat_template else None)
+                               chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,
+                               tool_call_parser=tool_call_parser)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

@@ -334,7 +334,7 @@ class Engine:
         return Request(
             request_id, prompt_ids, params, max_num_tokens=min(self.max_model_len, capacity),
             generator=generator, arrival_time=time.perf_counter(),
-            detokenizer=IncrementalDetokenizer(self.tokenizer), matcher=matcher,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), matcher=matcher,
         )
 
     @property

@@ -44,7 +44,8 @@ class GrammarKind(enum.StrEnum):
     JSON_SCHEMA = "json_schema"  # text: the schema's JSON ({"type": "object"}: any JSON object)
     REGEX = "regex"
     CHOICE = "choice"  # text: a JSON list of the strings allowed
-    LARK = "lark"  # Lark (llguidance's dialect: %json {...} embeds a schema), or GBNF / EBNF converted to it
+    LARK = "lark"  # Lark, llguidance's dialect (%json {...} embeds a schema): forced tool calls
+    GRAMMAR = "grammar"  # a client's grammar: that Lark, or GBNF / EBNF (llama.cpp's), converted to it
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ def _grammar(spec: GrammarSpec) -> str:
         if spec.kind is GrammarKind.CHOICE:
             choices = json.loads(spec.text)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if spec.kind is GrammarKind.LARK:
+            return llguidance.LLMatcher.grammar_from_lark(spec.text)
         return llguidance.grammar_from("grammar", spec.text)  # Lark as it is; GBNF converted
     except ValueError as e:
         raise InputError(f"'{spec.field}': the {spec.kind} grammar cannot be read: {_first_line(str(e))}",

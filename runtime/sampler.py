@@ -43,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many output tokens
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the request (finish "stop"), kept in the output
     grammar: GrammarSpec | None = None  # structured output: only tokens the grammar allows (runtime/grammar.py)
+    skip_special_tokens: bool = True  # leave special tokens out of the text (False: a parser reads them)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

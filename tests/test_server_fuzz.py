@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from optc.runtime import Engine, SamplingParams  # noqa: E402
+from optc.runtime.grammar import GrammarKind, GrammarSpec  # noqa: E402
 from optc.testing import serve_process  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("OPTC_FUZZ_EXAMPLES", "0")) or None  # None: each test's CI default
@@ -75,9 +76,15 @@ sampling = st.fixed_dictionaries({}, optional={
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "user": st.text(max_size=8),
-    "n": st.just(1),
-    "presence_penalty": st.just(0),
-    "frequency_penalty": st.just(0.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.1, 3.0),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), st.floats(-100.0, 100.0), max_size=4),
+    "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
+    "min_tokens": st.integers(0, 1),
+    "structured_outputs": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-c]{1,4}"},
+                                           {"json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+                                           {"grammar": 'start: "<" /[0-9]{1,3}/ ">"'}]),
 })
 
 
@@ -88,7 +95,8 @@ def reproducible(fields: dict) -> dict:
 
 def completion_bodies(vocab_size: int):
     prompt = st.one_of(text, st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=16), text.map(lambda t: [t]))
-    return st.builds(lambda p, n, s: {"model": "tiny", "prompt": p, "max_tokens": n, "return_token_ids": True, **s},
+    return st.builds(lambda p, n, s: {"model": "tiny", "prompt": p, "max_tokens": n, "return_token_ids": True,
+                                      **s, **({"min_tokens": min(n, s["min_tokens"])} if "min_tokens" in s else {})},
                      prompt, st.integers(1, 8), sampling.map(reproducible))
 
 
@@ -105,10 +113,22 @@ chat_bodies = st.builds(
 def params_of(body: dict, max_tokens: int) -> SamplingParams:
     """What the server runs a body with (app._params), for the in-process engine."""
     stop = body.get("stop") or ()
+    grammar = None
+    if "structured_outputs" in body:
+        (kind, value), = body["structured_outputs"].items()
+        kind = {"json": GrammarKind.JSON_SCHEMA, "regex": GrammarKind.REGEX, "choice": GrammarKind.CHOICE,
+                "grammar": GrammarKind.GRAMMAR}[kind]
+        grammar = GrammarSpec(kind, value if isinstance(value, str) else json.dumps(value))
     return SamplingParams(temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                           top_k=max(0, body.get("top_k", 0)), seed=body.get("seed"), max_tokens=max_tokens,
                           stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                          ignore_eos=body.get("ignore_eos", False))
+                          ignore_eos=body.get("ignore_eos", False),
+                          presence_penalty=body.get("presence_penalty", 0.0),
+                          frequency_penalty=body.get("frequency_penalty", 0.0),
+                          repetition_penalty=body.get("repetition_penalty", 1.0),
+                          logit_bias=tuple((int(k), v) for k, v in body.get("logit_bias", {}).items()),
+                          stop_token_ids=tuple(body.get("stop_token_ids", ())), grammar=grammar,
+                          min_tokens=min(body.get("min_tokens", 0), max_tokens))
 
 
 def answer(live: httpx.Client, path: str, body: dict) -> tuple[str, list[int] | None]:
@@ -176,10 +196,15 @@ BAD = {
     "stop": [5, [5], [""], "", [None], {"s": 1}],
     "stream": [1, "true", None],
     "ignore_eos": [1, "yes", None],
-    "n": [0, 2, -1, 1.0, 10**30],
-    "presence_penalty": [0.5, -2.5, 1e308, "0"],
-    "frequency_penalty": [0.5, 3, "0"],
-    "logit_bias": [{"1": 5}, [1], "x"],
+    "n": [0, 17, -1, 1.0, 10**30],
+    "presence_penalty": [2.5, -2.5, 1e308, "0"],
+    "frequency_penalty": [-2.01, 3, "0"],
+    "repetition_penalty": [0, -1, 101, "1"],
+    "logit_bias": [{"x": 5}, {"1": 101}, {"-1": 1}, {"99999": 1}, [1], "x", {str(i): 1 for i in range(1025)}],
+    "stop_token_ids": [[-1], [256], [1.5], "1", 1],
+    "min_tokens": [-1, 3, 1.5, "1"],
+    "structured_outputs": [{}, {"regex": "(a"}, {"choice": []}, {"grammar": "start: nope"}, {"regex": 1},
+                           {"json": {"type": "strng"}}, {"regex": "a", "choice": ["b"]}, {"made_up": 1}, "x"],
     "user": [5, ["u"]],
     "stream_options": [5, {"include_usage": 1}, {"made_up": True}],
     "logprobs": [-1, 21, 2.0, "3"],
@@ -188,16 +213,23 @@ BAD = {
     "suffix": [5, "tail", "x" * 100_000],
     "return_token_ids": [1, "yes"],
     "top_logprobs": [-1, 21, 1.5],
-    "response_format": [{"type": "json_object"}, "json", {}],
-    "tools": [[{"type": "function"}], "x"],
-    "tool_choice": ["auto", {"type": "function"}],
+    "response_format": [{"type": "xml"}, "json", {}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True,
+                                                                                       "type": "array"}}}],
+    "tools": [[{"type": "function"}], "x", [{"type": "function", "function": {"name": "a b"}}],
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]],
+    "tool_choice": ["sometimes", {"type": "function"}, {"type": "function", "function": {"name": "f"}}, 5],
+    "parallel_tool_calls": [1, "yes"],
 }
+SAMPLING_FIELDS = ["n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "stop_token_ids", "min_tokens", "structured_outputs", "response_format"]
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-                     "ignore_eos", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user",
-                     "stream_options", "logprobs", "echo", "best_of", "suffix", "return_token_ids"]
+                     "ignore_eos", "user", "stream_options", "logprobs", "echo", "best_of", "suffix",
+                     "return_token_ids", *SAMPLING_FIELDS]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-               "stop", "stream", "ignore_eos", "n", "presence_penalty", "frequency_penalty", "logit_bias", "user",
-               "stream_options", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice"]
+               "stop", "stream", "ignore_eos", "user", "stream_options", "logprobs", "top_logprobs", "tools",
+               "tool_choice", "parallel_tool_calls", *SAMPLING_FIELDS]
 BASE = {"/v1/completions": {"model": "tiny", "prompt": "hello", "max_tokens": 2},
         "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
 UNKNOWN = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12).filter(
@@ -227,6 +259,8 @@ def test_one_bad_field_is_a_4xx_naming_it(live, path):
         body = BASE[path] | {field: value}
         if field in ("top_logprobs",):
             body["logprobs"] = True  # so the value itself is what is judged
+        if field in ("tool_choice", "parallel_tool_calls"):  # judged beside a valid tool
+            body["tools"] = [{"type": "function", "function": {"name": "g"}}]
         response = live.post(path, content=dumps(body), headers={"Content-Type": "application/json"})
         assert 400 <= response.status_code < 500, (body, response.status_code, response.text[:300])
         error = response.json()["error"]

@@ -19,7 +19,8 @@ from optc.testing import serve_process  # noqa: E402
 
 KEY = "test-key-1234"
 PROMPT = "The quick brown fox"
-STRICT_TEMPLATE = (
+STRICT_TEMPLATE = (  # roles must alternate (as Gemma's, Mistral's templates say); tools listed by name, briefly
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>{% endif %}"
     "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
     "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -42,7 +43,7 @@ def server(tiny_artifact, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "strict.jinja"
     template.write_text(STRICT_TEMPLATE)
     with serve_process(tiny_artifact, "--api-key", KEY, "--served-model-name", "tiny",
-                       "--chat-template", str(template)) as (url, process):
+                       "--chat-template", str(template), "--tool-call-parser", "hermes") as (url, process):
         yield url
 
 
@@ -117,9 +118,10 @@ def test_structured_outputs_extension(server):
         out = post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 20,
                                                "structured_outputs": constraint})
         assert out.status_code == 200 and check(out.json()["choices"][0]["text"]), out.text
-    out = post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 3,
-                                           "response_format": {"type": "json_object"}})
-    assert out.json()["choices"][0]["finish_reason"] == "length"
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    out = post(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert out.json()["choices"][0]["finish_reason"] == "length"  # cut mid-value
 
 
 def test_a_chat_template_that_raises_is_a_400_quoting_it(server):
@@ -167,3 +169,60 @@ def test_a_huge_prompt_does_not_stall_other_requests(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert seconds > 2.0  # tokenizing it took long enough to matter
     assert max(gaps) < seconds / 2, (max(gaps), seconds)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 8},
+                                                "unit": {"enum": ["C", "F"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_validate_streaming_or_not(server, tool_choice, temperature):
+    import jsonschema
+
+    c = client(server)
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME],
+                  tool_choice=tool_choice, max_tokens=150, temperature=temperature, seed=2, parallel_tool_calls=False)
+    out = c.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        if isinstance(tool_choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.id.startswith("call_") and call.type == "function"
+    chunks = list(c.chat.completions.create(**kwargs, stream=True))
+    streamed: dict[int, dict] = {}
+    for ch in chunks:
+        for delta in ch.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(e["name"], e["arguments"]) for e in streamed.values()] == \
+        [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tools_history_and_bad_tool_choice(server):
+    c = client(server)
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"}]
+    out = c.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert out.choices[0].message.content is not None or out.choices[0].message.tool_calls
+    bad = post(server, "/v1/chat/completions", {"model": "tiny", "messages": history, "tools": [WEATHER],
+                                                "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+    both = post(server, "/v1/chat/completions", {"model": "tiny", "messages": history, "tools": [WEATHER],
+                                                 "tool_choice": "required",
+                                                 "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "tool_choice"

@@ -53,7 +53,7 @@ def test_json_schema_output_is_valid_greedy_and_sampled_beside_free_rows(engine)
 @pytest.mark.parametrize(("spec", "check"), [
     (GrammarSpec(GrammarKind.REGEX, r"[0-9]{3}-[a-c]{2}"), lambda t: len(t) == 6 and t[3] == "-"),
     (GrammarSpec(GrammarKind.CHOICE, '["yes", "no", "maybe not"]'), lambda t: t in ("yes", "no", "maybe not")),
-    (GrammarSpec(GrammarKind.LARK, 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,2}/'),
+    (GrammarSpec(GrammarKind.GRAMMAR, 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,2}/'),
      lambda t: t.startswith("(") and t.endswith(")")),
     (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'), lambda t: isinstance(json.loads(t), dict)),
 ])

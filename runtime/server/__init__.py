@@ -32,6 +32,7 @@ from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 from optc.runtime.server.async_engine import FAILURE_WINDOW_S
 from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, header_timeout_protocol
+from optc.runtime.server.tool_parsers import Parser
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ServeOptions:
     client_timeout: float = CLIENT_TIMEOUT_S  # seconds a client may take to send its headers, and its body
     failure_window: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server (exit 1)
     chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template (a base model has none)
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = the model family's
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -70,6 +72,9 @@ class ServeOptions:
                 raise InputError(f"{name} must be a positive finite number, got {value}")
         if self.api_key == "":
             raise InputError("--api-key (or OPTC_API_KEY) must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in [p.value for p in Parser]:
+            raise InputError(f"--tool-call-parser must be one of {', '.join(p.value for p in Parser)}, got "
+                             f"{self.tool_call_parser!r}")
 
     @property
     def model_name(self) -> str:
@@ -83,7 +88,8 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
     load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify,
                                chat_template=options.chat_template, **overrides)
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
-                          options.log_requests, options.max_body_bytes, options.client_timeout, options.failure_window)
+                          options.log_requests, options.max_body_bytes, options.client_timeout, options.failure_window,
+                          Parser(options.tool_call_parser) if options.tool_call_parser else None)
     _configure_logging()
     server: _Server | None = None
     fatal_errors: list[BaseException] = []  # a load that failed, or an engine that can step no more

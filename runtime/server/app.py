@@ -15,6 +15,7 @@ next step; a streaming response is SSE ending with `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from optc.core.errors import UserError
 from optc.runtime.engine import Engine
+from optc.runtime.grammar import GrammarKind, GrammarSpec
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.server import responses as r
 from optc.runtime.server.async_engine import (
@@ -52,6 +54,16 @@ from optc.runtime.server.protocol import (
     TokenizeRequest,
     parse,
 )
+from optc.runtime.server.tool_parsers import Parser, parse_tool_calls
+from optc.runtime.server.tools import (
+    ToolChoice,
+    ToolRequest,
+    choose_parser,
+    forced_call_grammar,
+    marker_token_ids,
+    template_takes_tools,
+    tool_request,
+)
 from optc.runtime.text import chat_token_ids
 
 log = logging.getLogger("optc.serve")
@@ -67,6 +79,7 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413, answered before it is read
     client_timeout_s: float = CLIENT_TIMEOUT_S  # a body slower than this is a 408 (headers: header_timeout_protocol)
     failure_window_s: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server
+    tool_call_parser: Parser | None = None  # None: the model family's (runtime/server/tools.py)
 
 
 class ServerState:
@@ -202,23 +215,35 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request, config))
         state.check_model(body.model)
+        tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        parser = await _tool_parser(state, config) if tools.choice is not ToolChoice.NONE else None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to the context
         params = _params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        if parser is not None:
+            params = await _with_tool_grammar(state, params, tools, parser)
         params_of = {**_PARAMS_OF, "prompt": "messages",
                      "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
-        prompt = ChatPrompt(body.chat_messages(), {})
-        accepted, outputs = await state.start(prompt, params, body.stream, params_of)
+        accepted, outputs = await state.start(ChatPrompt(body.chat_messages(), tools), params, body.stream,
+                                              params_of)
         ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
         if body.stream:
-            return _stream(request, outputs, body, lambda out, first: r.chat_chunk(ids, out, first, body.logprobs),
-                           ids.chat)
+            chunk = (lambda out, first: r.chat_chunk(ids, out, first, body.logprobs)) if parser is None else \
+                r.ToolChunks(ids, parser, body.logprobs).chunk
+            return _stream(request, outputs, body, chunk, ids.chat)
         results = await _collect(request, outputs, body.n)
         if results is None:
             return Response(status_code=499)
-        choices = [{"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": r.chat_logprobs(entries) if body.logprobs else None,
-                    "finish_reason": last.finish_reason}
-                   for index, (text, last, entries, _) in enumerate(results)]
+        choices = []
+        for index, (text, last, entries, _) in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish_reason = last.finish_reason
+            if parser is not None:
+                content, calls = parse_tool_calls(text, parser)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices.append({"index": index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": r.chat_logprobs(entries) if body.logprobs else None})
         return JSONResponse(ids.chat(choices, _usage(results)))
 
     @app.post("/tokenize")
@@ -286,6 +311,28 @@ async def _json(request: Request, config: ServerConfig) -> Any:
 
 
 _PARAMS_OF: dict[str, str] = {"grammar": "response_format"}  # the engine's field names the body's
+
+
+async def _tool_parser(state: ServerState, config: ServerConfig) -> Parser:
+    """The format of this model's tool calls: --tool-call-parser, else its family's (hermes where its template
+    shows no tools and optc's prompt does)."""
+    architecture = _engine(state).model.graph.config.architecture
+    takes_tools = await _tokenizer_call(state, template_takes_tools)
+    return choose_parser(architecture, takes_tools, config.tool_call_parser)
+
+
+async def _with_tool_grammar(state: ServerState, params: list[SamplingParams], tools: ToolRequest,
+                             parser: Parser) -> list[SamplingParams]:
+    """`params` with the grammar that forces a call (tool_choice required or named; a 400 beside another
+    grammar), and with special tokens kept in the text where the format is marked by one (mistral)."""
+    markers = await _tokenizer_call(state, marker_token_ids)
+    lark = forced_call_grammar(tools, parser, markers)
+    if lark is not None and params[0].grammar is not None:
+        raise ApiError(400, "a 'required' or named 'tool_choice' decides the reply's format: drop "
+                       "'response_format' / 'structured_outputs'", "tool_choice")
+    grammar = GrammarSpec(GrammarKind.LARK, lark, "tools") if lark is not None else params[0].grammar
+    keep_special = parser is Parser.MISTRAL
+    return [dataclasses.replace(p, grammar=grammar, skip_special_tokens=not keep_special) for p in params]
 
 
 def _params(body: Any, max_tokens: int | None, logprobs: int | None,

@@ -45,6 +45,7 @@ from optc.runtime.grammar import Matcher
 from optc.runtime.request import Request
 from optc.runtime.sampler import Logprobs, SamplingParams
 from optc.runtime.server.metrics import Metrics
+from optc.runtime.server.tools import ToolRequest, tool_prompt
 from optc.runtime.text import chat_token_ids, prompt_token_ids
 
 log = logging.getLogger("optc.serve")
@@ -55,10 +56,10 @@ Prompt = str | list[int] | list[dict[str, Any]]  # text, token ids, or chat mess
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Chat messages and the chat template's other variables (`tools`)."""
+    """Chat messages (OpenAI's shape, content as text) and the request's tools (tools.py's ToolRequest)."""
 
     messages: list[dict[str, Any]]
-    template_kwargs: dict[str, Any]
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,11 @@ class AsyncEngine:
 
     def _prepare(self, tokenizer: Any, prompt: Prompt | ChatPrompt,
                  params: SamplingParams) -> tuple[list[int], Matcher | None]:
-        if isinstance(prompt, ChatPrompt):
-            prompt_ids = chat_token_ids(tokenizer, prompt.messages, **prompt.template_kwargs)
+        if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
+            shown = tool_prompt(tokenizer, prompt.messages, prompt.tools)
+            prompt_ids = chat_token_ids(tokenizer, shown.messages, **({"tools": shown.tools} if shown.tools else {}))
+        elif isinstance(prompt, ChatPrompt):
+            prompt_ids = chat_token_ids(tokenizer, prompt.messages)
         else:
             prompt_ids = prompt_token_ids(tokenizer, prompt)
         matcher = self.engine.grammars.matcher(params.grammar) if params.grammar is not None else None

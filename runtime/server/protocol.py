@@ -148,7 +148,7 @@ class _Sampling(_Body):
             return GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}')
         if kind == "choice":
             return GrammarSpec(GrammarKind.CHOICE, json.dumps(value))
-        return GrammarSpec(GrammarKind.REGEX if kind == "regex" else GrammarKind.LARK, value)
+        return GrammarSpec(GrammarKind.REGEX if kind == "regex" else GrammarKind.GRAMMAR, value)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -202,18 +202,55 @@ class ContentPart(BaseModel):
     type: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn of tool calls only
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.text_parts())
+
+    def check(self) -> None:
+        """400 for a message whose fields do not fit its role."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ApiError(400, f"a '{self.role}' message needs 'content' (only an assistant's tool calls go "
+                           "without)", "messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ApiError(400, "only assistant messages carry 'tool_calls'", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ApiError(400, "a 'tool' message needs 'tool_call_id', and only it takes one", "messages")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, OpenAI's other fields where given."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            out["content"] = self.text() if self.content is not None else None
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text_parts(self) -> list[TextPart]:
         """The content's parts as text parts; a 400 naming the first part of another type (or a malformed
         text part)."""
-        if isinstance(self.content, str):
+        if isinstance(self.content, str) or self.content is None:
             return []
         parts = []
         for j, part in enumerate(self.content):
@@ -241,15 +278,12 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "tool_choice"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise ApiError(400, f"'{name}' is not supported by this server (no tool calling)", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         _check_messages(self.messages)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self.messages]
 
 
 class TokenizeRequest(_Body):
@@ -298,6 +332,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 def _check_messages(messages: list[ChatMessage]) -> None:
     for i, message in enumerate(messages):
         try:
+            message.check()
             text = message.text()
         except ApiError as e:
             raise ApiError(400, f"'messages[{i}].content': {e.message}", "messages") from None

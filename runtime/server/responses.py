@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from optc.runtime.server.async_engine import Output, TokenLogprob
+from optc.runtime.server.tool_parsers import Parser, StreamDelta, ToolCallStream
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
@@ -101,3 +102,36 @@ def _choices(choices: dict[str, Any] | list[dict[str, Any]] | None) -> list[dict
     if not choices:
         return []
     return [{"index": 0, **c} for c in (choices if isinstance(choices, list) else [choices])]
+
+
+class ToolChunks:
+    """Stream chunks of a chat completion whose text may hold tool calls (`parser`'s format): each completion's
+    text deltas go through its own ToolCallStream, which holds back what may still become a call and emits a
+    call whole, shaped as OpenAI streams `tool_calls` deltas; a reply that made calls finishes "tool_calls"."""
+
+    def __init__(self, ids: ResponseIds, parser: Parser, with_logprobs: bool) -> None:
+        self.ids, self.parser, self.with_logprobs = ids, parser, with_logprobs
+        self._streams: dict[int, ToolCallStream] = {}
+
+    def chunk(self, out: Output, first: bool) -> dict | None:
+        stream = self._streams.setdefault(out.index, ToolCallStream(self.parser))
+        content, calls = _joined(stream.feed(out.text), stream.finish() if out.finish_reason is not None else None)
+        if not (content or calls or first or out.finish_reason):
+            return None
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if content or not calls:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = list(calls)
+        finish_reason = out.finish_reason
+        if finish_reason == "stop" and stream.calls:
+            finish_reason = "tool_calls"
+        logprobs = chat_logprobs(out.logprobs) if self.with_logprobs and out.logprobs else None
+        return self.ids.chat({"index": out.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason}, is_chunk=True)
+
+
+def _joined(delta: StreamDelta, last: StreamDelta | None) -> tuple[str, tuple[dict, ...]]:
+    if last is None:
+        return delta.content, delta.tool_calls
+    return delta.content + last.content, delta.tool_calls + last.tool_calls
