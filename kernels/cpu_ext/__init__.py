@@ -129,8 +129,7 @@ def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAI
     another process held the lock for `wait_seconds`."""
     from torch.utils import cpp_extension
 
-    tag = ext.tag()
-    where = root / f"torch{torch.__version__}-{tag}"
+    where = ext.build_dir(root)
     where.mkdir(parents=True, exist_ok=True)
     with build_lock(where, ext.name, wait_seconds):
         # every builder of this folder holds our lock around cpp_extension's, so a `lock` file present now was
@@ -145,7 +144,7 @@ def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAI
         compiled = [str(ext.folder / s) for s in ext.compile_only or ext.sources if s.endswith(".cpp")]
         # -fopenmp: at::parallel_for is a header that splits work only where the including code is compiled with
         # OpenMP (else it runs its whole range on the calling thread); libgomp.so.1 resolves to torch's own copy
-        return cpp_extension.load(f"optc_{ext.name}_{tag}", compiled,
+        return cpp_extension.load(f"optc_{ext.name}_{ext.tag()}", compiled,
                                   extra_cflags=[*ext.flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
                                   build_directory=str(where), extra_include_paths=[str(ext.folder)])
 
