@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from optc.core.errors import UserError
 from optc.kernels import cpu_ext
@@ -59,18 +60,26 @@ def failed(outcomes: list[Outcome]) -> bool:
     return any(o.status is Status.FAILED for o in outcomes)
 
 
-def _warm(ext: cpu_ext.Extension, root) -> Outcome:
+def _warm(ext: cpu_ext.Extension, root: Path) -> Outcome:
     missing = cpu_ext.missing_toolchain()
     if missing is not None:
         return Outcome(ext.name, Status.SKIPPED, 0.0, missing)
     if ext.needs_avx2 and cpu_ext.lacks_avx2():
         return Outcome(ext.name, Status.SKIPPED, 0.0, "torch runs this CPU without AVX2, its only path")
-    cached = ext.is_built(root)
+    where = ext.build_dir(root)
+    before = _libraries(where)
     start = time.perf_counter()
     try:
         cpu_ext.compile_extension(ext, root)
     except cpu_ext.BUILD_ERRORS as e:
         return Outcome(ext.name, Status.FAILED, time.perf_counter() - start,
                        f"{type(e).__name__}: {cpu_ext.failure(e)}")
-    status = Status.CACHED if cached else Status.BUILT
-    return Outcome(ext.name, status, time.perf_counter() - start, str(ext.build_dir(root)))
+    # ninja relinks a built library whose sources' mtimes moved (a checkout), so "cached" is "the library is
+    # the one that was there", not "a library was there"
+    status = Status.CACHED if before and _libraries(where) == before else Status.BUILT
+    return Outcome(ext.name, status, time.perf_counter() - start, str(where))
+
+
+def _libraries(folder: Path) -> dict[str, int]:
+    """The folder's built libraries and their mtimes (ns)."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.so")}
