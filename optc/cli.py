@@ -479,6 +479,31 @@ def export(
 
 
 @app.command()
+def warmup(
+    only: list[str] = typer.Option([], "--only", help="Compile just this extension: qdot (quantized matmuls), "
+                                   "bf16dot (dense bfloat16 matmuls), ops (a decode step's other nodes) or step (a "
+                                   "decode step's decoder layers as one call); repeat it for several. Default: all "
+                                   "four."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {name, status, seconds, detail} "
+                                 "instead of one line per extension."),
+) -> None:
+    """Compile optc's C++ CPU kernels into $OPTC_CACHE/cpu_ext (default ~/.cache/optc), so that a first `optc
+    serve` or `optc run` does not compile them while it loads. One line per extension: built, cached, failed (the
+    compiler's error) or skipped (no C++ compiler or ninja, or a CPU without AVX2: those models run torch's kernels
+    and the op references instead), and the seconds it took. Exit 1 if a build failed on a machine with a
+    compiler."""
+    from optc.commands.warmup import WarmupOptions, failed
+    from optc.commands.warmup import warmup as run_warmup
+
+    with _user_errors():
+        outcomes = run_warmup(WarmupOptions(tuple(only)))
+    typer.echo(json.dumps([o.to_json() for o in outcomes], indent=1) if as_json
+               else "\n".join(o.line() for o in outcomes))
+    if failed(outcomes):
+        raise typer.Exit(1)
+
+
+@app.command()
 def schema() -> None:
     """Print the JSON Schema of recipes."""
     from optc.frontend.recipe import recipe_json_schema

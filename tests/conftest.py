@@ -24,15 +24,19 @@ FIXTURES = REPO.parent / "shared" / "fixtures"  # beside the repository, never b
 
 @pytest.fixture(scope="session")
 def shared_fixture():
-    """`shared_fixture(name)` -> the folder ../shared/fixtures/<name>; a missing one skips the test, or fails it
-    when the environment variable CI is set (in CI the fixture tests must run)."""
+    """`shared_fixture(name)` -> the folder <fixtures>/<name>, <fixtures> being $OPTC_FIXTURES where set (.ci/run
+    sets it), else ../shared/fixtures beside the repository. A missing one fails the test where OPTC_FIXTURES or CI
+    is set (there the fixture tests must run), else skips it, saying where it looked."""
 
     def find(name: str) -> Path:
-        path = FIXTURES / name
+        folder = os.environ.get("OPTC_FIXTURES")
+        path = Path(folder or FIXTURES) / name
         if not path.is_dir():
-            if os.environ.get("CI"):
-                pytest.fail(f"fixture {path} is missing and CI is set: check out ../shared/fixtures beside the repo")
-            pytest.skip(f"fixture {path} is missing (../shared/fixtures beside the repository)")
+            if folder or os.environ.get("CI"):
+                pytest.fail(f"fixture {path} is missing, and OPTC_FIXTURES={folder!r} or CI={os.environ.get('CI')!r} "
+                            "says the fixture tests must run: point OPTC_FIXTURES at them", pytrace=False)
+            pytest.skip(f"fixture {path} is missing: not tested (../shared/fixtures beside the repository, or set "
+                        "OPTC_FIXTURES)")
         return path
 
     return find

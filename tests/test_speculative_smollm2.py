@@ -12,7 +12,7 @@ import pytest
 
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.speculative import SpeculativeConfig
-from optc.testing import assert_no_leaks, build_artifact
+from optc.testing import assert_no_leaks, build_artifact, cpu_extension
 
 GREEDY = SamplingParams(max_tokens=16)
 CODE = '''def mean(values):
@@ -88,10 +88,7 @@ def test_smollm2_batch_one(smollm2_f32_artifact, plain, method, request):
 def test_smollm2_bf16_greedy_identical(tmp_path_factory, smollm2_hf_dir, recipes):
     """bfloat16 on the CPU's C++ ops (recipes/smollm2-bf16.yaml): verification rows are decode's bits
     (docs/ARCHITECTURE.md), so n-gram speculation keeps every greedy token, batched and at batch 1."""
-    from optc.kernels import cpu_ext
-
-    if cpu_ext.load_ops() is None:
-        pytest.skip("ops.cpp cannot be built here: bfloat16 identity is not guaranteed on the references")
+    cpu_extension("ops")  # bfloat16 identity is not guaranteed on the references
     artifact = build_artifact(tmp_path_factory.mktemp("smollm2-bf16") / "a", recipes / "smollm2-bf16.yaml")
     plain = [c.token_ids for c in Engine.load(artifact).generate(PROMPTS, GREEDY, chat=True)]
     engine = Engine.load(artifact, speculative=SpeculativeConfig("ngram", 4, disable_above_num_requests=64))

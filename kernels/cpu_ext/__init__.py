@@ -1,8 +1,9 @@
 """optc's own C++ CPU kernels, compiled with torch's cpp_extension when a model using them loads (the kernel table's
-`extension` loaders) or on first use, and cached on disk: qdot.cpp
+`extension` loaders), by `optc warmup`, or on first use, and cached on disk: qdot.cpp
 (grouped int4 / int8 code linears with integer activations per block of 32), bf16dot.cpp (dense bfloat16
-linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py) and ops.cpp (a decode
-step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py).
+linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py), ops.cpp (a decode
+step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py)
+and step.cpp (a decode step's decoder layers as one call: kernels/cpu_ext/step.py). EXTENSIONS lists them.
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns
 the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile): the failure is
@@ -12,27 +13,80 @@ its launchers run the op references). `isa()` is the path qdot runs on this CPU:
 VNNI where the CPU has it, else AVX2, capped to AVX2 when ATEN_CPU_CAPABILITY=avx2 (the cap that makes torch's
 own kernels take their AVX2 paths, so that a capped measurement compares like with like); `bf16_isa()` is
 bf16dot's the same way (AVX-512 BF16 or AVX2).
+
+One process builds a folder at a time: a build holds an OS lock (flock) on the folder's LOCK_FILE, which the kernel
+releases when its holder exits, SIGKILL included, so a killed build never leaves a lock behind that stalls the next
+`optc serve`. A waiter says whose lock it waits on and gives up after LOCK_WAIT_SECONDS (logged; the launchers
+fall back as on a failed build). This does not make a build any faster, nor share one folder across machines.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-AVX2, AVX512_VNNI, AVX512_BF16 = 2, 3, 4  # qdot.cpp's and bf16dot.cpp's `isa` argument
+AVX2, AVX512_VNNI, AVX512_BF16 = 2, 3, 4  # qdot.cpp's and bf16dot.cpp's `isa` argument (their `enum Isa`)
 ISA_NAMES = {AVX2: "avx2", AVX512_VNNI: "avx512_vnni", AVX512_BF16: "avx512_bf16"}
 HERE = Path(__file__).parent
+LOCK_FILE = "optc-build.lock"  # in the build folder: the holder's pid and start time, flocked while it builds
+TORCH_LOCK_FILE = "lock"  # cpp_extension's own lock, a file whose mere existence makes every other build wait
+LOCK_WAIT_SECONDS = 300.0  # the slowest extension (step) builds in about 40 s on a loaded 2-core machine
+LOCK_POLL_SECONDS = 0.2
+# what a failed compile, a missing toolchain or a lock wait past its bound raise (TimeoutError is an OSError)
+BUILD_ERRORS = (OSError, RuntimeError, ImportError, subprocess.CalledProcessError)
 
 log = logging.getLogger("optc.kernels.cpu_ext")
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One C++ extension: the files of `folder` hashed into its build folder's name (`sources`), the .cpp files
+    compiled (`compile_only`, those that #include the others; default every .cpp of `sources`), the compiler
+    flags, what runs `instead` where it cannot be built, and whether its code needs AVX2 to run."""
+
+    name: str
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+    instead: str
+    compile_only: tuple[str, ...] | None = None
+    needs_avx2: bool = False
+    folder: Path = HERE
+
+    def tag(self) -> str:
+        """A hash of the sources and flags: a change to either builds afresh."""
+        sources = b"".join((self.folder / s).read_bytes() for s in self.sources)
+        return hashlib.sha256(sources + " ".join(self.flags).encode() + b"omp").hexdigest()[:12]
+
+    def build_dir(self, root: Path) -> Path:
+        return root / f"torch{torch.__version__}-{self.tag()}"
+
+    def is_built(self, root: Path) -> bool:
+        return any(self.build_dir(root).glob("*.so"))
+
+
+AVX2_FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mf16c")  # -ffp-contract=off: products and sums round
+# separately, as the references' do
+QDOT = Extension("qdot", ("qdot.cpp", "qdot_body.h"), ("-O3",), "torch's packed kernels")
+BF16DOT = Extension("bf16dot", ("bf16dot.cpp",), ("-O3",), "torch's bfloat16 matmul")
+OPS = Extension("ops", ("ops.cpp",), AVX2_FLAGS, "the op references", needs_avx2=True)
+STEP = Extension("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp"), AVX2_FLAGS,
+                 "the node-by-node step", compile_only=("step.cpp",), needs_avx2=True)  # kernels/cpu_ext/step.py
+EXTENSIONS = (QDOT, BF16DOT, OPS, STEP)
 
 
 def cache_root() -> Path:
@@ -42,67 +96,122 @@ def cache_root() -> Path:
 @functools.cache
 def load() -> ModuleType | None:
     """qdot's extension, or None (logged) where it cannot be built on this machine."""
-    return build("qdot", ("qdot.cpp", "qdot_body.h"), ["-O3"], cache_root(), "torch's packed kernels")
+    return build(QDOT, cache_root())
 
 
 @functools.cache
 def load_bf16dot() -> ModuleType | None:
     """bf16dot's extension, or None (logged) where it cannot be built on this machine."""
-    return build("bf16dot", ("bf16dot.cpp",), ["-O3"], cache_root(), "torch's bfloat16 matmul")
+    return build(BF16DOT, cache_root())
 
 
 @functools.cache
 def load_ops() -> ModuleType | None:
-    """ops.cpp's extension, or None (logged) where it cannot be built or the CPU lacks AVX2 (its only path).
-    -ffp-contract=off: its products and sums round separately, as the references' do."""
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+    """ops.cpp's extension, or None (logged) where it cannot be built or the CPU lacks AVX2 (its only path)."""
+    if lacks_avx2():
         return None
-    return build("ops", ("ops.cpp",), ["-O3", "-ffp-contract=off", "-mavx2", "-mf16c"], cache_root(),
-                 "the op references")
+    return build(OPS, cache_root())
 
 
-def build(name: str, sources: tuple[str, ...], flags: list[str], root: Path, instead: str,
-          compile_only: tuple[str, ...] | None = None) -> ModuleType | None:
-    """Compile the .cpp files of `sources` (all of them hashed; `compile_only`: just these, which include the
-    others) into root/<torch version>-<hash>, a no-op when built there already; None, logged with what runs
-    `instead`, where it fails."""
-    digest = hashlib.sha256(b"".join((HERE / s).read_bytes() for s in sources) + " ".join(flags).encode() + b"omp")
-    tag = digest.hexdigest()[:12]
-    where = root / f"torch{torch.__version__}-{tag}"
+def build(ext: Extension, root: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> ModuleType | None:
+    """`compile_extension`, or None where it fails, logged with what runs `ext.instead`."""
     try:
-        from torch.utils import cpp_extension
+        return compile_extension(ext, root, wait_seconds)
+    except BUILD_ERRORS as e:
+        log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", ext.name,
+                    type(e).__name__, failure(e), ext.instead)
+        return None
 
-        where.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(where / "lock")
+
+def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> ModuleType:
+    """Compile `ext` into its build folder under `root` (a no-op when built there already) and import it, under the
+    folder's build lock; raises what cpp_extension raises, or a TimeoutError naming the lock and its holder when
+    another process held the lock for `wait_seconds`."""
+    from torch.utils import cpp_extension
+
+    where = ext.build_dir(root)
+    where.mkdir(parents=True, exist_ok=True)
+    with build_lock(where, ext.name, wait_seconds):
+        # every builder of this folder holds our lock around cpp_extension's, so a `lock` file present now was
+        # left by a build that was killed: cpp_extension would wait on it forever
+        stale = where / TORCH_LOCK_FILE
+        if stale.exists():
+            log.warning("optc: removing %s, left by a C++ kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
         if not any(where.glob("*.so")):
-            print(f"optc: compiling its C++ CPU kernels ({name}), once: about a minute; cached in {where}",
+            print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: about a minute; cached in {where}",
                   file=sys.stderr, flush=True)
-        compiled = [str(HERE / s) for s in compile_only or sources if s.endswith(".cpp")]
+        compiled = [str(ext.folder / s) for s in ext.compile_only or ext.sources if s.endswith(".cpp")]
         # -fopenmp: at::parallel_for is a header that splits work only where the including code is compiled with
         # OpenMP (else it runs its whole range on the calling thread); libgomp.so.1 resolves to torch's own copy
-        return cpp_extension.load(f"optc_{name}_{tag}", compiled, extra_cflags=[*flags, "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], build_directory=str(where),
-                                  extra_include_paths=[str(HERE)])
-    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as e:  # what cpp_extension raises
-        log.warning("optc's C++ CPU kernels could not be built (%s: %s: %s); %s run instead", name,
-                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "", instead)
-        return None
+        return cpp_extension.load(f"optc_{ext.name}_{ext.tag()}", compiled,
+                                  extra_cflags=[*ext.flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
+                                  build_directory=str(where), extra_include_paths=[str(ext.folder)])
 
 
-STALE_LOCK_SECONDS = 600  # a build takes about a minute; a lock this old was left by a killed one
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    """Remove the lock file torch's cpp_extension holds while it builds, when it is older than any build: a
-    process killed mid-build leaves it, and cpp_extension then waits on it forever, even for a built module."""
+@contextlib.contextmanager
+def build_lock(where: Path, name: str, wait_seconds: float = LOCK_WAIT_SECONDS) -> Iterator[None]:
+    """Hold an exclusive flock on where/LOCK_FILE, with this process's pid and start time written in it. A process
+    that finds it held prints whose it is, polls, and raises a TimeoutError naming the file and the holder after
+    `wait_seconds`. The kernel drops the flock when the holder's file is closed, which its death does."""
+    path = where / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        log.warning("optc: removing %s, left %.0f minutes ago by a C++ kernel build that did not finish", lock,
-                    age / 60)
-        lock.unlink(missing_ok=True)
+        deadline = time.monotonic() + wait_seconds
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    print(f"optc: waiting for {holder(path)} to finish building the C++ CPU kernels in {where} "
+                          f"(lock {path}; {name} waits at most {wait_seconds:.0f} s)", file=sys.stderr, flush=True)
+                    said = True
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is still held by {holder(path)} after {wait_seconds:.0f} s: "
+                                       f"{name} not built") from None
+                time.sleep(LOCK_POLL_SECONDS)
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": started, "building": name}).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def holder(path: Path) -> str:
+    """Who holds the build lock `path`, as its holder wrote it: 'pid N (building NAME since TIME)'."""
+    try:
+        record = json.loads(path.read_text())
+        return f"pid {record['pid']} (building {record['building']} since {record['started']})"
+    except (OSError, ValueError, KeyError, TypeError):  # taken an instant ago, not yet written
+        return "another process"
+
+
+def missing_toolchain() -> str | None:
+    """Why this machine cannot compile an extension (no C++ compiler, no ninja), or None where it can."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs on Linux and macOS
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} (the CXX variable, else c++) is not on PATH"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja: torch's cpp_extension builds with it (pip install ninja)"
+    return None
+
+
+def lacks_avx2() -> bool:
+    """Whether torch runs this CPU on its DEFAULT path: no AVX2, or ATEN_CPU_CAPABILITY=default caps it there."""
+    return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+
+
+def failure(e: BaseException) -> str:
+    """One line of why a build failed: the compiler's first error where its output holds one (cpp_extension's
+    message is ninja's whole output, whose last line is only 'build stopped'), else the message's last line."""
+    lines = str(e).strip().splitlines()
+    errors = [line.strip() for line in lines if "error:" in line]
+    return errors[0] if errors else (lines[-1].strip() if lines else "")
 
 
 @functools.cache

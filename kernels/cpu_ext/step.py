@@ -43,9 +43,7 @@ def load_step():
     the CPU lacks AVX2."""
     if cpu_ext.load_ops() is None or cpu_ext.isa() is None:
         return None
-    return cpu_ext.build("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp"),
-                         ["-O3", "-ffp-contract=off", "-mavx2", "-mf16c"], cpu_ext.cache_root(),
-                         "the node-by-node step", compile_only=("step.cpp",))
+    return cpu_ext.build(cpu_ext.STEP, cpu_ext.cache_root())
 
 
 class DecoderRun:

@@ -1,0 +1,49 @@
+"""The numbers Python passes into the C++ CPU kernels equal the C++ sources' own: the ISA paths (kernels/cpu_ext
+AVX2, AVX512_VNNI, AVX512_BF16 against qdot.cpp's and bf16dot.cpp's `enum Isa`, whose NONE is the 0 `_capped`
+reads as "no path") and step.cpp's linear kinds (kernels/cpu_ext/step.py DENSE ... BF16DOT against `enum Kind`).
+A mismatch would run the wrong path or kind without an error, so this reads the sources, no compiler needed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from optc.kernels import cpu_ext
+from optc.kernels.cpu_ext import step
+
+ENUM = re.compile(r"enum\s+(\w+)\s*:\s*int64_t\s*\{([^}]*)\}")
+
+
+def cpp_enum(source: str, name: str) -> dict[str, int]:
+    """`enum name : int64_t { A = 0, B = 2 }` in kernels/cpu_ext/<source> as {"A": 0, "B": 2}."""
+    text = (cpu_ext.HERE / source).read_text()
+    found = [body for enum, body in ENUM.findall(text) if enum == name]
+    assert len(found) == 1, f"{source}: {len(found)} `enum {name} : int64_t {{...}}`, expected one"
+    values = {}
+    for item in found[0].split(","):
+        key, _, value = item.partition("=")
+        assert value.strip(), f"{source}: enum {name}: {item.strip()!r} has no explicit value"
+        values[key.strip()] = int(value.strip(), 0)
+    return values
+
+
+@pytest.mark.parametrize("source", ["qdot.cpp", "bf16dot.cpp"])
+def test_isa_paths_equal_the_cpp_enum(source):
+    cpp = cpp_enum(source, "Isa")
+    python = {name: getattr(cpu_ext, name) for name in ("AVX2", "AVX512_VNNI", "AVX512_BF16")}
+    shared = {name: value for name, value in cpp.items() if name != "NONE"}
+    assert shared and shared == {name: python[name] for name in shared}, f"{source}: {cpp} against {python}"
+    assert cpp.get("NONE", 0) == 0  # best_isa's "no path": _capped reads 0 as None
+    assert set(cpu_ext.ISA_NAMES) == set(python.values())
+
+
+def test_every_isa_path_is_in_some_cpp_enum():
+    cpp = {name: value for source in ("qdot.cpp", "bf16dot.cpp") for name, value in cpp_enum(source, "Isa").items()}
+    for name in ("AVX2", "AVX512_VNNI", "AVX512_BF16"):
+        assert cpp.get(name) == getattr(cpu_ext, name), name
+
+
+def test_linear_kinds_equal_step_cpp():
+    kinds = {name: getattr(step, name) for name in ("DENSE", "INT4PACK", "QDOT", "DENSE_ROWS2", "BF16DOT")}
+    assert cpp_enum("step.cpp", "Kind") == kinds
