@@ -106,3 +106,38 @@ def test_speculative_constrained_greedy_equals_plain_constrained(request, dtype,
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
     stats = fast.speculator.stats
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # drafts were both accepted and rejected
+
+
+def test_masks_of_chains_and_trees_equal_one_matcher_per_row(engine):
+    """A speculative row's mask is the one after its drafts: a chain's (llguidance walks the drafts) and a tree's
+    (each path consumed and rolled back) equal a fresh matcher advanced over the same tokens; a row past a refused
+    draft allows everything; the matcher is where it was afterwards."""
+    from optc.runtime.grammar import Masks
+
+    spec = GrammarSpec.json_schema(SCHEMA)
+    matcher = engine.grammars.matcher(spec)
+    ids = engine.tokenizer('{"name": "ab"', add_special_tokens=False)["input_ids"]
+    for token in ids[:2]:
+        assert matcher.consume(token)
+    chain = [[], ids[2:3], ids[2:4], ids[2:5]]
+    tree = [[], ids[2:3], [ord("x")], ids[2:4], [ord("x"), ids[3]]]  # node 2 refused: its row and child all-allowed
+    masks = Masks().start([(matcher, chain), (matcher.copy(), tree)]).result()
+    expected = []
+    for history in chain + tree:
+        fresh = engine.grammars.matcher(spec)
+        ok = all(fresh.consume(t) for t in ids[:2] + list(history))
+        expected.append(Masks().start([(fresh, [[]])]).result()[0] if ok else None)
+    for row, want in enumerate(expected):
+        assert masks[row].tolist() == (want.tolist() if want is not None else [-1] * masks.shape[1]), row
+    assert matcher.num_valid(ids[2:]) == len(ids) - 2  # rolled back to after ids[:2]
+
+
+def test_the_grammar_cache_is_bounded(tiny_artifact):
+    from optc.runtime.grammar import GrammarCompiler
+
+    engine = Engine.load(tiny_artifact)
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, (), cache_size=2)
+    specs = [GrammarSpec(GrammarKind.REGEX, f"a{{{n}}}") for n in (1, 2, 3)]
+    for spec in [*specs, specs[2], specs[0]]:  # the third evicts the first; the first then compiles again
+        compiler.matcher(spec)
+    assert compiler.num_compiled == 4
