@@ -141,3 +141,15 @@ def test_the_grammar_cache_is_bounded(tiny_artifact):
     for spec in [*specs, specs[2], specs[0]]:  # the third evicts the first; the first then compiles again
         compiler.matcher(spec)
     assert compiler.num_compiled == 4
+
+
+def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_artifact, engine):
+    """A pool too small for the batch preempts requests (their K/V recomputed) and small token budgets chunk the
+    prompts; the matchers follow the output tokens, so the text is the roomy engine's."""
+    spec = GrammarSpec.json_schema(SCHEMA)
+    prompts = [p * 3 for p in PROMPTS]
+    params = [constrained(spec), constrained(spec, 1.0, 5), constrained(spec), constrained(spec, 1.0, 6)]
+    expected = [o.text for o in engine.generate(prompts, params)]
+    tight = Engine.load(tiny_artifact, num_blocks=14, max_num_batched_tokens=16)
+    assert [o.text for o in tight.generate(prompts, params)] == expected
+    assert tight.stats().num_preemptions > 0
