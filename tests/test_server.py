@@ -9,7 +9,8 @@ Every bad input the tests send, and its answer (status, `param`; the message nam
 | endpoint     | input                                                                | status | param             |
 |--------------|----------------------------------------------------------------------|--------|-------------------|
 | completions  | `n` 0 or 17, `best_of` 3, penalties out of range, `repetition_penalty` 0 | 400 | that field      |
-| completions  | `logit_bias` "x", 101, or a token past the vocabulary; `stop_token_ids` past it; `min_tokens` > max | 400 | that field |
+| completions  | `logit_bias` "x", 101, a token past the vocabulary; `stop_token_ids` | 400    | that field        |
+| completions  | `min_tokens` above `max_tokens`                                      | 400    | `min_tokens`      |
 | completions  | 17 `stop` strings or one of 257 characters                           | 400    | `stop`            |
 | completions  | a grammar llguidance refuses (`structured_outputs`, `response_format`) | 400  | that field        |
 | completions  | an unknown field (`made_up`)                                         | 400    | `made_up`         |
@@ -26,7 +27,8 @@ Every bad input the tests send, and its answer (status, `param`; the message nam
 | completions  | no key, a wrong key                                                  | 401    | null              |
 | completions  | `model` "gpt-4"                                                      | 404    | `model`           |
 | completions  | a request beyond max_num_seqs + max_waiting (test_server_load.py)    | 503    | null              |
-| chat         | `response_format` json_schema without a schema, or type "xml"; `top_logprobs` without `logprobs` | 400 | that field |
+| chat         | `response_format` json_schema without a schema, or type "xml"        | 400    | `response_format` |
+| chat         | `top_logprobs` without `logprobs`                                    | 400    | `top_logprobs`    |
 | chat         | `messages` empty, or a content part that is not text                 | 400    | `messages`        |
 | chat         | a message content (string or text part) with a lone surrogate        | 400    | `messages`        |
 | chat         | `seed` 2**80                                                         | 400    | `seed`            |

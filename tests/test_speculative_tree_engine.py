@@ -7,6 +7,7 @@ test), the adaptive depth's tree cost and the option."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -274,3 +275,25 @@ def test_parse_eagle_tree():
         SpeculativeConfig.parse("eagle-tree:5:2:64")
     with pytest.raises(InputError, match="drafts chains only"):
         SpeculativeConfig("ngram", 4, tree_top_k=2, tree_num_nodes=8)
+
+
+@pytest.mark.parametrize("text", ["eagle:4", "eagle-tree:4:2:10"])
+def test_constrained_greedy_identical_with_eagle_chains_and_trees(headed, plain, text):
+    """A grammar's masks on every verification row (a tree's row after its path): greedy output is plain
+    constrained decoding's. The grammar bans the character plain decoding writes most, so the head's drafts are
+    often accepted and sometimes refused by the grammar."""
+    from collections import Counter
+
+    from optc.runtime.grammar import GrammarKind, GrammarSpec
+
+    tokenizer = Engine.load(headed).tokenizer
+    common = Counter("".join(tokenizer.decode(ids) for ids in plain).replace("\ufffd", "")).most_common(1)[0][0]
+    params = SamplingParams(max_tokens=24, grammar=GrammarSpec(GrammarKind.REGEX, f"[^{re.escape(common)}]*"))
+    expected = [c.token_ids for c in Engine.load(headed).generate(PROMPTS, params)]
+    assert expected != plain
+    config = replace(SpeculativeConfig.parse(text), disable_above_num_requests=32, adaptive=False)
+    engine = Engine.load(headed, speculative=config)
+    assert engine.speculator.use_tree == config.is_tree
+    assert [c.token_ids for c in engine.generate(PROMPTS, params)] == expected
+    stats = engine.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
