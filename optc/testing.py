@@ -4,6 +4,7 @@ live `optc serve` process."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import signal
@@ -14,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import IO
 
 import torch
@@ -330,3 +332,14 @@ def cpu_extension(name: str):
         pytest.fail(f"C++ CPU kernel {name} ({', '.join(ext.sources)}) did not build on a machine with a C++ "
                     f"compiler and ninja: {why}", pytrace=False)
     return module
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """benchmarks/<name>.py of this checkout, imported. benchmarks/ holds scripts, not a package, and they import
+    each other by name, so the folder is on sys.path while the module loads (and only then)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from optc.testing import benchmark_module
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCH / "gpu_session.sh"
 
@@ -74,13 +76,7 @@ def test_first_look_measures_what_a_first_look_needs_within_nine_minutes(tmp_pat
     """Issue 34: one bounded run with setup, the tests an H200 failed, the kernel rows at Llama-3-8B shapes for
     M = 1, 8, 32, 512, and bf16 / int4 / fp8 (weight-only and W8A8) end to end at batch 1 and 64, each step
     under its own limit, rows written as they come; what does not fit in the first stage is the second's."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import serving
-
-        import kernels
-    finally:
-        sys.path.remove(str(BENCH))
+    serving, kernels = benchmark_module("serving"), benchmark_module("kernels")
     stages = _dry_run(tmp_path, "first-look", "first-look-rest")
     assert _stages()[:2] == ["first-look", "first-look-rest"]  # the first to run
     first, rest = stages["first-look"], stages["first-look-rest"]
@@ -118,11 +114,7 @@ def test_serving_fp8_configs_build_for_cuda_with_their_kernels(tmp_path):
     from optc.core.artifact import read
     from optc.testing import build_artifact
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        import serving
-    finally:
-        sys.path.remove(str(BENCH))
+    serving = benchmark_module("serving")
     want = {"bf16": set(), "fp8": {"triton.fp8_w8a16"}, "fp8w8a8": {"torch.scaled_mm"}}
     assert want.keys() <= serving.CUDA_QUANT.keys()
     for name, kernels in want.items():
@@ -148,12 +140,7 @@ def test_unknown_stage_is_refused_before_anything_runs(tmp_path):
 
 
 def _rows(path: Path) -> list[dict]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        from results import read
-    finally:
-        sys.path.remove(str(BENCH))
-    return read(path)
+    return benchmark_module("results").read(path)
 
 
 def test_a_stage_killed_midway_leaves_its_finished_rows_on_disk(tmp_path):
@@ -190,12 +177,7 @@ def test_read_skips_a_line_cut_off_mid_write(tmp_path):
 
 @pytest.fixture
 def serving():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import serving
-    finally:
-        sys.path.remove(str(BENCH))
-    return serving
+    return benchmark_module("serving")
 
 
 def test_serving_table_gives_rows_without_transformers_the_bf16_ratio_of_their_batch_size(serving):

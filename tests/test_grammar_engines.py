@@ -1,23 +1,19 @@
 """benchmarks/grammar_engines.py on two schemas of the suite: every step it walks is timed once, in each engine,
 and a bitmask bit is read as both engines write it (bit j of word i is token 32 i + j)."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from optc.testing import benchmark_module
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import grammar_engines
-    finally:
-        sys.path.remove(str(BENCH))
-    return grammar_engines
+    return benchmark_module("grammar_engines")
 
 
 def test_a_bitmask_bit_is_token_32i_plus_j(bench):

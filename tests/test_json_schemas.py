@@ -3,28 +3,20 @@ field is bounded, every example validates with its model, and llguidance compile
 writes it, and as the openai client's `parse()` sends it) and accepts the example token by token on SmolLM2's
 tokenizer while refusing a property the model does not have."""
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from optc.testing import benchmark_module
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 MAX_STRING = 80  # a 135M model at temperature 1.0 must close the JSON within a few hundred tokens
 MAX_ITEMS = 5
 
 
-def _load_cases():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import json_schemas
-    finally:
-        sys.path.remove(str(BENCH))
-    return json_schemas.CASES
-
-
-CASES = _load_cases()
+CASES = benchmark_module("json_schemas").CASES
 
 
 def _nodes(schema: dict[str, Any], where: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

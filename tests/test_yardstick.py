@@ -12,19 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from optc.testing import benchmark_module
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import yardstick
-
-        import kernels
-    finally:
-        sys.path.remove(str(BENCH))
-    return yardstick, kernels
+    return benchmark_module("yardstick"), benchmark_module("kernels")
 
 
 def test_a_copy_moves_its_bytes_twice_and_gbps_is_bytes_over_time(bench):
