@@ -29,6 +29,12 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPTS = [[5, 9, 5, 7], [100, 101], [42] * 20, [7, 7, 8, 9, 10, 11]]
+SMALL_SCHEMA = {  # a short value, for the slower speculative runs
+    "type": "object",
+    "properties": {"a": {"type": "array", "maxItems": 3, "items": {"enum": ["xy", "z"]}},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +49,11 @@ def constrained(grammar: GrammarSpec, temperature: float = 0.0, seed: int | None
 def test_json_schema_output_is_valid_greedy_and_sampled_beside_free_rows(engine):
     spec = GrammarSpec.json_schema(SCHEMA)
     params = [constrained(spec), SamplingParams(max_tokens=20), constrained(spec, 1.0, 3), constrained(spec, 1.0, 4)]
-    for out in engine.generate(PROMPTS, params)[::2] + engine.generate(PROMPTS, params)[3:]:
+    batched = engine.generate(PROMPTS, params)
+    for out in [batched[0], *batched[2:]]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
-    alone = engine.generate([PROMPTS[0]], [params[0]])[0]
-    assert alone.text == engine.generate(PROMPTS, params)[0].text  # batching does not change a row
+    assert engine.generate([PROMPTS[0]], [params[0]])[0].text == batched[0].text  # batching does not change a row
 
 
 @pytest.mark.parametrize(("spec", "check"), [
@@ -97,8 +103,8 @@ def tiny_bf16_artifact(tmp_path_factory, recipes):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculative_constrained_greedy_equals_plain_constrained(request, dtype, method):
     artifact = request.getfixturevalue("tiny_artifact" if dtype == "float32" else "tiny_bf16_artifact")
-    spec = GrammarSpec.json_schema(SCHEMA)
-    params = [constrained(spec) for _ in PROMPTS]
+    spec = GrammarSpec.json_schema(SMALL_SCHEMA)
+    params = [SamplingParams(max_tokens=60, grammar=spec) for _ in PROMPTS]
     plain = Engine.load(artifact).generate(PROMPTS, params)
     config = SpeculativeConfig(method, 4, draft=str(artifact) if method == "draft" else None, adaptive=False)
     fast = Engine.load(artifact, speculative=config)
@@ -146,10 +152,11 @@ def test_the_grammar_cache_is_bounded(tiny_artifact):
 def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_artifact, engine):
     """A pool too small for the batch preempts requests (their K/V recomputed) and small token budgets chunk the
     prompts; the matchers follow the output tokens, so the text is the roomy engine's."""
-    spec = GrammarSpec.json_schema(SCHEMA)
+    spec = GrammarSpec.json_schema(SMALL_SCHEMA)
     prompts = [p * 3 for p in PROMPTS]
-    params = [constrained(spec), constrained(spec, 1.0, 5), constrained(spec), constrained(spec, 1.0, 6)]
+    params = [SamplingParams(max_tokens=60, grammar=spec, temperature=t, seed=s) for t, s in ((0, None), (1.0, 5),
+                                                                                            (0, None), (1.0, 6))]
     expected = [o.text for o in engine.generate(prompts, params)]
-    tight = Engine.load(tiny_artifact, num_blocks=14, max_num_batched_tokens=16)
+    tight = Engine.load(tiny_artifact, num_blocks=9, max_num_batched_tokens=16)
     assert [o.text for o in tight.generate(prompts, params)] == expected
     assert tight.stats().num_preemptions > 0
