@@ -13,6 +13,7 @@ from optc.core.execute import Executor
 from optc.core.ir import Graph, Node
 from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext import step as cpu_step
+from optc.kernels.cpu_ext.step_takes import runs
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.batch import ForwardBatch
 from optc.testing import build_artifact
@@ -30,17 +31,23 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     "gemma3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
     "qwen3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
+    # MoE and MLA: the nodes around the moe and mla_attention nodes (which step.cpp does not run) as runs
+    "mixtral-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
+    "deepseek_v2-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
                  "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
     "qdot": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: false}}, ",
              "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
 }
+RUNS = {"mixtral-bf16": 2, "deepseek_v2-bf16": 7}  # runs between the left-out nodes; others: one
 
 
 def _artifact(tmp_path, name):
     dtype, quant, select = CONFIGS[name]
     recipe = tmp_path / f"{name}.yaml"
-    model = f"{name.split('-')[0]}-tiny" if name.split("-")[0] in ("phi3", "gemma3", "qwen3") else "tiny"
+    family = name.split("-")[0]
+    presets = ("phi3", "gemma3", "qwen3", "mixtral", "deepseek_v2")
+    model = f"{family.replace('_', '-')}-tiny" if family in presets else "tiny"
     recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
                       f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
     return build_artifact(tmp_path / name, recipe)
@@ -71,27 +78,33 @@ def _logits_per_step(engine: Engine, fused: dict, prompts=((5, 9, 13, 200, 3), (
 def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     engine = Engine.load(_artifact(tmp_path, name), enable_prefix_caching=False)
     model = engine.model
-    assert model.fused_runs == 1
     kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
     assert kernels == {"bf16": {"cpu.bf16dot"}, "phi3-bf16": {"cpu.bf16dot"}, "int4pack": {"cpu.int4pack"},
-                       "qdot": {"cpu.qdot"}, "gemma3-bf16": {"cpu.bf16dot"},
-                       "qwen3-bf16": {"cpu.bf16dot"}}.get(name, {"torch"})
+                       "qdot": {"cpu.qdot"}, "gemma3-bf16": {"cpu.bf16dot"}, "qwen3-bf16": {"cpu.bf16dot"},
+                       "mixtral-bf16": {"cpu.bf16dot"}, "deepseek_v2-bf16": {"cpu.bf16dot"}}.get(name, {"torch"})
     fused = dict(model.executor._fused)
+    planned = runs(model.graph)
+    assert model.fused_runs == len(fused) == len(planned) == RUNS.get(name, 1)
+    assert [(start, run[0]) for start, run in sorted(fused.items())] == planned
+    if name not in RUNS:  # every node between the embedding and the lm_head
+        assert planned == [(1, len(model.graph.nodes) - 1)]
     calls = []
-    (start, (stop, names, outs, fn, dead)), = fused.items()
-    assert (start, stop) == (1, len(model.graph.nodes) - 1)  # every node between the embedding and the lm_head
 
-    def counted(values, step):
-        out = fn(values, step)
-        calls.append(out is not None)
-        return out
+    def counted(fn):
+        def call(values, step):
+            out = fn(values, step)
+            calls.append(out is not None)
+            return out
+        return call
 
-    with_fused = _logits_per_step(engine, {start: (stop, names, outs, counted, dead)})
+    with_fused = _logits_per_step(engine, {start: (stop, names, outs, counted(fn), dead)
+                                           for start, (stop, names, outs, fn, dead) in fused.items()})
     node_by_node = _logits_per_step(engine, {})
     assert len(with_fused) == len(node_by_node) > 2
     for got, want in zip(with_fused, node_by_node, strict=True):
         assert torch.equal(got, want)
-    assert calls[0] is False and all(calls[1:]) and len(calls) == len(with_fused)  # the 26-row prefill declines
+    n = len(planned)  # the 26-row prefill declines in every run, every later step is taken
+    assert calls[:n] == [False] * n and all(calls[n:]) and len(calls) == len(with_fused) * n
 
 
 @needs_ext
