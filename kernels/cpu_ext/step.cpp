@@ -85,7 +85,9 @@ struct Linear {
 
 
 // a node's op kind: kernels/cpu_ext/step.py's OPS, in this order
-enum Op : int64_t { LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5 };
+enum Op : int64_t {
+  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6
+};
 enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 
 // one planned node: its op, the value slots it reads and writes, the slots that die after it, and its attributes
@@ -96,6 +98,7 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 //   GATED_ACT      ints {act, is ops.cpp's silu_mul (else the reference's ATen ops)}
 //   ROPE_KV_STORE  ints {H_q, H_kv, D, layer, rope table, KV group (0: the batch's tables, g + 1: group g)}
 //   ATTENTION      ints {H_q, D, layer, window (0: none), KV group}, floats {scale, softcap (0: none)}
+//   ADD            x + y, the reference's ATen add
 struct Node {
   int64_t op;
   std::vector<int64_t> in, out, release;
@@ -109,8 +112,8 @@ class Run {
  public:
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
            std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(op > LINEAR && op <= ATTENTION, "unknown op kind ", op);
-    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5};
+    TORCH_CHECK(op > LINEAR && op <= ADD, "unknown op kind ", op);
+    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0};
     TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
     nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
   }
@@ -190,6 +193,9 @@ class Run {
                             .flatten(1);
           break;
         }
+        case ADD:
+          v[n.out[0]] = x + v[n.in[1]];
+          break;
       }
       for (int64_t r : n.release) v[r] = at::Tensor();
     }

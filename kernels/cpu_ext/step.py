@@ -31,7 +31,7 @@ from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
 DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
-OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention")  # step.cpp's op kinds
+OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add")  # step.cpp's op kinds
 ACTS = ("silu", "gelu_tanh")  # step.cpp's gated activations
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -159,6 +159,8 @@ def _node(node: Node, executor, tables: list[str], layers: list[int]) -> tuple[l
         return ints, [a["eps"], a.get("offset", 0.0)], [weight]
     if node.op == "gated_act":
         return [ACTS.index(a["act"]), int(node.kernel != REFERENCE_KERNEL)], [], []
+    if node.op == "add":
+        return [], [], []
     layers.append(a["layer"])
     group = a.get("kv_group", -1) + 1  # 0: the batch's own tables
     if node.op == "rope_kv_store":

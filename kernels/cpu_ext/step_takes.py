@@ -26,6 +26,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "gated_act": ("cpu.cpp_gated_act", REFERENCE_KERNEL),
     "rope_kv_store": ("cpu.cpp_rope_kv_store",),
     "attention": ("cpu.cpp_attention",),
+    "add": (REFERENCE_KERNEL,),  # x + y: the reference's ATen add
 }
 BINDING = ("kernel", "kernel_by_m", "kernel_candidates", "layer")  # every op: read by the executor, not the math
 KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_group")
@@ -36,6 +37,7 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "gated_act": ("act",),
     "rope_kv_store": (*KV, "rope_table", "rotary_dim"),
     "attention": (*KV, "scale", "softcap", "window", "kv_stored"),
+    "add": (),
 }
 PLAN_ATTRS = ("step_run", "step_max_rows", "step_left_out")  # what the plan pass writes on nodes
 
