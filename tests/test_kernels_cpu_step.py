@@ -31,22 +31,23 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     "gemma3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
     "qwen3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
-    # MoE and MLA: the nodes around the moe and mla_attention nodes (which step.cpp does not run) as runs
+    # MoE (routing and dense experts: the reference's ATen ops), and MLA's nodes around mla_attention (not taken)
     "mixtral-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
+    "qwen3_moe-f32": ("float32", "", "{select_kernels: {measure: false}}"),
     "deepseek_v2-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
                  "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
     "qdot": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: false}}, ",
              "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
 }
-RUNS = {"mixtral-bf16": 2, "deepseek_v2-bf16": 6}  # runs between the nodes step.cpp lacks (moe, mla); others: one
+RUNS = {"deepseek_v2-bf16": 4}  # runs between the nodes step.cpp lacks (mla_attention); others: one
 
 
 def _artifact(tmp_path, name):
     dtype, quant, select = CONFIGS[name]
     recipe = tmp_path / f"{name}.yaml"
     family = name.split("-")[0]
-    presets = ("phi3", "gemma3", "qwen3", "mixtral", "deepseek_v2")
+    presets = ("phi3", "gemma3", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2")
     model = f"{family.replace('_', '-')}-tiny" if family in presets else "tiny"
     recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
                       f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
@@ -108,7 +109,8 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
 
 
 @needs_ext
-@pytest.mark.parametrize("name", ["bf16", "bf16-torch", "qdot", "qwen3-bf16", "gemma3-bf16", "gemma3-f32"])
+@pytest.mark.parametrize("name", ["bf16", "bf16-torch", "qdot", "qwen3-bf16", "gemma3-bf16", "gemma3-f32",
+                                  "mixtral-bf16"])
 def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
     """A step of a decode row, a chain's 5 verification rows, a draft tree's 7 nodes (under its ancestor bits) and a
     3-token prompt: the fused run takes it and gives the node-by-node logits bit for bit; the tree's rows differ

@@ -20,7 +20,7 @@ BF16 = Format(dtype="bfloat16")
 INT4 = quantized_format(4, "bfloat16", 32)
 KV = {"layer": 0, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "kv_block_size": 16, "kv_dtype": "bfloat16",
       "kv_scales": "none"}
-OP_LIST = "step.cpp runs linear, rms_norm, add_rms_norm, gated_act, rope_kv_store, attention"
+OP_LIST = "step.cpp runs linear, rms_norm, add_rms_norm, gated_act, rope_kv_store, attention, add, moe"
 
 
 def _graph() -> Graph:
@@ -40,7 +40,7 @@ def _graph() -> Graph:
         Node("o", "linear", ["a"], ["o"], {"kernel": "torch", "in_features": 64, "out_features": 64},
              {"weight": "wo"}),
         Node("post", "add_rms_norm", ["h", "o"], ["m", "r"], cpp, {"weight": "w"}),  # alone
-        Node("moe", "moe", ["m"], ["e"], {"kernel": "torch"}, {"gate_up": "wo"}),
+        Node("mla", "mla_attention", ["m"], ["e"], {"kernel": "torch"}, {}),
         Node("odd", "add_rms_norm", ["r", "e"], ["y", "z"], {**cpp, "bias_scale": 2.0}, {"weight": "w"}),
         Node("up", "linear", ["y"], ["g", "u"], {"kernel": "cpu.int4pack", "in_features": 64, "out_features": 256,
                                                  "split": [128, 128],
@@ -63,7 +63,7 @@ def test_plan_records_runs_and_why_each_other_node_is_left_out():
         "norm": {"step_run": 0}, "qkv": {"step_run": 0}, "rope": {"step_run": 0}, "attn": {"step_run": 0},
         "o": {"step_left_out": "weight is int4_g/g32, not dense bfloat16 (what its reference reads as it is)"},
         "post": {"step_left_out": "a run of one node (nothing to fuse it with)"},
-        "moe": {"step_left_out": f"op moe ({OP_LIST})"},
+        "mla": {"step_left_out": f"op mla_attention ({OP_LIST})"},
         "odd": {"step_left_out": "attribute bias_scale=2.0 (step.cpp does not read it)"},
         "up": {"step_run": 1, "step_max_rows": 1}, "act": {"step_run": 1},
         "lm_head": {"step_left_out": f"op lm_head ({OP_LIST})"},

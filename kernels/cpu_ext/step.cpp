@@ -86,7 +86,7 @@ struct Linear {
 
 // a node's op kind: kernels/cpu_ext/step.py's OPS, in this order
 enum Op : int64_t {
-  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6
+  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6, MOE = 7
 };
 enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 
@@ -99,6 +99,9 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 //   ROPE_KV_STORE  ints {H_q, H_kv, D, layer, rope table, KV group (0: the batch's tables, g + 1: group g)}
 //   ATTENTION      ints {H_q, D, layer, window (0: none), KV group}, floats {scale, softcap (0: none)}
 //   ADD            x + y, the reference's ATen add
+//   MOE            ints {top_k, renormalize, act, round_weights, num_groups, topk_groups, float_router},
+//                  floats {routed_scale}, tensors {router (E, H), gate_up (E, 2I, H), down (E, H, I)}: moe_ref's
+//                  ATen ops (optc/core/ops/moe.py) over dense experts of the activations' dtype
 struct Node {
   int64_t op;
   std::vector<int64_t> in, out, release;
@@ -108,12 +111,52 @@ struct Node {
   Linear linear;
 };
 
+at::Tensor act_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
+  return (act == GELU_TANH ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
+}
+
+// moe_ref (optc/core/ops/moe.py) op for op: `route`, then `run_experts` with dense experts' F.linear
+at::Tensor moe(const Node& n, const at::Tensor& x) {
+  const int64_t top_k = n.ints[0], act = n.ints[2], num_groups = n.ints[4], topk_groups = n.ints[5];
+  const at::Tensor &router = n.tensors[0], &gate_up = n.tensors[1], &down = n.tensors[2];
+  const at::Tensor logits = n.ints[6] ? at::linear(x.to(at::kFloat), router.to(at::kFloat))
+                                      : at::linear(x, router.to(x.scalar_type()));
+  at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);  // (T, E)
+  if (num_groups > 1) {  // group-limited: the experts of the topk_groups best groups, by their best expert
+    const auto grouped = probs.view({probs.size(0), num_groups, -1});
+    const auto best = std::get<1>(grouped.amax(-1).topk(topk_groups, -1));
+    const auto keep = at::zeros_like(grouped.select(-1, 0), at::kBool).scatter_(1, best, true);
+    probs = grouped.masked_fill(keep.logical_not().unsqueeze(-1), 0.0).view_as(probs);
+  }
+  auto [weights, ids] = probs.topk(top_k, -1);
+  if (n.ints[1]) weights = weights / weights.sum(-1, true);
+  if (n.floats[0] != 1.0) weights = weights * n.floats[0];
+  if (n.ints[3]) weights = weights.to(x.scalar_type());
+  auto out = at::zeros_like(x);
+  const auto flat = ids.flatten();  // row r is token r / k's choice r % k
+  const auto order = flat.argsort(true);
+  const auto counts = at::bincount(flat, {}, router.size(0));
+  const auto flat_weights = weights.flatten();
+  int64_t start = 0;
+  for (int64_t e = 0; e < counts.size(0); ++e) {
+    const int64_t count = counts[e].item<int64_t>();
+    if (!count) continue;
+    const auto rows = order.slice(0, start, start + count);
+    start += count;
+    const auto tokens = at::floor_divide(rows, top_k);
+    const auto gu = at::linear(x.index({tokens}), gate_up[e]).chunk(2, -1);
+    const auto y = at::linear(act_mul(gu[0], gu[1], act), down[e]);
+    out.index_add_(0, tokens, (y * flat_weights.index({rows}).unsqueeze(1)).to(out.scalar_type()));
+  }
+  return out;
+}
+
 class Run {
  public:
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
            std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(op > LINEAR && op <= ADD, "unknown op kind ", op);
-    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0};
+    TORCH_CHECK(op > LINEAR && op <= MOE, "unknown op kind ", op);
+    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 7};
     TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
     nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
   }
@@ -175,7 +218,7 @@ class Run {
               up.stride(-1) == 1) {
             v[n.out[0]] = silu_mul(x, up);
           } else {
-            v[n.out[0]] = (n.ints[0] == GELU_TANH ? at::gelu(x, "tanh") : at::silu(x)) * up;
+            v[n.out[0]] = act_mul(x, up, n.ints[0]);
           }
           break;
         }
@@ -195,6 +238,9 @@ class Run {
         }
         case ADD:
           v[n.out[0]] = x + v[n.in[1]];
+          break;
+        case MOE:
+          v[n.out[0]] = moe(n, x);
           break;
       }
       for (int64_t r : n.release) v[r] = at::Tensor();

@@ -31,7 +31,8 @@ from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
 DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
-OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add")  # step.cpp's op kinds
+# step.cpp's op kinds
+OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe")
 ACTS = ("silu", "gelu_tanh")  # step.cpp's gated activations
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -161,6 +162,11 @@ def _node(node: Node, executor, tables: list[str], layers: list[int]) -> tuple[l
         return [ACTS.index(a["act"]), int(node.kernel != REFERENCE_KERNEL)], [], []
     if node.op == "add":
         return [], [], []
+    if node.op == "moe":
+        weights = [executor.params[node.params[r]].dense() for r in ("router", "gate_up", "down")]
+        ints = [a["top_k"], int(a["renormalize"]), ACTS.index(a["act"]), int(a.get("round_weights", False)),
+                a.get("num_groups", 1), a.get("topk_groups", 1), int(a.get("float_router", False))]
+        return ints, [a.get("routed_scale", 1.0)], weights
     layers.append(a["layer"])
     group = a.get("kv_group", -1) + 1  # 0: the batch's own tables
     if node.op == "rope_kv_store":

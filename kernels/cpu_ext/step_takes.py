@@ -27,6 +27,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rope_kv_store": ("cpu.cpp_rope_kv_store",),
     "attention": ("cpu.cpp_attention",),
     "add": (REFERENCE_KERNEL,),  # x + y: the reference's ATen add
+    "moe": (REFERENCE_KERNEL,),  # the reference's ATen ops, over dense experts
 }
 BINDING = ("kernel", "kernel_by_m", "kernel_candidates", "layer")  # every op: read by the executor, not the math
 KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_group")
@@ -38,6 +39,8 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "rope_kv_store": (*KV, "rope_table", "rotary_dim"),
     "attention": (*KV, "scale", "softcap", "window", "kv_stored"),
     "add": (),
+    "moe": ("num_experts", "intermediate_size", "top_k", "scoring", "renormalize", "act", "round_weights",
+            "routed_scale", "num_groups", "topk_groups", "float_router"),
 }
 PLAN_ATTRS = ("step_run", "step_max_rows", "step_left_out")  # what the plan pass writes on nodes
 
@@ -58,8 +61,12 @@ def reason(graph: Graph, node: Node) -> str | None:
         return _linear(graph, node, node.kernel)
     if node.op in ("rms_norm", "add_rms_norm"):
         return _dense_weight(graph, node, "weight")
-    if node.op == "gated_act" and node.attrs.get("act") not in ACTS:
+    if node.op in ("gated_act", "moe") and node.attrs.get("act") not in ACTS:
         return f"act {node.attrs.get('act')!r} (step.cpp: {', '.join(ACTS)})"
+    if node.op == "moe":
+        if node.attrs.get("scoring") != "softmax":
+            return f"scoring {node.attrs.get('scoring')!r} (step.cpp: softmax)"
+        return _dense_weight(graph, node, "gate_up") or _dense_weight(graph, node, "down") or _dense_router(graph, node)
     if node.op in ("rope_kv_store", "attention"):
         a = node.attrs
         if node.op == "attention" and not a.get("kv_stored"):
@@ -102,6 +109,11 @@ def _linear(graph: Graph, node: Node, kernel: str) -> str | None:
 def _runs(graph: Graph, node: Node, kernel: str) -> bool:
     """step.cpp runs a linear node's bucket bound to `kernel` (the reference: only over a dense weight)."""
     return kernel in LINEAR_KERNELS and (kernel != REFERENCE_KERNEL or _dense_weight(graph, node, "weight") is None)
+
+
+def _dense_router(graph: Graph, node: Node) -> str | None:
+    fmt = graph.tensors[node.params["router"]].format
+    return None if fmt.kind is FormatKind.DENSE else f"router is {fmt.label} (step.cpp: dense)"
 
 
 def _dense_weight(graph: Graph, node: Node, role: str) -> str | None:
