@@ -29,6 +29,7 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     # q/k norms, Gemma's 1 + w norms, gelu_tanh (the reference's), pre/post feed-forward norms, sliding windows
     "gemma3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "gemma3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
+    "gemma2-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # attention soft caps
     "qwen3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
     # MoE (routing and dense experts: the reference's ATen ops), and MLA's nodes around mla_attention (not taken)
@@ -47,7 +48,7 @@ def _artifact(tmp_path, name):
     dtype, quant, select = CONFIGS[name]
     recipe = tmp_path / f"{name}.yaml"
     family = name.split("-")[0]
-    presets = ("phi3", "gemma3", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2")
+    presets = ("phi3", "gemma2", "gemma3", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2")
     model = f"{family.replace('_', '-')}-tiny" if family in presets else "tiny"
     recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
                       f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
@@ -80,9 +81,8 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     engine = Engine.load(_artifact(tmp_path, name), enable_prefix_caching=False)
     model = engine.model
     kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
-    assert kernels == {"bf16": {"cpu.bf16dot"}, "phi3-bf16": {"cpu.bf16dot"}, "int4pack": {"cpu.int4pack"},
-                       "qdot": {"cpu.qdot"}, "gemma3-bf16": {"cpu.bf16dot"}, "qwen3-bf16": {"cpu.bf16dot"},
-                       "mixtral-bf16": {"cpu.bf16dot"}, "deepseek_v2-bf16": {"cpu.bf16dot"}}.get(name, {"torch"})
+    dense_bf16 = {"torch"} if name == "bf16-torch" or CONFIGS[name][0] == "float32" else {"cpu.bf16dot"}
+    assert kernels == {"int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}}.get(name, dense_bf16)
     fused = dict(model.executor._fused)
     planned = runs(model.graph)
     assert model.fused_runs == len(fused) == len(planned) == RUNS.get(name, 1)
