@@ -61,9 +61,10 @@ def _plan(graph: Graph) -> list[dict]:
         stop = i
         while stop < len(graph.nodes) and why[stop] is None:
             stop += 1
-        if stop - i >= 2:  # taken: rope_kv_store(rms_norm(q), ...) -> one step.cpp run
+        # n_i, ..., n_stop-1 each taken, two or more -> {step_run: index} on each
+        if stop - i >= 2:
             for n in graph.nodes[i:stop]:
-                rows, _ = max_rows(graph, n) if n.op == "linear" else (None, None)
+                rows = max_rows(graph, n) if n.op == "linear" else None
                 plan.append({"step_run": index, **({"step_max_rows": rows} if rows is not None else {})})
             index += 1
             i = stop

@@ -139,8 +139,9 @@ def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, t
                 log.warning("optc: the fused CPU step's run at node %s runs node by node: %s (%s) has no step.cpp "
                             "kernel on this machine", nodes[0].name, node.name, node.kernel)
                 return None
-            choices, bound = found
-            max_rows = bound if max_rows is None else min(max_rows, bound or max_rows)
+            choices, bound = found  # the plan's bound (step_max_rows), or a lower one this machine's kernels set
+            for rows in (bound, node.attrs.get("step_max_rows")):
+                max_rows = rows if max_rows is None else min(max_rows, rows or max_rows)
             run.add_linear(ins, outs, release, choices, list(node.attrs.get("split") or [node.attrs["out_features"]]))
             continue
         ints, floats, tensors = _node(node, executor, tables, layers)

@@ -85,15 +85,15 @@ def runs(graph: Graph) -> list[tuple[int, int]]:
     return [(a, b + 1) for a, b in ranges.values()]
 
 
-def max_rows(graph: Graph, node: Node) -> tuple[int | None, str | None]:
-    """The most rows a linear node runs in step.cpp (None: any) and, when bounded, why: its `kernel_by_m` buckets up
-    to the first whose kernel step.cpp does not run (a prefill's reference matmul of a quantized weight)."""
+def max_rows(graph: Graph, node: Node) -> int | None:
+    """The most rows a linear node runs in step.cpp (None: any): its `kernel_by_m` buckets up to the first whose
+    kernel step.cpp does not run (a prefill's reference matmul of a quantized weight)."""
     rows = None
     for bucket, name in node.attrs.get("kernel_by_m") or ():
         if not _runs(graph, node, name):
-            return rows, f"above {rows} rows its kernel is {name}"
+            return rows
         rows = bucket
-    return None, None
+    return None
 
 
 def _linear(graph: Graph, node: Node, kernel: str) -> str | None:
