@@ -35,6 +35,11 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     # MoE (routing and dense experts: the reference's ATen ops), and MLA's nodes around mla_attention (not taken)
     "mixtral-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3_moe-f32": ("float32", "", "{select_kernels: {measure: false}}"),
+    # packed experts (cpu.moe_packed): int8_wo on _weight_int8pack_mm, int4_g on torch's int4pack
+    "qwen3_moe-int8": ("float32", "{quantize_rtn: {bits: 8}}, ",
+                       "{select_kernels: {measure: false, disable: [cpu.int8pack, cpu.int8pack_logits]}}"),
+    "qwen3_moe-int4": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
+                       "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
     "deepseek_v2-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "int4pack": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: true}}, ",
                  "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
@@ -82,7 +87,10 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     model = engine.model
     kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
     dense_bf16 = {"torch"} if name == "bf16-torch" or CONFIGS[name][0] == "float32" else {"cpu.bf16dot"}
-    assert kernels == {"int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}}.get(name, dense_bf16)
+    assert kernels == {"int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}, "qwen3_moe-int8": {"cpu.qdot"},
+                       "qwen3_moe-int4": {"cpu.int4pack"}}.get(name, dense_bf16)
+    if name.startswith("qwen3_moe-int"):
+        assert {n.kernel for n in model.graph.nodes if n.op == "moe"} == {"cpu.moe_packed"}
     fused = dict(model.executor._fused)
     planned = runs(model.graph)
     assert model.fused_runs == len(fused) == len(planned) == RUNS.get(name, 1)

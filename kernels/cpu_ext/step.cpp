@@ -99,9 +99,11 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 //   ROPE_KV_STORE  ints {H_q, H_kv, D, layer, rope table, KV group (0: the batch's tables, g + 1: group g)}
 //   ATTENTION      ints {H_q, D, layer, window (0: none), KV group}, floats {scale, softcap (0: none)}
 //   ADD            x + y, the reference's ATen add
-//   MOE            ints {top_k, renormalize, act, round_weights, num_groups, topk_groups, float_router},
-//                  floats {routed_scale}, tensors {router (E, H), gate_up (E, 2I, H), down (E, H, I)}: moe_ref's
-//                  ATen ops (optc/core/ops/moe.py) over dense experts of the activations' dtype
+//   MOE            ints {top_k, renormalize, act, round_weights, num_groups, topk_groups, float_router, experts'
+//                  kind, group size}, floats {routed_scale}, tensors {router (E, H), then the experts: DENSE_EXPERTS
+//                  gate_up (E, 2I, H), down (E, H, I); INT8PACK / INT4PACK_EXPERTS each expert's gate_up parts,
+//                  then each one's down parts, two a matmul}: moe_ref's ATen ops (optc/core/ops/moe.py) with the
+//                  per-expert matmuls of the node's kernel (kernels/moe_cpu.py's moe_packed)
 struct Node {
   int64_t op;
   std::vector<int64_t> in, out, release;
@@ -111,14 +113,33 @@ struct Node {
   Linear linear;
 };
 
+// a moe node's experts: dense (the reference's F.linear), or moe_packed's int8_wo / int4_g packed matmuls
+enum Experts : int64_t { DENSE_EXPERTS = 0, INT8PACK_EXPERTS = 1, INT4PACK_EXPERTS = 2 };
+constexpr int64_t ALIGNMENT = 64;  // kernels/int8_cpu.py's: where _weight_int8pack_mm's operands start
+
+// expert e's matmul `which` (0: gate_up, 1: down) of h (T_e, K), as the node's kernel runs it
+at::Tensor expert_linear(const Node& n, int64_t e, int64_t which, const at::Tensor& h) {
+  if (n.ints[7] == DENSE_EXPERTS) return at::linear(h, n.tensors[1 + which][e]);
+  const int64_t part = 1 + 2 * (which * n.tensors[0].size(0) + e);  // router (E, H) first, then two a matmul
+  const at::Tensor &w = n.tensors[part], &table = n.tensors[part + 1];
+  if (n.ints[7] == INT8PACK_EXPERTS) {  // int8pack_linear: x aligned, the scales in x's dtype
+    auto x = h.reshape({-1, w.size(1)}).contiguous();
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % ALIGNMENT) x = x.clone();
+    return at::_weight_int8pack_mm(x, w, table.to(h.scalar_type()));
+  }
+  // int4pack_linear: torch's packed int4 matmul over its (K / G, N, 2) scales and zeros
+  const int64_t group = n.ints[8];
+  return at::_weight_int4pack_mm_for_cpu(h.reshape({-1, table.size(0) * group}).contiguous(), w, group, table);
+}
+
 at::Tensor act_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
   return (act == GELU_TANH ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
 }
 
-// moe_ref (optc/core/ops/moe.py) op for op: `route`, then `run_experts` with dense experts' F.linear
+// moe_ref (optc/core/ops/moe.py) op for op: `route`, then `run_experts` with the experts' matmuls
 at::Tensor moe(const Node& n, const at::Tensor& x) {
   const int64_t top_k = n.ints[0], act = n.ints[2], num_groups = n.ints[4], topk_groups = n.ints[5];
-  const at::Tensor &router = n.tensors[0], &gate_up = n.tensors[1], &down = n.tensors[2];
+  const at::Tensor& router = n.tensors[0];
   const at::Tensor logits = n.ints[6] ? at::linear(x.to(at::kFloat), router.to(at::kFloat))
                                       : at::linear(x, router.to(x.scalar_type()));
   at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);  // (T, E)
@@ -144,8 +165,8 @@ at::Tensor moe(const Node& n, const at::Tensor& x) {
     const auto rows = order.slice(0, start, start + count);
     start += count;
     const auto tokens = at::floor_divide(rows, top_k);
-    const auto gu = at::linear(x.index({tokens}), gate_up[e]).chunk(2, -1);
-    const auto y = at::linear(act_mul(gu[0], gu[1], act), down[e]);
+    const auto gu = expert_linear(n, e, 0, x.index({tokens})).chunk(2, -1);
+    const auto y = expert_linear(n, e, 1, act_mul(gu[0], gu[1], act));
     out.index_add_(0, tokens, (y * flat_weights.index({rows}).unsqueeze(1)).to(out.scalar_type()));
   }
   return out;
@@ -156,7 +177,7 @@ class Run {
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
            std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
     TORCH_CHECK(op > LINEAR && op <= MOE, "unknown op kind ", op);
-    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 7};
+    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 9};
     TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
     nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
   }

@@ -31,6 +31,7 @@ from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
 DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
+DENSE_EXPERTS, INT8PACK_EXPERTS, INT4PACK_EXPERTS = range(3)  # step.cpp's moe experts
 # step.cpp's op kinds
 OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe")
 ACTS = ("silu", "gelu_tanh")  # step.cpp's gated activations
@@ -144,7 +145,7 @@ def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, t
                 max_rows = rows if max_rows is None else min(max_rows, rows or max_rows)
             run.add_linear(ins, outs, release, choices, list(node.attrs.get("split") or [node.attrs["out_features"]]))
             continue
-        ints, floats, tensors = _node(node, executor, tables, layers)
+        ints, floats, tensors = _node(node, executor, start + i, tables, layers)
         run.add(OPS.index(node.op), ins, outs, release, ints, floats, tensors)
     windowed = any(n.attrs.get("window") for n in nodes)
     fn = StepRun(run, len(slot), [slot[v] for v in outputs], sorted(set(layers)), tables,
@@ -152,7 +153,8 @@ def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, t
     return inputs, outputs, fn
 
 
-def _node(node: Node, executor, tables: list[str], layers: list[int]) -> tuple[list[int], list[float], list]:
+def _node(node: Node, executor, index: int, tables: list[str],
+          layers: list[int]) -> tuple[list[int], list[float], list]:
     """A non-linear node's attributes as step.cpp's Run.add reads them (step.cpp's Node says the layout)."""
     a = node.attrs
     if node.op in ("rms_norm", "add_rms_norm"):
@@ -164,10 +166,7 @@ def _node(node: Node, executor, tables: list[str], layers: list[int]) -> tuple[l
     if node.op == "add":
         return [], [], []
     if node.op == "moe":
-        weights = [executor.params[node.params[r]].dense() for r in ("router", "gate_up", "down")]
-        ints = [a["top_k"], int(a["renormalize"]), ACTS.index(a["act"]), int(a.get("round_weights", False)),
-                a.get("num_groups", 1), a.get("topk_groups", 1), int(a.get("float_router", False))]
-        return ints, [a.get("routed_scale", 1.0)], weights
+        return _moe(node, executor, index)
     layers.append(a["layer"])
     group = a.get("kv_group", -1) + 1  # 0: the batch's own tables
     if node.op == "rope_kv_store":
@@ -178,6 +177,27 @@ def _node(node: Node, executor, tables: list[str], layers: list[int]) -> tuple[l
     # attention
     return [a["num_heads"], a["head_dim"], a["layer"], a.get("window") or 0, group], [a["scale"],
                                                                                       a.get("softcap") or 0.0], []
+
+
+def _moe(node: Node, executor, index: int) -> tuple[list[int], list[float], list]:
+    """A moe node as step.cpp's MOE reads it: the routing attributes, the experts' kind, and the router with the
+    experts' weights (dense stacked, or moe_packed's prepared parts per expert, `{role}.{e}`)."""
+    a = node.attrs
+    ints = [a["top_k"], int(a["renormalize"]), ACTS.index(a["act"]), int(a.get("round_weights", False)),
+            a.get("num_groups", 1), a.get("topk_groups", 1), int(a.get("float_router", False))]
+    router = executor.params[node.params["router"]].dense()
+    if node.kernel == REFERENCE_KERNEL:
+        experts = [executor.params[node.params[r]].dense() for r in ("gate_up", "down")]
+        return [*ints, DENSE_EXPERTS, 0], [a.get("routed_scale", 1.0)], [router, *experts]
+    impl = executor.impl(index)
+    impl = impl.bound.get(node.kernel, impl) if hasattr(impl, "bound") else impl  # a per-M router: the kernel's
+    prepared = impl.params(node, executor.node_params(index))
+    fmt = prepared["gate_up"].format
+    kind, roles = (INT8PACK_EXPERTS, ("qweight", "scales")) if fmt.kind is FormatKind.INT8_WO else (
+        INT4PACK_EXPERTS, ("int4pack", "scales_and_zeros"))
+    experts = [prepared[m].parts[f"{r}.{e}"] for m in ("gate_up", "down") for e in range(a["num_experts"])
+               for r in roles]
+    return [*ints, kind, fmt.group_size or 0], [a.get("routed_scale", 1.0)], [router, *experts]
 
 
 def _choices(node: Node, executor, index: int) -> tuple[list[tuple], int | None] | None:

@@ -27,7 +27,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "rope_kv_store": ("cpu.cpp_rope_kv_store",),
     "attention": ("cpu.cpp_attention",),
     "add": (REFERENCE_KERNEL,),  # x + y: the reference's ATen add
-    "moe": (REFERENCE_KERNEL,),  # the reference's ATen ops, over dense experts
+    "moe": (REFERENCE_KERNEL, "cpu.moe_packed"),  # the reference's ATen ops, the experts' matmuls the kernel's
 }
 BINDING = ("kernel", "kernel_by_m", "kernel_candidates", "layer")  # every op: read by the executor, not the math
 KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_group")
@@ -66,7 +66,9 @@ def reason(graph: Graph, node: Node) -> str | None:
     if node.op == "moe":
         if node.attrs.get("scoring") != "softmax":
             return f"scoring {node.attrs.get('scoring')!r} (step.cpp: softmax)"
-        return _dense_weight(graph, node, "gate_up") or _dense_weight(graph, node, "down") or _dense_router(graph, node)
+        dense = node.kernel == REFERENCE_KERNEL  # moe_packed's experts: what its supports predicate took
+        experts = (_dense_weight(graph, node, "gate_up") or _dense_weight(graph, node, "down")) if dense else None
+        return experts or _dense_router(graph, node)
     if node.op in ("rope_kv_store", "attention"):
         a = node.attrs
         if node.op == "attention" and not a.get("kv_stored"):
