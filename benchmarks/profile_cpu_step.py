@@ -14,7 +14,7 @@ with no Python between kernels: that is each node kind's kernel time. Reported p
                                      and taken out)
     per node op: call, kernel, Python = call - kernel
 
-Where the model has a fused run of decoder layers (kernels/cpu_ext/step.py), the step is timed and broken down
+Where the model has fused runs of nodes (the plan's, kernels/cpu_ext/step.py), the step is timed and broken down
 both ways, node by node and fused (the modes' step timings interleaved round by round); the fused run is one
 entry, its kernels inside it not split. The timers themselves cost about a microsecond a node (printed). At 1
 thread the figures are the main thread's CPU time, the comparison on a loaded machine; with more threads, wall
@@ -39,7 +39,7 @@ import torch
 from optc.kernels import cpu_ext
 from optc.runtime import Engine, SamplingParams
 
-FUSED = "decoder layers (one C++ call)"  # the executor's fused run (kernels/cpu_ext/step.py), when it has one
+FUSED = "fused runs (one C++ call each)"  # the executor's planned runs (kernels/cpu_ext/step.py), when it has any
 
 
 def start(engine: Engine, batch: int, prompt_len: int, steps: int) -> None:
@@ -271,7 +271,7 @@ def breakdown(engine: Engine, args, clock) -> None:
     counts = defaultdict(int)
     for n in engine.model.executor.graph.nodes:
         counts[n.op] += 1
-    counts[FUSED] = 1
+    counts[FUSED] = max(len(engine.model.executor._fused), 1)
     print(f"    {'node op':<30} {'call':>8} {'kernel':>8} {'Python':>8} {'us/node':>8}")
     for op, t in sorted(node_t.items(), key=lambda kv: -kv[1]):
         call = t - counts[op] * overhead
@@ -295,7 +295,7 @@ def main() -> None:
     engine = Engine.load(args.artifact, max_num_seqs=args.batch, enable_prefix_caching=False)
     executor = engine.model.executor
     fused = dict(executor._fused)
-    modes = {"node by node": {}, **({"decoder layers fused": fused} if fused else {})}
+    modes = {"node by node": {}, **({"planned runs fused": fused} if fused else {})}
     decode_steps(engine, args.batch, args.prompt_len, 4)  # warm-up: prepared layouts, first calls
     times: dict[str, list] = defaultdict(list)
     for _ in range(args.rounds):  # the modes interleaved, round by round

@@ -150,6 +150,9 @@ def main() -> None:
     p.add_argument("--node-by-node", action="append", default=[], metavar="NAME=CONFIG",
                    help="also run CONFIG's artifact as NAME with its decoder layers node by node, not as one C++ "
                    "call (kernels/cpu_ext/step.py): the fused step's ablation, in the same rounds")
+    p.add_argument("--gguf", default=None, help="llama.cpp's file (a path or package:<pkg>/<file>; default: the "
+                   "gguf-keep recipe's model)")
+    p.add_argument("--baseline", default="bf16", help="the config the ratio columns divide by (default bf16)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -188,8 +191,8 @@ def main() -> None:
     for n, engine in engines.items():
         runs[n] = lambda batch, e=engine: optc_run(e, batch, args.output_len)
     if LLAMA_CPP in names:
-        recipe = yaml.safe_load((REPO / "recipes" / CONFIGS["gguf-keep"][0]).read_text())
-        gguf = package_file(recipe["model"]) if recipe["model"].startswith("package:") else Path(recipe["model"])
+        spec = args.gguf or yaml.safe_load((REPO / "recipes" / CONFIGS["gguf-keep"][0]).read_text())["model"]
+        gguf = package_file(spec) if spec.startswith("package:") else Path(spec)
         run = llama_cpp_runner(gguf, torch.get_num_threads(), max(batches), args.input_len + args.output_len)
         if run is not None:
             runs[LLAMA_CPP] = lambda batch, r=run: r(batch, args.output_len)
@@ -213,7 +216,8 @@ def main() -> None:
           f"torch {torch.__version__}, "
           f"{args.input_len} prompt + {args.output_len} output tokens per request, {args.rounds} rounds, "
           f"load average {min(x for x, _ in loads):.2f}-{max(y for _, y in loads):.2f}")
-    print("| config | " + " | ".join(f"batch {b} tok/s | vs bf16 | CPU tok/s | vs bf16" for b in batches) + " |")
+    vs = f"vs {args.baseline}"
+    print("| config | " + " | ".join(f"batch {b} tok/s | {vs} | CPU tok/s | {vs}" for b in batches) + " |")
     print("|---|" + "---:|---:|---:|---:|" * len(batches))
     summary = {}
     for n in runs:
@@ -222,15 +226,29 @@ def main() -> None:
             entry = summary.setdefault(n, {}).setdefault(b, {"runs": results[b][n]})
             for i, what in enumerate(("wall", "cpu")):
                 med = statistics.median(r[i] for r in results[b][n])
-                base = statistics.median(r[i] for r in results[b]["bf16"]) if "bf16" in runs else float("nan")
+                base = (statistics.median(r[i] for r in results[b][args.baseline]) if args.baseline in runs
+                        else float("nan"))
                 cells += [f"{med:.1f}", f"{med / base:.2f}x"]
-                entry[what] = {"median": med, "vs_bf16": med / base}
+                entry[what] = {"median": med, f"vs_{args.baseline}": med / base}
         print(f"| {n} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"threads": torch.get_num_threads(), "input_len": args.input_len,
+        args.json.write_text(json.dumps({**_machine(), "threads": torch.get_num_threads(), "input_len": args.input_len,
                                          "output_len": args.output_len, "loads": loads, "results": summary,
                                          "artifacts": {n: str(p) for n, p in paths.items()}}, indent=1))
+
+
+def _machine() -> dict:
+    """Where and when the run was: the CPU's model name, torch's ISA, the repository's commit, the UTC time."""
+    import platform
+    import subprocess
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "commit": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cores": os.cpu_count()}
 
 
 if __name__ == "__main__":

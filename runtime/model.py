@@ -55,10 +55,10 @@ class Model:
         if self.device.type == "cuda" and self.device.index is None:  # as tensors report it: no re-move per step
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.executor = Executor(run_graph, bind_params(graph, store, self.device), impls, use_references)
-        # on the CPU, a decode step's plain decoder layers as one C++ call (kernels/cpu_ext/step.py), where the
-        # graph's nodes are bound to the kernels it runs
-        self.fused_layers = (self.device.type == "cpu" and not use_references and group is None
-                             and _fuse_decoder_layers(run_graph, self.executor))
+        # on the CPU, each run of nodes the artifact's plan records (passes/plan_cpu_step.py) as one C++ call
+        # (kernels/cpu_ext/step.py); how many runs were fused (0: node by node)
+        self.fused_runs = (_fuse_planned(run_graph, self.executor)
+                           if self.device.type == "cpu" and not use_references and group is None else 0)
         self.group = group
         self.num_layers, self.num_kv_heads, self.head_dim = c.num_layers, c.num_kv_heads, c.head_dim
         self.vocab_size = c.vocab_size
@@ -94,12 +94,12 @@ class Model:
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
 
 
-def _fuse_decoder_layers(graph: Graph, executor: Executor) -> bool:
-    if not any(n.kernel.startswith("cpu.cpp_") for n in graph.nodes):
-        return False
-    from optc.kernels.cpu_ext.step import fuse_decoder_layers
+def _fuse_planned(graph: Graph, executor: Executor) -> int:
+    if not any("step_run" in n.attrs for n in graph.nodes):
+        return 0
+    from optc.kernels.cpu_ext.step import fuse_planned
 
-    return fuse_decoder_layers(graph, executor)
+    return fuse_planned(graph, executor)
 
 
 def _takes_tree_mask(kernel: str) -> bool:

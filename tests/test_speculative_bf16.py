@@ -31,7 +31,7 @@ def _ops_built():
 
 
 PASSES = ("passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, {kv_layout: {block_size: 16}}, "
-          "select_kernels]")
+          "select_kernels, plan_cpu_step]")  # the plan: decode and verification steps through the fused step
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=40)
 PROMPTS = [[(7 * i + 13 * j) % 250 + 3 for j in range(4 + 9 * i)] for i in range(6)]

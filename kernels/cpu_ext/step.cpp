@@ -1,11 +1,12 @@
-// A decode or verification step's decoder layers in one C++ call (kernels/cpu_ext/step.py binds it): per layer the
-// qkv linear, rotary + KV store, row attention (each request's rows, causal or a draft tree's), o linear, add +
-// RMSNorm, gate_up linear, silu gate, down linear and the next add + RMSNorm, each the very function its graph node
-// binds one at a time (ops.cpp's norms, rotary, attention and silu, qdot.cpp's qlinear, bf16dot.cpp's bf16dot,
-// torch's packed int4 matmul, a dense linear), called in the same order on the same tensors: the results are those
-// of the node-by-node step, bit for bit. What it removes is the Python between them (op adapters, kernel-table
-// routing, launcher checks): at batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time,
-// node by node").
+// A planned run of a decode or verification step's graph nodes in one C++ call (kernels/cpu_ext/step.py binds it;
+// passes/plan_cpu_step.py plans the runs): an interpreter over the nodes, in the way ggml's ggml_compute_forward
+// switches on each node's op. Each node carries its op kind, its value slots, its attributes and its weights, and
+// runs the very function its graph node binds one at a time (ops.cpp's norms, rotary + KV store, row attention and
+// silu gate, the reference's ATen ops for the gates it runs, qdot.cpp's qlinear, bf16dot.cpp's bf16dot, torch's
+// packed int4 matmuls, a dense linear), in node order on the same tensors: the results are the node-by-node step's,
+// bit for bit. What it removes is the Python between the nodes (op adapters, kernel-table routing, launcher checks):
+// at batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time, node by node"). Which
+// attributes each op reads is declared in kernels/cpu_ext/step_takes.py, which the plan asks.
 //
 // ops.cpp, qdot.cpp and bf16dot.cpp are compiled into this file (each its own extension too): their module
 // definitions are renamed to unused functions around the includes, so this extension defines only its own.
@@ -32,11 +33,13 @@ namespace {
 // DENSE_ROWS2: a dense bfloat16 weight whose one-row product runs as two rows, as the linear node's does (torch's
 // one-row gemv sums in another order than the GEMM of more rows; optc/core/ops/linear.py)
 // BF16DOT: bf16dot.cpp's kernel (its launcher's: float32 sums rounded to bfloat16)
-enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3, BF16DOT = 4 };
+// INT4X2: an int8_gf weight as two packed int4 matmuls summed (kernels/gf_cpu.py's int8gf_int4x2_linear)
+enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3, BF16DOT = 4, INT4X2 = 5 };
 
 // one kernel of a linear, for calls of at most `max_rows` rows (< 0: any); tensors by kind:
 // DENSE, DENSE_ROWS2, BF16DOT {weight (N, K)} (BF16DOT: `isa` its path, `group` the most rows it sums, more
-// run at::linear as its launcher's do); INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff}
+// run at::linear as its launcher's do); INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff};
+// INT4X2 {high, high_table, low, low_table}
 struct Choice {
   int64_t max_rows;
   int64_t kind;
@@ -70,86 +73,218 @@ struct Linear {
         if (m <= c->group) return bf16dot::bf16dot(x, c->t[0], c->isa).to(at::kBFloat16);
         return at::linear(x, c->t[0]);
       case INT4PACK: return at::_weight_int4pack_mm_for_cpu(x.contiguous(), c->t[0], c->group, c->t[1]);
+      case INT4X2: {
+        const auto x2 = x.contiguous();
+        return at::_weight_int4pack_mm_for_cpu(x2, c->t[0], c->group, c->t[1]) +
+               at::_weight_int4pack_mm_for_cpu(x2, c->t[2], c->group, c->t[3]);
+      }
       default: return qlinear(x, c->t[0], c->bits, c->group, c->t[1], c->t[2], c->t[3], c->offset, c->isa);
     }
   }
 };
 
-struct Layer {
-  Linear qkv, o, gate_up, down;
-  at::Tensor post_norm, next_norm;  // post-attention add + RMSNorm; the next layer's (or the final) add + RMSNorm
-  double post_eps, next_eps;
-  int64_t hq, hkv, d, cache_index;
-  double scale;
+
+// a node's op kind: kernels/cpu_ext/step.py's OPS, in this order
+enum Op : int64_t {
+  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6, MOE = 7
+};
+enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// one planned node: its op, the value slots it reads and writes, the slots that die after it, and its attributes
+// by op (kernels/cpu_ext/step.py `_node` writes them):
+//   LINEAR         linear, split
+//   RMS_NORM       ints {head_dim (0: whole rows)}, floats {eps, offset}, tensors {weight}
+//   ADD_RMS_NORM   floats {eps, offset}, tensors {weight}; reads (x, residual), writes (normed, x + residual)
+//   GATED_ACT      ints {act, is ops.cpp's silu_mul (else the reference's ATen ops)}
+//   ROPE_KV_STORE  ints {H_q, H_kv, D, layer, rope table, KV group (0: the batch's tables, g + 1: group g)}
+//   ATTENTION      ints {H_q, D, layer, window (0: none), KV group}, floats {scale, softcap (0: none)}
+//   ADD            x + y, the reference's ATen add
+//   MOE            ints {top_k, renormalize, act, round_weights, num_groups, topk_groups, float_router, experts'
+//                  kind, group size}, floats {routed_scale}, tensors {router (E, H), then the experts: DENSE_EXPERTS
+//                  gate_up (E, 2I, H), down (E, H, I); INT8PACK / INT4PACK_EXPERTS each expert's gate_up parts,
+//                  then each one's down parts, two a matmul}: moe_ref's ATen ops (optc/core/ops/moe.py) with the
+//                  per-expert matmuls of the node's kernel (kernels/moe_cpu.py's moe_packed)
+struct Node {
+  int64_t op;
+  std::vector<int64_t> in, out, release;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  std::vector<at::Tensor> tensors;
+  Linear linear;
 };
 
-class Stack {
+// a moe node's experts: dense (the reference's F.linear), or moe_packed's int8_wo / int4_g packed matmuls
+enum Experts : int64_t { DENSE_EXPERTS = 0, INT8PACK_EXPERTS = 1, INT4PACK_EXPERTS = 2 };
+constexpr int64_t ALIGNMENT = 64;  // kernels/int8_cpu.py's: where _weight_int8pack_mm's operands start
+
+// expert e's matmul `which` (0: gate_up, 1: down) of h (T_e, K), as the node's kernel runs it
+at::Tensor expert_linear(const Node& n, int64_t e, int64_t which, const at::Tensor& h) {
+  if (n.ints[7] == DENSE_EXPERTS) return at::linear(h, n.tensors[1 + which][e]);
+  const int64_t part = 1 + 2 * (which * n.tensors[0].size(0) + e);  // router (E, H) first, then two a matmul
+  const at::Tensor &w = n.tensors[part], &table = n.tensors[part + 1];
+  if (n.ints[7] == INT8PACK_EXPERTS) {  // int8pack_linear: x aligned, the scales in x's dtype
+    auto x = h.reshape({-1, w.size(1)}).contiguous();
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % ALIGNMENT) x = x.clone();
+    return at::_weight_int8pack_mm(x, w, table.to(h.scalar_type()));
+  }
+  // int4pack_linear: torch's packed int4 matmul over its (K / G, N, 2) scales and zeros
+  const int64_t group = n.ints[8];
+  return at::_weight_int4pack_mm_for_cpu(h.reshape({-1, table.size(0) * group}).contiguous(), w, group, table);
+}
+
+at::Tensor act_mul(const at::Tensor& gate, const at::Tensor& up, int64_t act) {
+  return (act == GELU_TANH ? at::gelu(gate, "tanh") : at::silu(gate)) * up;
+}
+
+// moe_ref (optc/core/ops/moe.py) op for op: `route`, then `run_experts` with the experts' matmuls
+at::Tensor moe(const Node& n, const at::Tensor& x) {
+  const int64_t top_k = n.ints[0], act = n.ints[2], num_groups = n.ints[4], topk_groups = n.ints[5];
+  const at::Tensor& router = n.tensors[0];
+  const at::Tensor logits = n.ints[6] ? at::linear(x.to(at::kFloat), router.to(at::kFloat))
+                                      : at::linear(x, router.to(x.scalar_type()));
+  at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);  // (T, E)
+  if (num_groups > 1) {  // group-limited: the experts of the topk_groups best groups, by their best expert
+    const auto grouped = probs.view({probs.size(0), num_groups, -1});
+    const auto best = std::get<1>(grouped.amax(-1).topk(topk_groups, -1));
+    const auto keep = at::zeros_like(grouped.select(-1, 0), at::kBool).scatter_(1, best, true);
+    probs = grouped.masked_fill(keep.logical_not().unsqueeze(-1), 0.0).view_as(probs);
+  }
+  auto [weights, ids] = probs.topk(top_k, -1);
+  if (n.ints[1]) weights = weights / weights.sum(-1, true);
+  if (n.floats[0] != 1.0) weights = weights * n.floats[0];
+  if (n.ints[3]) weights = weights.to(x.scalar_type());
+  auto out = at::zeros_like(x);
+  const auto flat = ids.flatten();  // row r is token r / k's choice r % k
+  const auto order = flat.argsort(true);
+  const auto counts = at::bincount(flat, {}, router.size(0));
+  const auto flat_weights = weights.flatten();
+  int64_t start = 0;
+  for (int64_t e = 0; e < counts.size(0); ++e) {
+    const int64_t count = counts[e].item<int64_t>();
+    if (!count) continue;
+    const auto rows = order.slice(0, start, start + count);
+    start += count;
+    const auto tokens = at::floor_divide(rows, top_k);
+    const auto gu = expert_linear(n, e, 0, x.index({tokens})).chunk(2, -1);
+    const auto y = expert_linear(n, e, 1, act_mul(gu[0], gu[1], act));
+    out.index_add_(0, tokens, (y * flat_weights.index({rows}).unsqueeze(1)).to(out.scalar_type()));
+  }
+  return out;
+}
+
+class Run {
  public:
-  void add(std::vector<std::vector<ChoiceArgs>> linears, std::vector<std::vector<int64_t>> splits,
-           at::Tensor post_norm, double post_eps, at::Tensor next_norm, double next_eps, int64_t hq, int64_t hkv,
-           int64_t d, double scale, int64_t cache_index) {
-    TORCH_CHECK(linears.size() == 4 && splits.size() == 4, "four linears a layer: qkv, o, gate_up, down");
-    Layer layer;
-    Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    for (int i = 0; i < 4; ++i) {
-      for (auto& [max_rows, kind, tensors, group, bits, isa, offset] : linears[i]) {
-        TORCH_CHECK(kind >= DENSE && kind <= BF16DOT, "unknown linear kind");
-        slots[i]->choices.push_back({max_rows, kind, tensors, group, bits, isa, offset});
+  void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
+           std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
+    TORCH_CHECK(op > LINEAR && op <= MOE, "unknown op kind ", op);
+    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 9};
+    TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
+    nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
+  }
+
+  void add_linear(std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
+                  std::vector<ChoiceArgs> choices, std::vector<int64_t> split) {
+    Node node{LINEAR, in, out, release, {}, {}, {}, {}};
+    for (auto& [max_rows, kind, tensors, group, bits, isa, offset] : choices) {
+      TORCH_CHECK(kind >= DENSE && kind <= INT4X2, "unknown linear kind");
+      node.linear.choices.push_back({max_rows, kind, tensors, group, bits, isa, offset});
+    }
+    TORCH_CHECK(!node.linear.choices.empty(), "a linear needs a kernel");
+    TORCH_CHECK(split.size() == out.size(), "a linear writes one value per split part");
+    node.linear.split = split;
+    nodes_.push_back(std::move(node));
+  }
+
+  // inputs: the run's input values in slot order; num_values: every slot; outputs: the slots returned.
+  // positions (T,) int64; cos_sin: the rope tables by index; tables, slots: the block tables and slot mappings by
+  // KV group (index 0: the batch's own); starts (B + 1,) int32: each request's first row; tree_mask: draft trees'
+  // row bits (row_attention's), or none; caches: per layer; max_rows: row_attention's rows per request.
+  std::vector<at::Tensor> forward(std::vector<at::Tensor> inputs, int64_t num_values, std::vector<int64_t> outputs,
+                                  at::Tensor positions, std::vector<at::Tensor> cos_sin,
+                                  std::vector<at::Tensor> tables, std::vector<at::Tensor> slots,
+                                  at::Tensor seq_lens, at::Tensor starts, c10::optional<at::Tensor> tree_mask,
+                                  std::vector<at::Tensor> caches, int64_t max_rows) {
+    std::vector<at::Tensor> v(num_values);
+    for (size_t i = 0; i < inputs.size(); ++i) v[i] = inputs[i];
+    const int64_t t = inputs.at(0).size(0);
+    for (const Node& n : nodes_) {
+      const at::Tensor& x = v[n.in[0]];
+      switch (n.op) {
+        case LINEAR: {
+          auto y = n.linear(x);
+          if (n.out.size() == 1) {
+            v[n.out[0]] = y;
+          } else {
+            auto parts = y.split_with_sizes(n.linear.split, -1);
+            for (size_t i = 0; i < parts.size(); ++i) v[n.out[i]] = parts[i];
+          }
+          break;
+        }
+        case RMS_NORM: {  // a per-head norm (head_dim) normalizes rows of D: (T, H * D) as (T * H, D)
+          const int64_t d = n.ints[0];
+          auto rows = d ? x.reshape({-1, d}) : x;
+          auto out = rms_norm(rows.contiguous(), c10::nullopt, n.tensors[0], n.floats[0], n.floats[1])[0];
+          v[n.out[0]] = d ? out.view(x.sizes()) : out;
+          break;
+        }
+        case ADD_RMS_NORM: {  // the node's operands in its order: the residual stream, then the new value
+          auto out = rms_norm(x.contiguous(), v[n.in[1]].contiguous(), n.tensors[0], n.floats[0], n.floats[1]);
+          v[n.out[0]] = out[0];
+          v[n.out[1]] = out[1];
+          break;
+        }
+        case GATED_ACT: {  // act(gate) * up: ops.cpp's silu_mul where the launcher calls it, else the reference's
+          const at::Tensor& up = v[n.in[1]];
+          if (n.ints[1] && x.dim() == 2 && up.scalar_type() == x.scalar_type() && x.stride(-1) == 1 &&
+              up.stride(-1) == 1) {
+            v[n.out[0]] = silu_mul(x, up);
+          } else {
+            v[n.out[0]] = act_mul(x, up, n.ints[0]);
+          }
+          break;
+        }
+        case ROPE_KV_STORE: {
+          const int64_t hq = n.ints[0], hkv = n.ints[1], d = n.ints[2];
+          v[n.out[0]] = rope_kv_store(x.view({t, hq, d}).contiguous(), v[n.in[1]].view({t, hkv, d}).contiguous(),
+                                      v[n.in[2]].view({t, hkv, d}).contiguous(), positions, cos_sin.at(n.ints[4]),
+                                      caches.at(n.ints[3]), slots.at(n.ints[5]));
+          break;
+        }
+        case ATTENTION: {
+          const int64_t hq = n.ints[0], d = n.ints[1];
+          v[n.out[0]] = row_attention(x.view({t, hq, d}).contiguous(), caches.at(n.ints[2]), tables.at(n.ints[4]),
+                                      seq_lens, starts, n.floats[0], n.floats[1], n.ints[3], max_rows, tree_mask)
+                            .flatten(1);
+          break;
+        }
+        case ADD:
+          v[n.out[0]] = x + v[n.in[1]];
+          break;
+        case MOE:
+          v[n.out[0]] = moe(n, x);
+          break;
       }
-      TORCH_CHECK(!slots[i]->choices.empty(), "a linear needs a kernel");
-      slots[i]->split = splits[i];
+      for (int64_t r : n.release) v[r] = at::Tensor();
     }
-    TORCH_CHECK(layer.qkv.split.size() == 3 && layer.gate_up.split.size() == 2, "qkv splits in 3, gate_up in 2");
-    layer.post_norm = post_norm;
-    layer.next_norm = next_norm;
-    layer.post_eps = post_eps;
-    layer.next_eps = next_eps;
-    layer.hq = hq;
-    layer.hkv = hkv;
-    layer.d = d;
-    layer.scale = scale;
-    layer.cache_index = cache_index;
-    layers_.push_back(std::move(layer));
+    std::vector<at::Tensor> out;
+    out.reserve(outputs.size());
+    for (int64_t o : outputs) out.push_back(v[o]);
+    return out;
   }
 
-  // x (T, H): the first layer's normed input, residual (T, H) its residual; starts (B + 1,) int32: each
-  // request's first row; tree_mask: draft trees' row bits (row_attention's), or none; caches: per KV layer.
-  // Returns the last layer's (normed, summed): what its trailing add + RMSNorm node outputs.
-  std::vector<at::Tensor> forward(at::Tensor x, at::Tensor residual, at::Tensor positions, at::Tensor cos_sin,
-                                  at::Tensor slots, at::Tensor block_tables, at::Tensor seq_lens, at::Tensor starts,
-                                  c10::optional<at::Tensor> tree_mask, std::vector<at::Tensor> caches,
-                                  int64_t max_rows) {
-    const int64_t t = x.size(0);
-    for (const Layer& l : layers_) {
-      const at::Tensor& cache = caches.at(l.cache_index);
-      auto qkv = l.qkv(x).split_with_sizes(l.qkv.split, -1);
-      auto q = rope_kv_store(qkv[0].view({t, l.hq, l.d}).contiguous(), qkv[1].view({t, l.hkv, l.d}).contiguous(),
-                             qkv[2].view({t, l.hkv, l.d}).contiguous(), positions, cos_sin, cache, slots);
-      auto attn = row_attention(q, cache, block_tables, seq_lens, starts, l.scale, 0.0, 0, max_rows, tree_mask)
-                      .flatten(1);
-      // the add + RMSNorm nodes' operands in their order: the residual stream, then the new value
-      auto post = rms_norm(residual, l.o(attn).contiguous(), l.post_norm, l.post_eps, 0.0);
-      auto gu = l.gate_up(post[0]).split_with_sizes(l.gate_up.split, -1);
-      auto act = silu_mul(gu[0], gu[1]);
-      auto next = rms_norm(post[1], l.down(act).contiguous(), l.next_norm, l.next_eps, 0.0);
-      x = next[0];
-      residual = next[1];
-    }
-    return {x, residual};
-  }
-
-  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t size() const { return static_cast<int64_t>(nodes_.size()); }
 
  private:
-  std::vector<Layer> layers_;
+  std::vector<Node> nodes_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pybind11::class_<Stack>(m, "Stack")
+  pybind11::class_<Run>(m, "Run")
       .def(pybind11::init<>())
-      .def("add", &Stack::add, "append a decoder layer")
-      .def("forward", &Stack::forward, "every layer of a decode or verification step")
-      .def("__len__", &Stack::size);
+      .def("add", &Run::add, "append a planned node other than a linear")
+      .def("add_linear", &Run::add_linear, "append a planned linear node")
+      .def("forward", &Run::forward, "the run's nodes over one decode or verification step")
+      .def("__len__", &Run::size);
 }

@@ -1,21 +1,21 @@
-"""A decode or verification step's run of decoder layers as one call into step.cpp (kernels/cpu_ext), in place of
-9 graph nodes a layer each called from Python.
+"""A decode or verification step's planned runs of graph nodes, each as one call into step.cpp (kernels/cpu_ext),
+in place of the nodes called one by one from Python.
 
-`fuse_decoder_layers(graph, executor)` finds, in a graph bound to the CPU kernels, the longest run of decoder layers
-of the plain Llama shape (a qkv linear split in three, rotary + KV store, attention over the stored cache, an o
-linear, add + RMSNorm, a gate_up linear split in two, silu gate, a down linear and the next add + RMSNorm; every
-non-matmul node on its `cpu.cpp_*` kernel, every linear on kernels step.cpp runs: a dense or widened weight, torch's
-int4pack, qdot, bf16dot), and hands the executor that run (`Executor.fuse`). Per step whose requests bring at most
-MAX_ROWS query rows each (a decode step's one, a speculative verification's k + 1 or a draft tree's nodes, a short
-prompt), over a float KV cache of the activations' dtype and one KV-cache group, the run is one call that runs each
-node's own kernel in the node order, with the attention node's own row_attention call (its tree bits included), so
-its outputs equal the node-by-node step's bit for bit (tests/test_kernels_cpu_step.py); any other step (a longer
-prefill, a quantized KV cache) runs the nodes one by one. Weights are the nodes' prepared layouts, shared with the
-node-by-node path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot be built, nothing is
-fused.
+passes/plan_cpu_step.py records the runs in the artifact (`step_run` on each node of a run, `step_left_out` with
+the reason on every other; kernels/cpu_ext/step_takes.py says what step.cpp takes). `fuse_planned(graph, executor)`
+builds each run as a step.cpp `Run` (per node: its op kind, value slots, attributes and weights, the very tensors its
+bound kernel reads) and hands it to the executor (`Executor.fuse`); it fuses exactly the plan, and matches no
+pattern. Per step whose requests bring at most MAX_ROWS query rows each (a decode step's one, a speculative
+verification's k + 1 or a draft tree's nodes, a short prompt), over float KV caches of the activations' dtype, a
+run is one call that runs each node's own kernel in node order, so its outputs equal the node-by-node step's bit for
+bit (tests/test_kernels_cpu_step.py); any other step (a longer prefill, a quantized KV cache, draft trees over
+sliding windows) runs the nodes one by one. Weights are the nodes' prepared layouts, shared with the node-by-node
+path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot be built, nothing is fused.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -27,15 +27,17 @@ from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext import bf16dot
 from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES
 from optc.kernels.cpu_ext.qdot import BITS, PREPARED
+from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
-DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT = 0, 1, 2, 3, 4  # step.cpp's linear kinds
-LAYER_OPS = ("linear", "rope_kv_store", "attention", "linear", "add_rms_norm", "linear", "gated_act", "linear",
-             "add_rms_norm")
-LINEARS = (0, 3, 5, 7)  # qkv, o, gate_up, down in LAYER_OPS
-CPP = {"rope_kv_store": "cpu.cpp_rope_kv_store", "attention": "cpu.cpp_attention",
-       "add_rms_norm": "cpu.cpp_add_rms_norm", "gated_act": "cpu.cpp_gated_act"}
-DTYPES = (torch.bfloat16, torch.float32)
+DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
+DENSE_EXPERTS, INT8PACK_EXPERTS, INT4PACK_EXPERTS = range(3)  # step.cpp's moe experts
+# step.cpp's op kinds
+OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe")
+ACTS = ("silu", "gelu_tanh")  # step.cpp's gated activations
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+log = logging.getLogger("optc.kernels.cpu_ext")
 
 
 def load_step():
@@ -46,130 +48,154 @@ def load_step():
     return cpu_ext.build(cpu_ext.STEP, cpu_ext.cache_root())
 
 
-class DecoderRun:
-    """The executor's fused run: inputs (normed x, residual), outputs the last layer's (normed, summed)."""
+class StepRun:
+    """The executor's fused run of planned nodes: the run's input values in, the values read after it out."""
 
-    def __init__(self, stack, cache_layers: list[int], dtype: torch.dtype, max_rows: int | None = None):
-        self.stack = stack
-        self.max_rows = max_rows  # steps of more rows decline (a linear's kernel for them is not step.cpp's)
-        self.cache_layers = cache_layers
+    def __init__(self, run, num_values: int, outputs: list[int], layers: list[int], tables: list[str],
+                 dtype: torch.dtype, max_rows: int | None, windowed: bool):
+        self.run = run
+        self.num_values = num_values
+        self.outputs = outputs
+        self.layers = layers  # the KV layers its nodes read and write
+        self.tables = tables  # the rope tables by index
         self.dtype = dtype
+        self.max_rows = max_rows  # steps of more rows decline (a linear's kernel for them is not step.cpp's)
+        self.windowed = windowed  # draft trees decline (the attention launcher runs the reference for them)
         self._caches: tuple[object, list[torch.Tensor] | None] = (None, None)
 
     def __call__(self, inputs: list[torch.Tensor], step) -> list[torch.Tensor] | None:
-        x, residual = inputs
         b = step.batch
-        rows = x.shape[0]
         query_len = getattr(b, "max_query_len", None)
-        if (not isinstance(query_len, int) or query_len > MAX_ROWS or x.dtype != self.dtype
-                or (self.max_rows is not None and rows > self.max_rows)
-                or getattr(b, "group_tables", ()) or not x.is_contiguous() or not residual.is_contiguous()):
+        tree_mask = getattr(b, "tree_mask", None)  # with it, the attention node's own call: MAX_TREE_NODES rows
+        if (not isinstance(query_len, int) or query_len > MAX_ROWS or (tree_mask is not None and self.windowed)
+                or (self.max_rows is not None and inputs[0].shape[0] > self.max_rows)
+                or any(x.dtype != self.dtype or not x.is_contiguous() for x in inputs)):
             return None
         caches = self._cache_data(step.kv_caches)
         if caches is None:
             return None
-        tree_mask = getattr(b, "tree_mask", None)  # with it, the attention node's own call: MAX_TREE_NODES rows
-        return self.stack.forward(x, residual, step.positions.long().contiguous(),
-                                  step.cos_sin[GLOBAL].contiguous(), b.slot_mapping.long().contiguous(),
-                                  b.block_tables.int().contiguous(), b.seq_lens.int().contiguous(),
-                                  b.query_start_loc.int().contiguous(),
-                                  None if tree_mask is None else tree_mask.long().contiguous(), caches,
-                                  MAX_ROWS if tree_mask is None else MAX_TREE_NODES)
+        groups = ((b.block_tables, b.slot_mapping), *getattr(b, "group_tables", ()))
+        cos_sin = [step.cos_sin[name] for name in self.tables]
+        if any(t.dtype != torch.float32 for t in cos_sin):
+            return None
+        return self.run.forward(inputs, self.num_values, self.outputs, step.positions.long().contiguous(),
+                                [t.contiguous() for t in cos_sin], [t.int().contiguous() for t, _ in groups],
+                                [s.long().contiguous() for _, s in groups], b.seq_lens.int().contiguous(),
+                                b.query_start_loc.int().contiguous(),
+                                None if tree_mask is None else tree_mask.long().contiguous(), caches,
+                                MAX_ROWS if tree_mask is None else MAX_TREE_NODES)
 
     def _cache_data(self, kv_caches) -> list[torch.Tensor] | None:
-        """The layers' cache tensors when every one is a contiguous float cache of the activations' dtype, else
-        None; checked once per list of caches."""
+        """The layers' cache tensors when every one the run touches is a contiguous float cache of the activations'
+        dtype, else None; checked once per list of caches."""
         if kv_caches is None:
             return None
         if self._caches[0] is not kv_caches:
             ok = all(c.scales is None and c.data.dtype == self.dtype and c.data.is_contiguous()
-                     and c.data.device.type == "cpu" for c in (kv_caches[i] for i in self.cache_layers))
+                     and c.data.device.type == "cpu" for c in (kv_caches[i] for i in self.layers))
             self._caches = (kv_caches, [c.data for c in kv_caches] if ok else None)
         return self._caches[1]
 
 
-def fuse_decoder_layers(graph: Graph, executor) -> bool:
-    """Give `executor` the graph's longest run of fusible decoder layers as one step.cpp call; False (nothing
-    changed) where there is none or the extension is unavailable."""
-    if graph.config.dtype not in ("bfloat16", "float32"):
-        return False
-    layers = _layer_runs(graph)
-    if not layers:
-        return False
+def fuse_planned(graph: Graph, executor) -> int:
+    """Give `executor` each run the graph's plan records as one step.cpp call; the number of runs fused (0 where
+    the graph has no plan or the extension is unavailable)."""
+    planned = runs(graph)
+    if not planned or graph.config.dtype not in DTYPES:
+        return 0
     ext = load_step()
     if ext is None:
-        return False
-    nodes = graph.nodes
-    stack = ext.Stack()
-    max_rows = None  # the most rows every layer's linears take (None: any)
-    for first in layers:
-        group = nodes[first:first + len(LAYER_OPS)]
-        found = [_choices(group[i], executor, first + i) for i in LINEARS]
-        if any(c is None for c in found):
-            return False
-        linears = [choices for choices, _ in found]
-        for _, bound in found:
-            max_rows = bound if max_rows is None else min(max_rows, bound or max_rows)
-        rope, attention, post, nxt = group[1].attrs, group[2].attrs, group[4], group[8]
-        stack.add(linears, [list(group[i].attrs.get("split") or [group[i].attrs["out_features"]]) for i in LINEARS],
-                  _norm_weight(executor, post), post.attrs["eps"], _norm_weight(executor, nxt), nxt.attrs["eps"],
-                  rope["num_heads"], rope["num_kv_heads"], rope["head_dim"], attention["scale"], rope["layer"])
-    first, stop = layers[0], layers[-1] + len(LAYER_OPS)
-    head = nodes[first]
-    inputs = (head.inputs[0], nodes[first + 4].inputs[0])
-    dtype = torch.bfloat16 if graph.config.dtype == "bfloat16" else torch.float32
-    run = DecoderRun(stack, [nodes[i + 1].attrs["layer"] for i in layers], dtype, max_rows)
-    return executor.fuse(first, stop, inputs, tuple(nodes[stop - 1].outputs), run)
-
-
-def _layer_runs(graph: Graph) -> list[int]:
-    """First node index of each layer in the longest run of chained fusible layers ([] when none)."""
-    nodes, size = graph.nodes, len(LAYER_OPS)
-    best: list[int] = []
-    run: list[int] = []
-    i = 0
-    while i + size <= len(nodes):
-        if _fusible(nodes[i:i + size]) and (not run or _chained(nodes[run[-1]:run[-1] + size], nodes[i:i + size])):
-            run.append(i)
-            i += size
+        return 0
+    fused = 0
+    for start, stop in planned:
+        built = _build(ext, graph, executor, start, stop)
+        if built is None:
             continue
-        best, run = max(best, run, key=len), []
-        i += 1
-    return max(best, run, key=len)
+        inputs, outputs, fn = built
+        fused += executor.fuse(start, stop, inputs, outputs, fn)
+    return fused
 
 
-def _fusible(group: list[Node]) -> bool:
-    """The nodes are one plain decoder layer wired as step.cpp runs it, each on a kernel it calls."""
-    if tuple(n.op for n in group) != LAYER_OPS:
-        return False
-    qkv, rope, attn, o, post, gate_up, act, down, nxt = group
-    if any(n.kernel != CPP[n.op] or "kernel_by_m" in n.attrs for n in (rope, attn, post, act, nxt)):
-        return False
-    a = rope.attrs
-    if (len(qkv.attrs.get("split") or ()) != 3 or len(gate_up.attrs.get("split") or ()) != 2
-            or any("split" in n.attrs or "bias" in n.params for n in (o, down))
-            or any("bias" in n.params for n in (qkv, gate_up))):
-        return False
-    if (a.get("rope_table", GLOBAL) != GLOBAL or "kv_group" in a or not attn.attrs.get("kv_stored")
-            or attn.attrs.get("softcap") or attn.attrs.get("window") or "kv_group" in attn.attrs
-            or attn.attrs["layer"] != a["layer"] or act.attrs["act"] != "silu"
-            or any(n.attrs.get("offset") or n.attrs.get("head_dim") for n in (post, nxt))):
-        return False
-    # add + RMSNorm nodes read (the residual stream, the new value)
-    return (tuple(rope.inputs[:3]) == tuple(qkv.outputs) and tuple(attn.inputs) == tuple(rope.outputs)
-            and o.inputs[0] == attn.outputs[0] and post.inputs[1] == o.outputs[0]
-            and gate_up.inputs[0] == post.outputs[0] and tuple(act.inputs) == tuple(gate_up.outputs)
-            and down.inputs[0] == act.outputs[0] and tuple(nxt.inputs) == (post.outputs[1], down.outputs[0]))
+def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, tuple, StepRun] | None:
+    """Run [start, stop) as a step.cpp Run: (its input names, its output names, the executor's fn), or None (logged)
+    where a node's kernel did not prepare what step.cpp reads on this machine (qdot without its extension)."""
+    nodes = graph.nodes[start:stop]
+    defined = {v for n in nodes for v in n.outputs}
+    inputs = tuple(dict.fromkeys(v for n in nodes for v in n.inputs if v not in defined and v != "positions"))
+    read_later = {v for n in graph.nodes[stop:] for v in n.inputs} | set(graph.outputs)
+    outputs = tuple(v for n in nodes for v in n.outputs if v in read_later)
+    slot = {v: i for i, v in enumerate(inputs)}
+    for v in (v for n in nodes for v in n.outputs):
+        slot[v] = len(slot)
+    last = {v: i for i, n in enumerate(nodes) for v in n.inputs if v in slot}
+    run, tables, layers, max_rows = ext.Run(), [], [], None
+    for i, node in enumerate(nodes):
+        ins, outs = [slot[v] for v in node.inputs if v != "positions"], [slot[v] for v in node.outputs]
+        release = [slot[v] for v, at in last.items() if at == i and v not in outputs]
+        if node.op == "linear":
+            found = _choices(node, executor, start + i)
+            if found is None or not found[0]:
+                log.warning("optc: the fused CPU step's run at node %s runs node by node: %s (%s) has no step.cpp "
+                            "kernel on this machine", nodes[0].name, node.name, node.kernel)
+                return None
+            choices, bound = found  # the plan's bound (step_max_rows), or a lower one this machine's kernels set
+            for rows in (bound, node.attrs.get("step_max_rows")):
+                max_rows = rows if max_rows is None else min(max_rows, rows or max_rows)
+            run.add_linear(ins, outs, release, choices, list(node.attrs.get("split") or [node.attrs["out_features"]]))
+            continue
+        ints, floats, tensors = _node(node, executor, start + i, tables, layers)
+        run.add(OPS.index(node.op), ins, outs, release, ints, floats, tensors)
+    windowed = any(n.attrs.get("window") for n in nodes)
+    fn = StepRun(run, len(slot), [slot[v] for v in outputs], sorted(set(layers)), tables,
+                 DTYPES[graph.config.dtype], max_rows, windowed)
+    return inputs, outputs, fn
 
 
-def _chained(before: list[Node], after: list[Node]) -> bool:
-    """`after` reads its x and residual from `before`'s trailing add + RMSNorm."""
-    return after[0].inputs[0] == before[-1].outputs[0] and after[4].inputs[0] == before[-1].outputs[1]
+def _node(node: Node, executor, index: int, tables: list[str],
+          layers: list[int]) -> tuple[list[int], list[float], list]:
+    """A non-linear node's attributes as step.cpp's Run.add reads them (step.cpp's Node says the layout)."""
+    a = node.attrs
+    if node.op in ("rms_norm", "add_rms_norm"):
+        weight = executor.params[node.params["weight"]].dense().contiguous()
+        ints = [a.get("head_dim") or 0] if node.op == "rms_norm" else []
+        return ints, [a["eps"], a.get("offset", 0.0)], [weight]
+    if node.op == "gated_act":
+        return [ACTS.index(a["act"]), int(node.kernel != REFERENCE_KERNEL)], [], []
+    if node.op == "add":
+        return [], [], []
+    if node.op == "moe":
+        return _moe(node, executor, index)
+    layers.append(a["layer"])
+    group = a.get("kv_group", -1) + 1  # 0: the batch's own tables
+    if node.op == "rope_kv_store":
+        table = a.get("rope_table", GLOBAL)
+        if table not in tables:
+            tables.append(table)
+        return [a["num_heads"], a["num_kv_heads"], a["head_dim"], a["layer"], tables.index(table), group], [], []
+    # attention
+    return [a["num_heads"], a["head_dim"], a["layer"], a.get("window") or 0, group], [a["scale"],
+                                                                                      a.get("softcap") or 0.0], []
 
 
-def _norm_weight(executor, node: Node) -> torch.Tensor:
-    w = executor.params[node.params["weight"]]
-    return w.dense().contiguous()
+def _moe(node: Node, executor, index: int) -> tuple[list[int], list[float], list]:
+    """A moe node as step.cpp's MOE reads it: the routing attributes, the experts' kind, and the router with the
+    experts' weights (dense stacked, or moe_packed's prepared parts per expert, `{role}.{e}`)."""
+    a = node.attrs
+    ints = [a["top_k"], int(a["renormalize"]), ACTS.index(a["act"]), int(a.get("round_weights", False)),
+            a.get("num_groups", 1), a.get("topk_groups", 1), int(a.get("float_router", False))]
+    router = executor.params[node.params["router"]].dense()
+    if node.kernel == REFERENCE_KERNEL:
+        experts = [executor.params[node.params[r]].dense() for r in ("gate_up", "down")]
+        return [*ints, DENSE_EXPERTS, 0], [a.get("routed_scale", 1.0)], [router, *experts]
+    impl = executor.impl(index)
+    impl = impl.bound.get(node.kernel, impl) if hasattr(impl, "bound") else impl  # a per-M router: the kernel's
+    prepared = impl.params(node, executor.node_params(index))
+    fmt = prepared["gate_up"].format
+    kind, roles = (INT8PACK_EXPERTS, ("qweight", "scales")) if fmt.kind is FormatKind.INT8_WO else (
+        INT4PACK_EXPERTS, ("int4pack", "scales_and_zeros"))
+    experts = [prepared[m].parts[f"{r}.{e}"] for m in ("gate_up", "down") for e in range(a["num_experts"])
+               for r in roles]
+    return [*ints, kind, fmt.group_size or 0], [a.get("routed_scale", 1.0)], [router, *experts]
 
 
 def _choices(node: Node, executor, index: int) -> tuple[list[tuple], int | None] | None:
@@ -208,6 +234,9 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
         return DENSE, [parts["dense"]], 0, 0, 0, 0.0
     if name == "cpu.int4pack":
         return INT4PACK, [parts["int4pack"], parts["scales_and_zeros"]], fmt.group_size, 0, 0, 0.0
+    if name == "cpu.int8gf_int4x2":
+        return (INT4X2, [parts["high"], parts["high_table"], parts["low"], parts["low_table"]], fmt.group_size, 0, 0,
+                0.0)
     if name == "cpu.qdot" and PREPARED in parts:
         scales = parts[PREPARED]
         k = node.attrs["in_features"]

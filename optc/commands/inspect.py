@@ -44,6 +44,7 @@ def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict
         "kernel_candidates": {n.name: n.attrs["kernel_candidates"] for n in graph.nodes
                               if n.attrs.get("kernel_candidates")},
         "kernel_choice_cache": _cached_choices(graph),
+        "cpu_step": _cpu_step(graph),
         **({"tensor_parallel": tensor_parallel(graph, tensor_parallel_size)} if tensor_parallel_size else {}),
     }
 
@@ -109,6 +110,7 @@ def render(s: dict) -> str:
     for shape, devices in s.get("kernel_choice_cache", {}).items():
         for device, table in devices.items():
             lines.append(f"  measured on {device}: {shape}: {_by_m(table)}")
+    lines += _render_cpu_step(s.get("cpu_step"), s["num_nodes"])
     tp = s.get("tensor_parallel")
     if tp:
         per_rank = ", ".join(f"{b / 2**20:.2f}" for b in tp["rank_weight_bytes"])
@@ -119,6 +121,39 @@ def render(s: dict) -> str:
             ranks = " | ".join(",".join(f"{a}:{b}" for a, b in rank["ranges"]) for rank in slices)
             lines.append(f"  {name:<48} {axis:<8} {ranks}")
     return "\n".join(lines)
+
+
+def _cpu_step(graph) -> dict | None:
+    """The fused CPU step's plan (passes/plan_cpu_step.py) as recorded on the nodes: each run's first and last node,
+    node count, kernels and row bound, and the nodes left out grouped by reason (None: the graph has no plan)."""
+    if not any("step_run" in n.attrs or "step_left_out" in n.attrs for n in graph.nodes):
+        return None
+    runs: dict[int, list] = {}
+    left_out: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        if "step_run" in n.attrs:
+            runs.setdefault(n.attrs["step_run"], []).append(n)
+        elif "step_left_out" in n.attrs:
+            left_out.setdefault(n.attrs["step_left_out"], []).append(n.name)
+    return {"runs": [{"first": ns[0].name, "last": ns[-1].name, "num_nodes": len(ns),
+                      "kernels": dict(sorted(Counter(n.kernel for n in ns).items())),
+                      "max_rows": min((n.attrs["step_max_rows"] for n in ns if "step_max_rows" in n.attrs),
+                                      default=None)} for ns in runs.values()],
+            "left_out": left_out}
+
+
+def _render_cpu_step(plan: dict | None, num_nodes: int) -> list[str]:
+    if plan is None:
+        return ["cpu step   not planned (no plan_cpu_step pass): every node runs one by one"]
+    fused = sum(r["num_nodes"] for r in plan["runs"])
+    lines = [f"cpu step   {len(plan['runs'])} fused run(s), {fused} of {num_nodes} nodes (plan_cpu_step)"]
+    for i, r in enumerate(plan["runs"]):
+        rows = f", steps of up to {r['max_rows']} rows" if r["max_rows"] is not None else ""
+        kernels = ", ".join(f"{k} x{v}" for k, v in r["kernels"].items())
+        lines.append(f"  run {i}: {r['first']} .. {r['last']}, {r['num_nodes']} nodes ({kernels}){rows}")
+    for why, names in plan["left_out"].items():
+        lines.append(f"  left out x{len(names)} ({names[0]}{', ...' if len(names) > 1 else ''}): {why}")
+    return lines
 
 
 def _moe(config) -> dict | None:
