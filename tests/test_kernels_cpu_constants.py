@@ -45,5 +45,13 @@ def test_every_isa_path_is_in_some_cpp_enum():
 
 
 def test_linear_kinds_equal_step_cpp():
-    kinds = {name: getattr(step, name) for name in ("DENSE", "INT4PACK", "QDOT", "DENSE_ROWS2", "BF16DOT")}
+    kinds = {name: getattr(step, name) for name in ("DENSE", "INT4PACK", "QDOT", "DENSE_ROWS2", "BF16DOT", "INT4X2")}
     assert cpp_enum("step.cpp", "Kind") == kinds
+    experts = {name: getattr(step, name) for name in ("DENSE_EXPERTS", "INT8PACK_EXPERTS", "INT4PACK_EXPERTS")}
+    assert cpp_enum("step.cpp", "Experts") == experts
+
+
+def test_op_kinds_and_activations_equal_step_cpp():
+    """step.py passes a node's op and activation as their index in OPS / ACTS: step.cpp's enums in that order."""
+    assert cpp_enum("step.cpp", "Op") == {op.upper(): i for i, op in enumerate(step.OPS)}
+    assert cpp_enum("step.cpp", "Act") == {act.upper(): i for i, act in enumerate(step.ACTS)}
