@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from optc.core.errors import UserError
@@ -54,6 +54,7 @@ from optc.runtime.server.protocol import (
     TokenizeRequest,
     parse,
 )
+from optc.runtime.server.streaming import collect, stream
 from optc.runtime.server.tool_parsers import Parser, parse_tool_calls
 from optc.runtime.server.tools import (
     ToolChoice,
@@ -196,8 +197,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
             chunk = lambda out, first: r.completion_chunk(ids, out, echo if first else "", body.return_token_ids)
-            return _stream(request, outputs, body, chunk, ids.completion)
-        results = await _collect(request, outputs, body.n)
+            return stream(request, outputs, body, chunk, ids.completion)
+        results = await collect(request, outputs, body.n)
         if results is None:
             return Response(status_code=499)
         choices = []
@@ -229,8 +230,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         if body.stream:
             chunk = (lambda out, first: r.chat_chunk(ids, out, first, body.logprobs)) if parser is None else \
                 r.ToolChunks(ids, parser, body.logprobs).chunk
-            return _stream(request, outputs, body, chunk, ids.chat)
-        results = await _collect(request, outputs, body.n)
+            return stream(request, outputs, body, chunk, ids.chat)
+        results = await collect(request, outputs, body.n)
         if results is None:
             return Response(status_code=499)
         choices = []
@@ -363,81 +364,6 @@ async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Ac
     if isinstance(prompt, str):
         return prompt
     return await _tokenizer_call(state, lambda t: t.decode(accepted.prompt_token_ids))
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _items(request: Request, outputs: AsyncIterator[Output]) -> AsyncIterator[Output]:
-    """The outputs until the last; stops early (aborting the request) when the client disconnects."""
-    watcher = asyncio.ensure_future(_until_disconnect(request))
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(outputs))
-            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                return
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        watcher.cancel()
-        await outputs.aclose()
-
-
-async def _collect(request: Request, outputs: AsyncIterator[Output],
-                   n: int) -> list[tuple[str, Output, list, list[int]]] | None:
-    """Per completion (by index): text, the finishing output, token logprobs and token ids; None if the client
-    left before all finished."""
-    texts: list[list[str]] = [[] for _ in range(n)]
-    entries: list[list] = [[] for _ in range(n)]
-    token_ids: list[list[int]] = [[] for _ in range(n)]
-    last: list[Output | None] = [None] * n
-    async for out in _items(request, outputs):
-        texts[out.index].append(out.text)
-        entries[out.index].extend(out.logprobs)
-        token_ids[out.index].extend(out.token_ids)
-        if out.finish_reason is not None:
-            last[out.index] = out
-    if any(x is None for x in last):
-        return None
-    return [("".join(t), x, e, i) for t, x, e, i in zip(texts, last, entries, token_ids, strict=True)]
-
-
-def _stream(request: Request, outputs: AsyncIterator[Output], body: Any,
-            chunk: Callable[[Output, bool], dict | None], wrap: Callable[..., dict]) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        started: set[int] = set()  # completions whose first chunk went out
-        last: dict[int, Output] = {}
-        try:
-            async for out in _items(request, outputs):
-                event = chunk(out, out.index not in started)
-                if event is not None:
-                    started.add(out.index)
-                    yield r.sse(event)
-                if out.finish_reason is not None:
-                    last[out.index] = out
-        except EngineFailed as e:  # the response has started: report in the stream
-            yield r.sse(ApiError(500, str(e)).body())
-            return
-        except Exception:  # the response has started: report in the stream, keep internals in the log
-            log.exception("a streaming request failed")
-            yield r.sse(ApiError(500, "internal server error").body())
-            return
-        if len(last) < body.n:
-            return
-        if body.include_usage:
-            usage = r.usage(last[0].num_prompt_tokens, sum(out.num_output_tokens for out in last.values()))
-            yield r.sse(wrap(None, usage, is_chunk=True))
-        yield r.sse("[DONE]")
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _add_error_handlers(app: FastAPI) -> None:
