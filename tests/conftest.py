@@ -81,4 +81,12 @@ def smollm2_f32_artifact(tmp_path_factory, smollm2_hf_dir) -> Path:
     from optc.testing import build_artifact
 
     return build_artifact(tmp_path_factory.mktemp("smollm2") / "a", RECIPES / "smollm2-bf16.yaml", "dtype=float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16_artifact(tmp_path_factory, smollm2_hf_dir) -> Path:
+    """SmolLM2 from the packaged GGUF, bf16, fused (recipes/smollm2-bf16.yaml as written)."""
+    from optc.testing import build_artifact
+
+    return build_artifact(tmp_path_factory.mktemp("smollm2-bf16") / "a", RECIPES / "smollm2-bf16.yaml")
 # ----------------------------------------------------------------------------------------------

@@ -34,8 +34,11 @@ CASES = [
     (Parser.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"ci', '<tool_call>\n{"name": "get_weather", '
      '"arguments": {"ci', []),  # cut off by max_tokens
     (Parser.HERMES, "a <tool_cal", "a <tool_cal", []),
-    (Parser.HERMES, '<tool_call>\n{"name": "w", "arguments": {"q": "</tool_call> é"}}\n</tool_call>',
-     '<tool_call>\n{"name": "w", "arguments": {"q": "</tool_call> é"}}\n</tool_call>', []),  # the first tag ends it
+    # the tag inside a JSON string: SmolLM2 wrote one in a forced call's argument (tests/test_structured_smollm2.py)
+    (Parser.HERMES, '<tool_call>\n{"name": "w", "arguments": {"q": "</tool_call> é"}}\n</tool_call>', None,
+     [("w", '{"q": "</tool_call> é"}')]),
+    (Parser.HERMES, '<tool_call>{"name": "w", "arguments": {"q": 1}</tool_call> x </tool_call>',  # broken: 1st ends
+     '<tool_call>{"name": "w", "arguments": {"q": 1}</tool_call> x </tool_call>', []),
     (Parser.HERMES, '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>',
      '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', []),  # infinity has no JSON text
     (Parser.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None,

@@ -172,9 +172,22 @@ class _HermesScanner(_Scanner):
                 items += self._take_content(start if start >= 0 else len(buffer) - held_back(buffer, (HERMES_OPEN,)))
                 self.searched_to = max(0, len(self.buffer) - len(HERMES_CLOSE) + 1) if start >= 0 else 0
                 return items
+            # a JSON string may hold the closing tag (a forced call's grammar allows any string): the call ends
+            # at the first closing tag after a valid call; with none, at the first one, once the reply has ended
+            call = None
+            while end >= 0 and (call := _call_of(_json_value(buffer[start + len(HERMES_OPEN):end]),
+                                                 ("arguments",))) is None:
+                end = buffer.find(HERMES_CLOSE, end + len(HERMES_CLOSE))
+            if call is None and not is_final:  # a later closing tag may still end a valid call
+                items += self._take_content(start)
+                self.searched_to = max(0, len(self.buffer) - len(HERMES_CLOSE) + 1)
+                return items
+            if call is None:
+                end = buffer.find(HERMES_CLOSE, start + len(HERMES_OPEN))
             body_end = end if end >= 0 else len(buffer)  # at the reply's end, an unclosed call reads to the end
             stop = body_end + len(HERMES_CLOSE) if end >= 0 else body_end
-            call = _call_of(_json_value(buffer[start + len(HERMES_OPEN):body_end]), ("arguments",))
+            if call is None:
+                call = _call_of(_json_value(buffer[start + len(HERMES_OPEN):body_end]), ("arguments",))
             if call is None:
                 items.append(buffer[:stop])
             else:
