@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from optc.core.errors import InputError
@@ -178,11 +179,17 @@ class Masks:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of the tokens each row's bitmask leaves out to -inf, in place.
 
-    logits: (R, V) float; bitmask: (R, W) int32 on the CPU, bit j of word w = token 32 w + j allowed. The
-    bitmask goes to the logits' device as it is (W = V / 32 words a row), so nothing syncs a CUDA stream."""
+    logits: (R, V) float; bitmask: (R, W) int32 on the CPU, bit j of word w = token 32 w + j allowed. On the CPU
+    numpy unpacks the bits (one single-threaded pass; torch's element-wise shifts over R x W x 32 values fan out
+    to OpenMP threads, which a busy core stalls); on CUDA the words go to the device as they are (W = V / 32 a
+    row, nothing syncs the stream) and unpack there."""
     rows, vocab_size = logits.shape
-    words = bitmask.to(logits.device, non_blocking=True)
-    allowed = ((words.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).view(rows, -1).bool()
+    if logits.device.type == "cpu":  # little-endian words: byte 4w + k holds tokens 32w + 8k .. 32w + 8k + 7
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)
+    else:
+        words = bitmask.to(logits.device, non_blocking=True)
+        allowed = ((words.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).view(rows, -1).bool()
     width = min(vocab_size, allowed.shape[1])
     logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
     logits[:, width:] = float("-inf")
