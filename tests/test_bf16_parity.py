@@ -65,10 +65,10 @@ def test_logits_ref_top_is_float32_exact(fmt):
 
 
 @pytest.fixture(scope="module")
-def bf16_artifacts(tmp_path_factory, smollm2_hf_dir, recipes):
+def bf16_artifacts(tmp_path_factory, smollm2_bf16_artifact, recipes):
     root = tmp_path_factory.mktemp("bf16")
     return {
-        "fused": build_artifact(root / "fused", recipes / "smollm2-bf16.yaml"),
+        "fused": smollm2_bf16_artifact,
         "unfused": build_artifact(root / "unfused", recipes / "smollm2-bf16.yaml",
                                   "passes=[{kv_layout: {block_size: 16}}, select_kernels]"),
     }

@@ -85,11 +85,11 @@ def test_smollm2_batch_one(smollm2_f32_artifact, plain, method, request):
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_greedy_identical(tmp_path_factory, smollm2_hf_dir, recipes):
+def test_smollm2_bf16_greedy_identical(smollm2_bf16_artifact):
     """bfloat16 on the CPU's C++ ops (recipes/smollm2-bf16.yaml): verification rows are decode's bits
     (docs/ARCHITECTURE.md), so n-gram speculation keeps every greedy token, batched and at batch 1."""
     cpu_extension("ops")  # bfloat16 identity is not guaranteed on the references
-    artifact = build_artifact(tmp_path_factory.mktemp("smollm2-bf16") / "a", recipes / "smollm2-bf16.yaml")
+    artifact = smollm2_bf16_artifact
     plain = [c.token_ids for c in Engine.load(artifact).generate(PROMPTS, GREEDY, chat=True)]
     engine = Engine.load(artifact, speculative=SpeculativeConfig("ngram", 4, disable_above_num_requests=64))
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, chat=True)] == plain
