@@ -44,7 +44,7 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_artifact(tmp_path, recipe
     def broken(*args, **kwargs):
         raise OSError("disk full (synthetic)")
 
-    monkeypatch.setattr("optc.core.artifact.save_file", broken)
+    monkeypatch.setattr("optc.core.artifact.write_weights_file", broken)
     with pytest.raises(OSError, match="synthetic"):
         build_artifact(tmp_path / "new", recipes / "tiny.yaml")
     assert not (tmp_path / "new").exists()

@@ -2,7 +2,8 @@
 
 Per GGUF type, the int4_gf / int8_gf parts optc decodes dequantize to exactly `gguf.quants.dequantize` of the
 raw blocks (hand-made blocks for every type, and each of the two packaged files' types); SmolLM2's whole file
-maps onto transformers' loaded weights bit for bit (its q/k rows permuted as transformers un-permutes them);
+maps onto transformers' loaded weights bit for bit (its q/k rows permuted as transformers un-permutes them), and
+so does its dequantized source, read tensor by tensor;
 the CPU kernels bound to the kinds agree with the format's reference linear; a kept SmolLM2 build's greedy
 tokens equal transformers' on the GGUF's dequantized weights in float32; the refusals name what they refuse.
 """
@@ -113,6 +114,18 @@ def test_smollm2_kept_weights_are_transformers_loaded_weights(smollm2_hf):
         parts = {r: store.get(name if not info.format.is_quantized else f"{name}.{r}")
                  for r in info.format.part_shapes(info.shape)}
         assert torch.equal(dequantize(parts, info.format, torch.float32), hf[name]), name
+
+
+def test_smollm2_dequantized_source_is_transformers_loaded_weights(smollm2_hf):
+    """`source_quantization: dequantize` reads the GGUF tensor by tensor (each dequantized when read, the build
+    never holds the whole float32 model) and gets, bit for bit, every tensor transformers' loader gives."""
+    from optc.frontend.sources import load_source
+
+    source = load_source(SMOLLM2_SOURCE)
+    hf = smollm2_hf[0].state_dict()
+    assert set(source.store.names()) == set(hf) - {"lm_head.weight"}  # tied
+    for name in source.store.names():
+        assert torch.equal(source.store.get(name), hf[name]), name
 
 
 def _gf_weight(kind: FormatKind, zero_point: bool, shape=(64, 256), dtype="bfloat16") -> Param:

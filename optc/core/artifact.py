@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from optc.core.errors import UserError
 from optc.core.formats import part_name
@@ -38,6 +37,7 @@ from optc.core.ir import Graph, ModelConfig
 from optc.core.kv_cache import KVCacheSpec
 from optc.core.settings import RuntimeSettings
 from optc.core.store import TensorStore
+from optc.core.weights_file import write_weights_file
 
 # 2: model.dtype in the model config; 3: typed runtime (max_num_seqs) and kv_layout.scales; 4: the model
 # families' op attributes and per-layer config (`silu_mul` became `gated_act {act: silu}`)
@@ -232,10 +232,10 @@ def write(
         (tmp / "graph.json").write_text(graph.dumps())
         for fname, keys in _shards(graph, store):
             progress(f"writing {fname} ({len(keys)} tensors)")
-            tensors = {k: store.get(k).contiguous() for k in keys}
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            os.chmod(tmp / fname, 0o644)  # save_file creates 0600; the artifact is read by other accounts
-            del tensors
+            specs = {k: (store.entry(k).shape, store.entry(k).dtype) for k in keys}
+            # each tensor produced, written at its offset and dropped: a build holds one tensor, not a shard
+            write_weights_file(tmp / fname, specs, store.get, metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o644)  # the artifact is read by other accounts
         save_tokenizer(tmp / "tokenizer")
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):

@@ -10,8 +10,11 @@ the specification, tests/test_gguf_keep.py checks every type bit for bit). A pro
 rows (Llama's q/k) permutes the rows of every part; one that changes a quantized tensor's values is refused
 by name, as is a block type without an exact format here.
 
-This module does not dequantize a quantized tensor (transformers does that for `source_quantization:
-dequantize`). `read_header` parses the file's header itself: gguf-py's reader parses every metadata array.
+`dequantized_gguf(path, hf_config)` is `source_quantization: dequantize`: every tensor a float32 entry that
+dequantizes its blocks from the mapped file when it is read (gguf-py's `dequantize`, then transformers' processor:
+the values transformers' loader gives, tests/test_gguf_keep.py), so a build holds the tensors it is working on,
+not the whole model in float32. `read_header` parses the file's header itself: gguf-py's reader parses every
+metadata array.
 """
 
 from __future__ import annotations
@@ -154,6 +157,20 @@ def read_gguf(path: Path, hf_config) -> tuple[dict[str, TensorInfo], TensorStore
     return table, TensorStore(entries), dict(sorted(Counter(t.qtype for t in tensors).items()))
 
 
+def dequantized_gguf(path: Path, hf_config) -> tuple[dict[str, TensorInfo], TensorStore]:
+    """The file's tensors under transformers' names, each a lazy float32 entry: (table, store)."""
+    arch, tensors = read_header(path)
+    names, processor = _name_map(hf_config, arch)
+    table, entries = {}, {}
+    for t in tensors:
+        name, _ = _rows(processor, names, t.name, t.shape[0], path, values_may_change=True)
+        if name is None:
+            continue
+        table[name] = TensorInfo(t.shape, Format())
+        entries[name] = Entry(t.shape, torch.float32, lambda t=t: _dequantized(t, processor, names))
+    return table, TensorStore(entries)
+
+
 def decode_blocks(raw: torch.Tensor, qtype: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """A GGUF tensor's raw blocks (N, bytes per row) uint8 -> the parts of its `BLOCKS` format."""
     n, k = shape
@@ -214,6 +231,15 @@ class _Decoded:
         return self.last["parts"][role]
 
 
+def _dequantized(t: GgufTensor, processor, names: dict[str, str]) -> torch.Tensor:
+    """One tensor as transformers' GGUF loader makes it: gguf-py's float32 values, then the processor's changes."""
+    import gguf
+
+    weights = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType[t.qtype]).reshape(t.shape)
+    out = processor.process(weights=weights, name=t.name, tensor_key_mapping=names, parsed_parameters={})
+    return torch.from_numpy(np.array(out.weights, dtype=np.float32, copy=True)).reshape(t.shape)
+
+
 def _name_map(hf_config, arch: str):
     """transformers' GGUF name -> HF name map and tensor processor for the file's architecture, as
     transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint picks them. The map is its
@@ -239,14 +265,17 @@ def _name_map(hf_config, arch: str):
     return names, processor
 
 
-def _rows(processor, names: dict[str, str], gguf_name: str, n: int,
-          path: Path) -> tuple[str | None, torch.Tensor | None]:
+def _rows(processor, names: dict[str, str], gguf_name: str, n: int, path: Path,
+          values_may_change: bool = False) -> tuple[str | None, torch.Tensor | None]:
     """The HF name of a quantized tensor and the row permutation transformers' processor applies to it
-    (None: rows as stored), found by processing the row numbers; a processor that changes values is refused."""
+    (None: rows as stored), found by processing the row numbers; a processor that changes values is refused
+    unless `values_may_change` (then only the name is meant)."""
     probe = np.arange(n, dtype=np.float32).reshape(n, 1)
     out = processor.process(weights=probe, name=gguf_name, tensor_key_mapping=names, parsed_parameters={})
     if out.name not in names:
         return None, None
+    if values_may_change:
+        return names[out.name], None
     got = np.asarray(out.weights).reshape(-1)
     if got.shape != (n,) or not np.array_equal(np.sort(got), probe[:, 0]):
         raise GgufError(f"{path}: tensor {gguf_name}: transformers' loader changes its values (not only the order "

