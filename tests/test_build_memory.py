@@ -1,7 +1,7 @@
 """A build's peak memory does not grow with the model's depth: `random:llama-1k` (22 MB of bfloat16 weights a layer)
 built with 8 layers peaks within 1.3x of the same build with 2 layers (issue 47's bound, for 4x the layers), dense
-bfloat16 and int4 round-to-nearest. Int4 AWQ does not hold it yet (an expected failure, strict; not diagnosed:
-suspected, the calibrated passes keeping every block's results in memory). Each build runs in its own process, its
+bfloat16 and int4 round-to-nearest. Int4 AWQ does not hold it yet and is not tested here (its 2- and 8-layer builds
+take 13 minutes on the 2-core CI machine; docs/PERF.md, "Build memory"). Each build runs in its own process, its
 peak RSS read from `os.wait4` (ru_maxrss: that process's high-water mark, whatever else runs on the machine).
 Before the builds streamed (lazy GGUF tensors, weights files written a tensor at a time), benchmarks/build_memory.py
 measured a 16-layer bf16 build at 1.49x the 4-layer one's peak; after, 0.96x.
@@ -21,9 +21,7 @@ SMALL, DEEP = 2, 8
 PASSES = {
     "bf16": "passes=[fuse_qkv, fuse_gate_up]",
     "rtn-int4": "passes=[fuse_qkv, fuse_gate_up, {quantize_rtn: {bits: 4, group_size: 64, zero_point: true}}]",
-    "awq-int4": "passes=[fuse_qkv, fuse_gate_up, {quantize_awq: {bits: 4, group_size: 64, zero_point: true}}]",
 }
-CALIBRATION = "calibration={source: 'builtin:pydoc', samples: 2, seq_len: 32, seed: 0}"
 BUILDER = """
 import sys
 from pathlib import Path
@@ -35,7 +33,7 @@ build(BuildOptions(out=Path(sys.argv[1]), model=sys.argv[2], overrides=tuple(sys
 def _peak_rss(tmp_path: Path, layers: int, case: str) -> int:
     out = tmp_path / f"L{layers}"
     argv = [sys.executable, "-c", BUILDER, str(out), f"random:llama-1k?num_hidden_layers={layers}",
-            "dtype=bfloat16", PASSES[case], CALIBRATION]
+            "dtype=bfloat16", PASSES[case]]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode()[-2000:]
@@ -43,12 +41,7 @@ def _peak_rss(tmp_path: Path, layers: int, case: str) -> int:
     return usage.ru_maxrss * 1024
 
 
-CASES = ["bf16", "rtn-int4",
-         pytest.param("awq-int4", marks=pytest.mark.xfail(strict=True, reason="over the bound, not diagnosed yet "
-                                                           "(suspected: every block's parts kept to the end)"))]
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", list(PASSES))
 def test_a_deeper_model_builds_in_about_the_same_memory(tmp_path, case):
     small, deep = _peak_rss(tmp_path, SMALL, case), _peak_rss(tmp_path, DEEP, case)
     assert deep <= BOUND * small, (f"{case}: {DEEP} layers peaked at {deep / 2**20:.0f} MiB, {deep / small:.2f}x "
