@@ -285,6 +285,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<>())
       .def("add", &Run::add, "append a planned node other than a linear")
       .def("add_linear", &Run::add_linear, "append a planned linear node")
-      .def("forward", &Run::forward, "the run's nodes over one decode or verification step")
+      // without the GIL: a step's other threads (the grammar masks of structured outputs) run beside it
+      .def("forward", &Run::forward, "the run's nodes over one decode or verification step",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("__len__", &Run::size);
 }
