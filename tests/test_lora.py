@@ -15,7 +15,7 @@ from optc.core.lora import AdapterError, load_adapter
 from optc.core.ops.lora import lora_delta_grouped, lora_delta_ref, slot_groups
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.lora import UnknownAdapterError
-from optc.testing import assert_no_leaks, build_artifact, hf_greedy, tiny_hf_model
+from optc.testing import assert_no_leaks, build_artifact, hf_greedy, random_peft_adapter, tiny_hf_model
 
 peft = pytest.importorskip("peft")
 
@@ -33,15 +33,7 @@ MAX_TOKENS = 12
 def make_adapter(folder, name: str, seed: int = 0):
     """A random peft adapter of ADAPTERS[name] on random:tiny's transformers model, saved to folder/name."""
     rank, alpha, rslora, targets = ADAPTERS[name]
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                             init_lora_weights=False, lora_dropout=0.0)
-    model = peft.get_peft_model(tiny_hf_model(), config)
-    for n, p in model.named_parameters():  # peft's random B is small: make each adapter change the tokens
-        if "lora_B" in n:
-            p.data.normal_(0, 0.5 / rank ** 0.5)
-    model.save_pretrained(folder / name)
-    return folder / name
+    return random_peft_adapter(folder / name, rank, alpha, targets, rslora, seed)
 
 
 @pytest.fixture(scope="module")

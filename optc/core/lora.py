@@ -112,6 +112,19 @@ def load_adapter(path: str | Path, graph: Graph, name: str | None = None,
     return LoraAdapter(name or path.name, path, rank, scaling, modules, factors, sha)
 
 
+def adapter_rank(path: str | Path) -> int:
+    """The rank `r` of the adapter in folder `path` (its config checked as `load_adapter` checks it)."""
+    return _read_config(Path(path) / CONFIG_FILE)["r"]
+
+
+def parse_named_adapter(value: str, option: str = "--lora") -> tuple[str, Path]:
+    """NAME=DIR (a command-line --lora) -> (NAME, DIR)."""
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise InputError(f"{option} takes NAME=DIR (a peft adapter folder), got {value!r}")
+    return name, Path(folder)
+
+
 def _read_config(config_file: Path) -> dict:
     if not config_file.is_file():
         raise AdapterError(f"{config_file}: no such file (a peft adapter folder holds {CONFIG_FILE} and "
