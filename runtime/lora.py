@@ -7,8 +7,9 @@ factors of every slot stacked: a (S, R, K) and b (S, N, R) float32, R = max_rank
 from free memory afterwards counts them. An adapter written for the separate q, k and v projections loads into a
 fused qkv linear's slot as one factor pair: its projections' a rows one after the other, each projection's b in
 its rows of the fused output and its own rank columns (zero elsewhere), so each delta lands in its slice.
-`apply` is the linear's post-step: the step's rows grouped by slot (`Step.lora_groups`), the deltas of
-optc/core/ops/lora.py's fast path added to the linear's outputs, which stay the base kernel's (quantized or not).
+`apply` is the linear's post-step: the step's rows grouped by slot (`Step.lora_groups`), the deltas of one of
+optc/core/ops/lora.py's fast paths (grouped for one adapter, masked for several: `Step.lora_masks`) added to the
+linear's outputs, which stay the base kernel's (quantized or not).
 
 `LoraNames` is the engine's side: adapter name -> slot, with the requests using each, so that an unloaded adapter
 frees its slot only after its requests finish. Not here: reading and checking an adapter (optc/core/lora.py).
@@ -23,13 +24,14 @@ import torch
 from optc.core.errors import InputError
 from optc.core.ir import Graph
 from optc.core.lora import TARGETS, AdapterError, LoraAdapter, linear_targets
-from optc.core.ops.lora import lora_delta_grouped
+from optc.core.ops.lora import lora_delta_grouped, lora_delta_masked, slot_mask
 
 
 @dataclass
 class _Table:
     a: torch.Tensor  # (S, R, K) float32
     b: torch.Tensor  # (S, N, R) float32, the scaling folded in
+    b_cat: torch.Tensor  # (N, S * R): b's slots side by side, what lora_delta_masked reads
     ranks: list[int]  # per slot: the columns in use (0: no adapter of that slot targets this linear)
     offsets: list[int]  # per split output: its first row of the linear's output
     sizes: list[int]  # per split output: its rows
@@ -52,7 +54,8 @@ class LoraSlots:
             r, k, n = max_rank * len(sizes), node.attrs["in_features"], node.attrs["out_features"]
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             self.tables[node.name] = _Table(torch.zeros(max_loras, r, k, device=device),
-                                            torch.zeros(max_loras, n, r, device=device), [0] * max_loras,
+                                            torch.zeros(max_loras, n, r, device=device),
+                                            torch.zeros(n, max_loras * r, device=device), [0] * max_loras,
                                             offsets, sizes)
 
     @property
@@ -80,22 +83,38 @@ class LoraSlots:
                 table.b[slot, target.offset:target.offset + target.rows, col:col + r] = b
                 col += r
             table.ranks[slot] = col
+            self._pack(table, slot)
 
     def clear(self, slot: int) -> None:
         for table in self.tables.values():
             table.a[slot].zero_()
             table.b[slot].zero_()
             table.ranks[slot] = 0
+            self._pack(table, slot)
 
-    def apply(self, name: str, x: torch.Tensor, outputs: list[torch.Tensor], groups) -> list[torch.Tensor]:
-        """Linear `name`'s outputs (its split outputs) plus the deltas of its input rows x under `groups`."""
+    def masks(self, slots: torch.Tensor) -> dict[int, torch.Tensor]:
+        """A step's `slot_mask` per rank capacity the tables have (rows `slots`, (T,))."""
+        return {r: slot_mask(slots, self.max_loras, r) for r in {t.a.shape[1] for t in self.tables.values()}}
+
+    def apply(self, name: str, x: torch.Tensor, outputs: list[torch.Tensor], groups,
+              masks: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Linear `name`'s outputs (its split outputs) plus the deltas of its input rows x under `groups`: one
+        adapter's rows gathered (`lora_delta_grouped`), several adapters' at once through `masks`."""
         table = self.tables[name]
         if not any(table.ranks[slot] for slot, _ in groups):
             return outputs
-        delta = lora_delta_grouped(x, groups, table.a, table.b, table.ranks)  # (T, N) float32
+        if len(groups) > 1 and masks is not None:
+            delta = lora_delta_masked(x, masks[table.a.shape[1]], table.a, table.b_cat)  # (T, N) float32
+        else:
+            delta = lora_delta_grouped(x, groups, table.a, table.b, table.ranks)
         if len(outputs) == 1:
             return [outputs[0] + delta.to(outputs[0].dtype)]
         return [y + delta[:, o:o + n].to(y.dtype) for y, o, n in zip(outputs, table.offsets, table.sizes, strict=True)]
+
+    @staticmethod
+    def _pack(table: _Table, slot: int) -> None:
+        r = table.a.shape[1]
+        table.b_cat[:, slot * r:(slot + 1) * r] = table.b[slot]
 
 
 @dataclass

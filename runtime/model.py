@@ -109,6 +109,7 @@ class Model:
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
         if batch.lora_slots is not None and self.lora is not None:
             step.lora_groups = slot_groups(batch.lora_slots)
+            step.lora_masks = self.lora.masks(batch.lora_slots) if len(step.lora_groups) > 1 else None
         if step.lora_groups and self.fused_runs:
             self.num_unfused_lora_steps += 1
         out = self.executor.run(batch.input_ids, step, fused=not step.lora_groups)
@@ -121,7 +122,7 @@ def _with_lora(impl: Impl, name: str, lora: LoraSlots) -> Impl:
         outputs = impl(node, inputs, params, step)
         if step is None or not step.lora_groups:
             return outputs
-        return lora.apply(name, inputs[0], outputs, step.lora_groups)
+        return lora.apply(name, inputs[0], outputs, step.lora_groups, step.lora_masks)
     return run
 
 

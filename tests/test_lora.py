@@ -12,7 +12,7 @@ import torch
 
 from optc.core.artifact import read
 from optc.core.lora import AdapterError, load_adapter
-from optc.core.ops.lora import lora_delta_grouped, lora_delta_ref, slot_groups
+from optc.core.ops.lora import lora_delta_grouped, lora_delta_masked, lora_delta_ref, slot_groups, slot_mask
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.lora import UnknownAdapterError
 from optc.testing import assert_no_leaks, build_artifact, hf_greedy, random_peft_adapter, tiny_hf_model
@@ -58,6 +58,10 @@ def test_grouped_deltas_equal_the_reference():
     got = lora_delta_grouped(x, slot_groups(slots), a, b, [8, 5, 8])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got[1].abs().max() == 0 and got[5].abs().max() == 0  # rows without an adapter: no delta
+    b_cat = b.permute(1, 0, 2).reshape(n, slots_count * rank)
+    masked = lora_delta_masked(x, slot_mask(slots, slots_count, rank), a, b_cat)
+    torch.testing.assert_close(masked, ref, rtol=1e-5, atol=1e-5)
+    assert masked[1].abs().max() == 0 and masked[5].abs().max() == 0
     whole = torch.tensor([1] * 7)
     torch.testing.assert_close(lora_delta_grouped(x, slot_groups(whole), a, b, [8, 5, 8]),
                                lora_delta_ref(x, whole, a, b), rtol=1e-5, atol=1e-5)

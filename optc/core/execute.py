@@ -36,6 +36,7 @@ class Step:
     group: object = None  # the tensor-parallel process group the collective ops run over; None: one rank
     # LoRA: (adapter slot, its rows (n,) int64) per slot the step's rows use (optc/core/ops/lora.py's slot_groups)
     lora_groups: list[tuple[int, torch.Tensor]] | None = None
+    lora_masks: dict[int, torch.Tensor] | None = None  # rank capacity -> (T, S * R) slot mask (ops/lora.py's slot_mask)
     _transient: dict[int, KVCache] = field(default_factory=dict)
 
     def kv_cache(self, layer: int) -> KVCache:

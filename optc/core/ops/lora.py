@@ -2,9 +2,13 @@
 
 `lora_delta_ref` is the specification: row t's delta is b[s] @ (a[s] @ x[t]) for its slot s = slots[t] >= 0, and
 0 where s = -1; every factor is float32 and so is the product, whatever x's dtype (the delta is computed in float
-from the layer's input; the base linear keeps its own kernel, quantized or not). `lora_delta_grouped` is the CPU's
-fast path: the rows of one slot gathered, two small matmuls on its used rank, scattered back; the groups come once
-per step (`slot_groups`), not once per linear. This is not a graph op: the runtime adds the delta to the linears
+from the layer's input; the base linear keeps its own kernel, quantized or not). Two fast paths for the CPU:
+`lora_delta_grouped`, the rows of one slot gathered, two small matmuls on its used rank, scattered back (the step's
+rows under one adapter: a prefill); `lora_delta_masked`, every slot's A at once (one (T, S*R) product), each row's
+other slots' columns zeroed by a mask, then every slot's B at once: two matmuls and a multiply whatever the number
+of adapters, for decode steps whose few rows spread over several adapters (S-fold work on tiny ranks, but no
+per-slot gather, scatter or Python loop). The groups and masks come once per step (`slot_groups`, `slot_mask`),
+not once per linear. This is not a graph op: the runtime adds the delta to the linears
 adapters target (runtime/lora.py), so an artifact is the same with or without adapters.
 """
 
@@ -28,6 +32,19 @@ def slot_groups(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if slot >= 0:
             out.append((slot, (slots == slot).nonzero().flatten()))
     return out
+
+
+def slot_mask(slots: torch.Tensor, num_slots: int, rank: int) -> torch.Tensor:
+    """(T, num_slots * rank) float32: row t's ones on its slot's `rank` columns, zeros elsewhere (-1: all zero)."""
+    cols = torch.arange(num_slots * rank, device=slots.device) // rank  # (S * R,) the slot of each column
+    return (cols[None, :] == slots[:, None]).float()
+
+
+def lora_delta_masked(x: torch.Tensor, mask: torch.Tensor, a: torch.Tensor, b_cat: torch.Tensor) -> torch.Tensor:
+    """`lora_delta_ref`'s deltas from every slot's factors at once: a (S, R, K), b_cat (N, S * R) (b's slots side by
+    side) and the step's `slot_mask` for R."""
+    h = x.float() @ a.view(-1, a.shape[-1]).T  # (T, S * R)
+    return (h * mask) @ b_cat.T  # (T, N)
 
 
 def lora_delta_grouped(x: torch.Tensor, groups: list[tuple[int, torch.Tensor]], a: torch.Tensor, b: torch.Tensor,
