@@ -18,7 +18,6 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 from optc.core.errors import InputError
-from optc.core.lora import LoraAdapter, load_adapter
+from optc.core.lora import LoraAdapter
 from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.config import EngineConfig
 from optc.runtime.grammar import GrammarCompiler, Matcher
@@ -62,11 +61,11 @@ class Engine:
         self.max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         models = [model] if draft_model is None else [model, draft_model]
         # LoRA slots before the KV budget: one computed from free memory leaves them room
-        self.loras = LoraNames(config.max_loras) if config.max_loras else None
-        if self.loras is not None:
+        self.loras: LoraNames | None = None
+        if config.max_loras:
             if group is not None:
                 raise InputError("LoRA adapters run on one rank (tensor parallelism takes none)", "max_loras")
-            model.enable_lora(config.max_loras, config.max_lora_rank)
+            self.loras = LoraNames(model.enable_lora(config.max_loras, config.max_lora_rank))
         num_blocks = config.num_blocks or num_kv_blocks(models, config, self.max_model_len)
         if group is not None:  # every rank allocates the smallest pool any rank holds
             num_blocks = group.agree_num_blocks(num_blocks)
@@ -208,24 +207,19 @@ class Engine:
         tensor when it does not fit this model; InputError without LoRA slots, or when they are all held)."""
         if self.loras is None:
             raise InputError("this engine has no LoRA slots: start it with max_loras >= 1 (--max-loras)", "lora_name")
-        slot = self.loras.free_slot(name)
-        adapter = load_adapter(path, self.model.graph, name, self.config.max_lora_rank)
-        self.model.lora.load(adapter, slot)
-        self.loras.slots[name], self.loras.adapters[name] = slot, adapter
-        return adapter
+        return self.loras.load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Unload adapter `name`: no request may name it from now on, and its slot is freed once the requests
         running under it finish (UnknownAdapterError when it is not loaded)."""
         if self.loras is None:
             raise UnknownAdapterError(f"the model {name!r} does not exist (no adapters are loaded)", "lora_name")
-        self.loras.slot(name)
-        self.loras.unloading.add(name)
+        self.loras.unload(name)
         self._release_loras()
 
     def lora_names(self) -> list[str]:
         """The adapters requests may name now."""
-        return [] if self.loras is None else sorted(set(self.loras.slots) - self.loras.unloading)
+        return [] if self.loras is None else self.loras.names()
 
     def add_requests(
         self, prompt: Prompt, params: Sequence[SamplingParams], request_ids: Sequence[str],
@@ -336,19 +330,14 @@ class Engine:
             return
         if self.loras is None:
             raise UnknownAdapterError(f"the model {name!r} does not exist (no adapters are loaded)", "model")
-        request.lora_name, request.lora_slot = name, self.loras.slot(name)
-        request.lora_key = f"lora:{name}:{self.loras.adapters[name].sha256}".encode()
+        self.loras.assign(request, name)
 
     def _release_loras(self) -> None:
         """Free the slots of adapters being unloaded whose requests have finished."""
         if self.loras is None or not self.loras.unloading:
             return
-        pending = [*self.scheduler.running, *self.scheduler.waiting, *(f for fs in self._forks.values() for f in fs)]
-        self.loras.in_flight = Counter(r.lora_name for r in pending if r.lora_name is not None)
-        for name in self.loras.unloading & set(self.loras.slots):
-            if not self.loras.in_flight.get(name):
-                self.model.lora.clear(self.loras.slots[name])
-        self.loras.finished()
+        self.loras.release([*self.scheduler.running, *self.scheduler.waiting,
+                            *(f for fs in self._forks.values() for f in fs)])
 
     def _queue_forks(self, request_id: str) -> None:
         for fork in self._forks.pop(request_id, ()):

@@ -17,14 +17,17 @@ frees its slot only after its requests finish. Not here: reading and checking an
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from optc.core.errors import InputError
 from optc.core.ir import Graph
-from optc.core.lora import TARGETS, AdapterError, LoraAdapter, linear_targets
+from optc.core.lora import TARGETS, AdapterError, LoraAdapter, linear_targets, load_adapter
 from optc.core.ops.lora import lora_delta_grouped, lora_delta_masked, slot_mask
+from optc.runtime.request import Request
 
 
 @dataclass
@@ -117,42 +120,55 @@ class LoraSlots:
         table.b_cat[:, slot * r:(slot + 1) * r] = table.b[slot]
 
 
-@dataclass
 class LoraNames:
-    """Adapter name -> slot of the model's LoraSlots; the requests in flight per name; names being unloaded."""
+    """The engine's adapters: name -> slot of the model's LoraSlots, the names being unloaded, and the requests."""
 
-    max_loras: int
-    slots: dict[str, int] = field(default_factory=dict)
-    adapters: dict[str, LoraAdapter] = field(default_factory=dict)
-    in_flight: dict[str, int] = field(default_factory=dict)
-    unloading: set[str] = field(default_factory=set)
+    def __init__(self, tables: LoraSlots) -> None:
+        self.tables = tables
+        self.slots: dict[str, int] = {}
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.unloading: set[str] = set()
 
-    def slot(self, name: str) -> int:
-        """The slot of a loaded adapter; InputError (`model`) for a name not loaded or being unloaded."""
-        if name not in self.slots or name in self.unloading:
-            raise UnknownAdapterError(f"the model {name!r} does not exist (loaded adapters: "
-                                      f"{', '.join(sorted(set(self.slots) - self.unloading)) or 'none'})", "model")
-        return self.slots[name]
+    def names(self) -> list[str]:
+        """The adapters requests may name now."""
+        return sorted(set(self.slots) - self.unloading)
 
-    def free_slot(self, name: str) -> int:
-        """A free slot for a new adapter `name`; InputError when the name is taken or every slot is held."""
+    def load(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read the adapter in folder `path` and write it into a free slot under `name` (AdapterError naming its
+        file and tensor; InputError when the name is taken or every slot is held)."""
         if name in self.slots:
             raise InputError(f"an adapter named {name!r} is loaded already", "lora_name")
-        held = set(self.slots.values())
-        free = [s for s in range(self.max_loras) if s not in held]
+        free = [s for s in range(self.tables.max_loras) if s not in set(self.slots.values())]
         if not free:
-            raise InputError(f"all {self.max_loras} adapter slots are in use (--max-loras); unload one first",
-                             "lora_name")
-        return free[0]
+            raise InputError(f"all {self.tables.max_loras} adapter slots are in use (--max-loras); unload one "
+                             "first", "lora_name")
+        adapter = load_adapter(path, self.tables.graph, name, self.tables.max_rank)
+        self.tables.load(adapter, free[0])
+        self.slots[name], self.adapters[name] = free[0], adapter
+        return adapter
 
-    def finished(self) -> list[str]:
-        """Names being unloaded whose requests have all finished: their slots are free now."""
-        done = [n for n in self.unloading if not self.in_flight.get(n)]
-        for name in done:
+    def assign(self, request: Request, name: str) -> None:
+        """Run `request` under adapter `name`: its slot, and its prefix-cache key (the name and weights' hash)."""
+        if name not in self.slots or name in self.unloading:
+            raise UnknownAdapterError(f"the model {name!r} does not exist (loaded adapters: "
+                                      f"{', '.join(self.names()) or 'none'})", "model")
+        request.lora_name, request.lora_slot = name, self.slots[name]
+        request.lora_key = f"lora:{name}:{self.adapters[name].sha256}".encode()
+
+    def unload(self, name: str) -> None:
+        """No request may name `name` from now on; its slot is freed by `release` once its requests finish."""
+        if name not in self.slots or name in self.unloading:
+            raise UnknownAdapterError(f"the model {name!r} does not exist (loaded adapters: "
+                                      f"{', '.join(self.names()) or 'none'})", "lora_name")
+        self.unloading.add(name)
+
+    def release(self, pending: Iterable[Request]) -> None:
+        """Free the slots of the adapters being unloaded that none of the `pending` requests runs under."""
+        in_use = {r.lora_name for r in pending}
+        for name in [n for n in self.unloading if n not in in_use]:
+            self.tables.clear(self.slots.pop(name))
+            del self.adapters[name]
             self.unloading.discard(name)
-            del self.slots[name], self.adapters[name]
-            self.in_flight.pop(name, None)
-        return done
 
 
 class UnknownAdapterError(InputError):
