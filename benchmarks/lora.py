@@ -7,10 +7,11 @@ same batch on the base alone, one engine, in-process.
 The adapters are random (seeded), written in peft's format from the artifact's own linear shapes, each targeting
 q/k/v/o/gate/up/down at `--rank`, so no checkpoint is needed. Runs, each over the same prompts (random token ids):
 `base` (no request has an adapter: the fused CPU step where the artifact plans it), `lora` (request i under adapter
-i % adapters: every step runs node by node, with one gather, two small matmuls and a scatter per adapter and
-linear), and `base-unfused` (the base, its fused runs dropped: what the node-by-node path costs without adapters).
-It prints decode tok/s = generated tokens / wall seconds of the decode steps (the prefill step excluded), the best
-of `--repeats`, and lora / base.
+i % adapters: every step runs node by node, each targeted linear adding two matmuls over every slot's factors
+and a mask, optc/core/ops/lora.py's lora_delta_masked), and `base-unfused` (the base, its fused runs dropped:
+what the node-by-node path costs without adapters).
+It prints decode tok/s = generated tokens / wall seconds of the decode steps (the prefill step excluded; each run warmed
+up first at its own batch), the best of `--repeats`, and lora / base.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def main() -> None:
     vocab = engine.vocab_size
     prompts = [torch.randint(3, vocab, (a.input_len,), generator=g).tolist() for _ in range(a.batch)]
     runs = {"base": [None] * a.batch, "lora": [names[i % a.adapters] for i in range(a.batch)]}
-    decode_tok_s(engine, prompts[:2], 4, [None, names[0]])  # warm-up
+    for loras in runs.values():  # warm-up at the run's batch: one-time preparation of its row counts is not timed
+        decode_tok_s(engine, prompts, 4, loras)
     results = {name: max(decode_tok_s(engine, prompts, a.output_len, loras) for _ in range(a.repeats))
                for name, loras in runs.items()}
     fused = engine.model.fused_runs
