@@ -19,6 +19,7 @@ import typer
 
 from optc.commands.export import ExportFormat, Flavor
 from optc.core.errors import UserError
+from optc.core.lora import adapter_rank, parse_named_adapter
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
@@ -172,6 +173,7 @@ def run(
     tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
     distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    lora: Path | None = typer.Option(None, "--lora", help="A peft LoRA adapter folder to generate under."),
 ) -> None:
     """Generate text from one prompt."""
     import time
@@ -187,11 +189,14 @@ def run(
         template = _read_text(chat_template, "--chat-template") if chat_template else None
         if template is not None and not chat:
             raise UserError("--chat-template formats chat prompts: add --chat")
+        loras = {"max_loras": 1, "max_lora_rank": adapter_rank(lora)} if lora else {}
         engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec, chat_template=template,
-                             **_parallel_options(tensor_parallel_size, distributed_backend))
+                             **_parallel_options(tensor_parallel_size, distributed_backend), **loras)
         try:
+            if lora:
+                engine.load_lora("lora", lora)
             t0 = time.perf_counter()
-            (completion,) = engine.generate([prompt], params, chat=chat)
+            (completion,) = engine.generate([prompt], params, chat=chat, loras=["lora" if lora else None])
             seconds = time.perf_counter() - t0
         finally:
             engine.close()
@@ -287,6 +292,8 @@ def bench(
     tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
     distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: a peft LoRA adapter; requests take the adapters "
+                                   "in turn (repeatable)."),
 ) -> None:
     """Serving benchmark: in-process on an artifact (throughput, TTFT/TPOT percentiles, peak memory, KV usage),
     or with --url a load test of a running server (throughput, TTFT, TPOT, ITL, end-to-end latency, errors)."""
@@ -301,7 +308,7 @@ def bench(
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
                           "--compare-hf": compare_hf, "--tensor-parallel-size": tensor_parallel_size is not None,
                           "--distributed-backend": distributed_backend is not None,
-                          "--speculative": speculative is not None}
+                          "--speculative": speculative is not None, "--lora": bool(lora)}
             if any(in_process.values()):
                 raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
                                 "it is the server's setting")
@@ -316,7 +323,8 @@ def bench(
                             "in-process, every request is submitted at once and --max-num-seqs sets how many run")
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
-                               **_parallel_options(tensor_parallel_size, distributed_backend))
+                               **_parallel_options(tensor_parallel_size, distributed_backend),
+                               loras=tuple(parse_named_adapter(v) for v in lora))
         result = run_bench(options)
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
 
@@ -428,6 +436,12 @@ def serve(
                                                 "llama3_json (Llama 3.x) or mistral ([TOOL_CALLS][...]); default: "
                                                 "the model family's. A chat template without tools gets optc's "
                                                 "tool prompt, which asks for hermes (docs/SERVE.md)."),
+    lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: serve the peft LoRA adapter in DIR as model NAME "
+                                   "(repeatable); a request's `model` picks it."),
+    max_loras: int | None = typer.Option(None, "--max-loras", min=0, help="Adapters loaded at once (slots; "
+                                         "default: one per --lora). Room for /v1/load_lora_adapter."),
+    max_lora_rank: int | None = typer.Option(None, "--max-lora-rank", min=1, help="Largest adapter rank the slots "
+                                             "hold (default: the largest --lora's, 64 without)."),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -443,7 +457,9 @@ def serve(
                                max_body_bytes=max_body_bytes, client_timeout=client_timeout,
                                failure_window=failure_window,
                                chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,
-                               tool_call_parser=tool_call_parser)
+                               tool_call_parser=tool_call_parser,
+                               loras=tuple(parse_named_adapter(v) for v in lora), max_loras=max_loras,
+                               max_lora_rank=max_lora_rank)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

@@ -73,6 +73,23 @@ def tiny_hf_model(dtype: torch.dtype = torch.float32, device: str = "cpu"):
     return random_hf_model("tiny", dtype, device)
 
 
+def random_peft_adapter(out: Path, rank: int, alpha: float, targets: list[str], use_rslora: bool = False,
+                        seed: int = 0, preset: str = "tiny", dtype: torch.dtype = torch.float32) -> Path:
+    """A random peft LoRA adapter on `random:<preset>`'s transformers model (peft's get_peft_model with
+    init_lora_weights=False, B drawn large enough that the adapter changes greedy tokens), saved to `out`."""
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, use_rslora=use_rslora, target_modules=list(targets),
+                             init_lora_weights=False, lora_dropout=0.0)
+    model = peft.get_peft_model(random_hf_model(preset, dtype), config)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5 / rank ** 0.5)
+    model.save_pretrained(out)
+    return out
+
+
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     """`max_tokens` greedy tokens of a transformers causal LM after `prompt`, through end-of-sequence tokens
     (what the runtime's `ignore_eos` gives; `generate(min_new_tokens=...)` would instead mask the eos logits)."""

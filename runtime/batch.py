@@ -55,6 +55,8 @@ class ForwardBatch:
     group_tables: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     # (T,) int64 when some request's rows are a draft tree (the attention op's tree_mask); None: causal
     tree_mask: torch.Tensor | None = None
+    # (T,) int64 LoRA adapter slot of each row (-1: none) when some request has an adapter; None: none has
+    lora_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,7 @@ class ForwardBatch:
             self.max_seq_len,
             tuple((move(tables), move(slots)) for tables, slots in self.group_tables),
             None if self.tree_mask is None else move(self.tree_mask),
+            None if self.lora_slots is None else move(self.lora_slots),
         )
 
     @staticmethod
@@ -89,27 +92,31 @@ class ForwardBatch:
         logits_per_request: list[int] | None = None,
         num_groups: int = 1,
         tree_parents: list[list[int] | None] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> ForwardBatch:
         """Build a batch (on the CPU) from per-request new tokens, their start positions and block lists.
 
         `token_ids[b]` are the new tokens of request b, starting at position `num_computed[b]`;
         `block_ids[b]` cover at least `num_computed[b] + len(token_ids[b])` tokens (in each of
         `num_groups` KV-cache groups, one group's list after the other);
-        `logits_per_request[b]` (default 1) trailing tokens of request b get logits.
+        `logits_per_request[b]` (default 1) trailing tokens of request b get logits;
+        `lora_slots[b]`: request b's LoRA adapter slot (-1: none).
         """
         return BatchBuilder("cpu", num_groups).build(token_ids, num_computed, block_ids, block_size,
-                                                     logits_per_request, tree_parents)
+                                                     logits_per_request, tree_parents, lora_slots)
 
 
 @lru_cache(maxsize=256)
 def batch_layout(num_tokens: int, num_logits: int, num_requests: int, width: int, num_groups: int = 1,
-                 with_tree: bool = False) -> Packed:
+                 with_tree: bool = False, with_lora: bool = False) -> Packed:
     """The packed layout of a ForwardBatch's arrays (decode steps repeat a few shapes: cached); with
-    several KV-cache groups, a block table and a slot mapping per group; with draft trees, their mask."""
+    several KV-cache groups, a block table and a slot mapping per group; with draft trees, their mask; with
+    LoRA adapters, each row's slot."""
     i32, i64 = torch.int32, torch.int64
     groups = (num_groups,) if num_groups > 1 else ()
     tree = {"tree_mask": (i64, (num_tokens,))} if with_tree else {}
-    return Packed({**tree, "input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
+    lora = {"lora_slots": (i64, (num_tokens,))} if with_lora else {}
+    return Packed({**tree, **lora, "input_ids": (i64, (num_tokens,)), "positions": (i64, (num_tokens,)),
                    "slot_mapping": (i64, (*groups, num_tokens)), "logits_indices": (i64, (num_logits,)),
                    "query_start_loc": (i32, (num_requests + 1,)), "seq_lens": (i32, (num_requests,)),
                    "block_tables": (i32, (*groups, num_requests, width))})
@@ -186,6 +193,7 @@ class BatchBuilder:
         block_size: int,
         logits_per_request: list[int] | None = None,
         tree_parents: list[list[int] | None] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> ForwardBatch:
         """ForwardBatch.build's batch, on this builder's device."""
         num_requests, num_groups = len(token_ids), self.num_groups
@@ -216,7 +224,8 @@ class BatchBuilder:
         lens = [len(b) // num_groups for b in block_ids]
         width = max(lens, default=0) or 1
         max_query_len, max_seq_len = max(map(len, token_ids), default=0), max(seq_lens, default=0)
-        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width, num_groups, with_tree)
+        with_lora = lora_slots is not None and any(s >= 0 for s in lora_slots)
+        layout = batch_layout(starts[-1], len(logits_indices), num_requests, width, num_groups, with_tree, with_lora)
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copy has left the host buffer
         if self._host.numel() < layout.nbytes:
@@ -227,6 +236,8 @@ class BatchBuilder:
         if with_tree:
             arrays["tree_mask"][:] = np.array(masks, dtype=np.uint64).view(np.int64)  # bit 63 is a sign bit
         arrays["logits_indices"][:] = logits_indices
+        if with_lora:
+            arrays["lora_slots"][:] = np.repeat(lora_slots, np.diff(starts))
         arrays["query_start_loc"][:] = starts
         arrays["seq_lens"][:] = seq_lens
         if num_groups == 1:

@@ -35,6 +35,8 @@ class EngineConfig(RuntimeSettings):
     distributed_backend: DistributedBackend | str | None = None  # tensor parallelism: None = nccl on CUDA, gloo
     collective_timeout_s: float = 60.0  # a collective waiting longer fails: a rank died or hung
     use_references: bool = False  # every node runs its op's torch reference (optc eval -tp), not its kernel
+    max_loras: int = 0  # LoRA adapter slots (adapters loaded at once); 0: no adapters
+    max_lora_rank: int = 64  # the largest adapter rank the slots hold
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,6 +49,9 @@ class EngineConfig(RuntimeSettings):
                                  f"got {self.distributed_backend!r}") from None
         if self.collective_timeout_s <= 0:
             raise InputError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise InputError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise InputError(f"num_blocks must be >= 2, got {self.num_blocks}")
 

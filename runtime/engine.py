@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from optc.core.errors import InputError
+from optc.core.lora import LoraAdapter
 from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.config import EngineConfig
 from optc.runtime.grammar import GrammarCompiler, Matcher
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
+from optc.runtime.lora import LoraNames, UnknownAdapterError
 from optc.runtime.model import kv_windows
 from optc.runtime.model_runner import ModelRunner
 from optc.runtime.outputs import Completion, EngineStats
@@ -58,6 +60,12 @@ class Engine:
         self.device = torch.device(model.device)
         self.max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         models = [model] if draft_model is None else [model, draft_model]
+        # LoRA slots before the KV budget: one computed from free memory leaves them room
+        self.loras: LoraNames | None = None
+        if config.max_loras:
+            if group is not None:
+                raise InputError("LoRA adapters run on one rank (tensor parallelism takes none)", "max_loras")
+            self.loras = LoraNames(model.enable_lora(config.max_loras, config.max_lora_rank))
         num_blocks = config.num_blocks or num_kv_blocks(models, config, self.max_model_len)
         if group is not None:  # every rank allocates the smallest pool any rank holds
             num_blocks = group.agree_num_blocks(num_blocks)
@@ -144,14 +152,17 @@ class Engine:
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-        chat: bool = False,
+        chat: bool = False, loras: Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """Run every prompt to completion, batched; completions in input order."""
+        """Run every prompt to completion, batched; completions in input order. `loras[i]`: prompt i's adapter
+        name (None: the base model)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         requests = [self._make_request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
+        for request, lora in zip(requests, loras or [None] * len(requests), strict=True):
+            self._set_lora(request, lora)
         for request in requests:
             self._add(request)
         try:
@@ -180,24 +191,47 @@ class Engine:
 
     def add_request(
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False,
-        request_id: str | None = None, matcher: Matcher | None = None,
+        request_id: str | None = None, matcher: Matcher | None = None, lora: str | None = None,
     ) -> Request:
         """Validate, tokenize and queue one prompt (InputError if it can never be served: empty, not
         Unicode, outside the vocabulary, or it and max_tokens longer than the context, or a grammar that does
-        not compile). `matcher`: params.grammar's, compiled already (the server compiles off this thread)."""
+        not compile; UnknownAdapterError for a `lora` adapter name not loaded). `matcher`: params.grammar's,
+        compiled already (the server compiles off this thread)."""
         request = self._make_request(prompt, params or SamplingParams(), chat, request_id, matcher)
+        self._set_lora(request, lora)
         self._add(request)
         return request
 
+    def load_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Load the peft adapter in folder `path` under `name` into a free slot (AdapterError naming the file and
+        tensor when it does not fit this model; InputError without LoRA slots, or when they are all held)."""
+        if self.loras is None:
+            raise InputError("this engine has no LoRA slots: start it with max_loras >= 1 (--max-loras)", "lora_name")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`: no request may name it from now on, and its slot is freed once the requests
+        running under it finish (UnknownAdapterError when it is not loaded)."""
+        if self.loras is None:
+            raise UnknownAdapterError(f"the model {name!r} does not exist (no adapters are loaded)", "lora_name")
+        self.loras.unload(name)
+        self._release_loras()
+
+    def lora_names(self) -> list[str]:
+        """The adapters requests may name now."""
+        return [] if self.loras is None else self.loras.names()
+
     def add_requests(
         self, prompt: Prompt, params: Sequence[SamplingParams], request_ids: Sequence[str],
-        matcher: Matcher | None = None,
+        matcher: Matcher | None = None, lora: str | None = None,
     ) -> list[Request]:
         """Several completions of one prompt (OpenAI's `n`), one per params: the first is queued now, the others
         once its prompt's K/V is computed, so that they find its full blocks in the prefix cache instead of
         computing them again. All are validated before any is queued."""
         requests = [self._make_request(prompt, p, False, i, matcher and matcher.copy())
                     for p, i in zip(params, request_ids, strict=True)]
+        for request in requests:
+            self._set_lora(request, lora)
         self._add(requests[0])
         if len(requests) > 1:
             self._forks[requests[0].request_id] = requests[1:]
@@ -215,6 +249,7 @@ class Engine:
             self.speculator.release(request_id)
         aborted = self.scheduler.abort(request_id) is not None
         self._queue_forks(request_id)
+        self._release_loras()
         return aborted
 
     def close(self) -> None:
@@ -262,6 +297,8 @@ class Engine:
             if num_drafts[b] and not request.is_finished:  # roll back over the rejected drafts
                 request.num_computed_tokens = request.num_tokens - 1
                 self.kv_manager.truncate(request, request.num_tokens)
+        if self.loras is not None and self.loras.unloading:
+            self._release_loras()
         return [out.requests[b] for b in result.ready]
 
     def stats(self) -> EngineStats:
@@ -287,6 +324,20 @@ class Engine:
         )
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _set_lora(self, request: Request, name: str | None) -> None:
+        if name is None:
+            return
+        if self.loras is None:
+            raise UnknownAdapterError(f"the model {name!r} does not exist (no adapters are loaded)", "model")
+        self.loras.assign(request, name)
+
+    def _release_loras(self) -> None:
+        """Free the slots of adapters being unloaded whose requests have finished."""
+        if self.loras is None or not self.loras.unloading:
+            return
+        self.loras.release([*self.scheduler.running, *self.scheduler.waiting,
+                            *(f for fs in self._forks.values() for f in fs)])
 
     def _queue_forks(self, request_id: str) -> None:
         for fork in self._forks.pop(request_id, ()):

@@ -276,7 +276,8 @@ class KVCacheManager:
         hashes, size = request.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            # a request under a LoRA adapter chains from the adapter's key: two adapters never share a prefix block
+            parent = hashes[-1] if hashes else request.lora_key
             hashes.append(hash_block_tokens(parent, request.token_ids[i * size : (i + 1) * size]))
 
 

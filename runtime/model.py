@@ -8,6 +8,10 @@ slices, the collectives) and the process group its collectives run over.
 KV-cache groups (optc/core/kv_cache.py): a model with sliding-window layers has several, each with its
 own block table; its KV-touching nodes get their group as a `kv_group` attr here (once, at load), and
 its batches carry a block table and slot mapping per group (`BatchBuilder(device, num_groups)`).
+
+LoRA (runtime/lora.py): `enable_lora` allocates the adapter slots and wraps every targetable linear so that it
+adds its rows' deltas. A step whose batch has adapter rows runs every node one by one (the fused CPU step knows
+nothing of adapters; `num_unfused_lora_steps` counts these steps); a step without stays fused.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from optc.core.formats import DTYPES
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 from optc.core.kv_cache import KVCache, KVCacheGroup, KVCacheSpec, kv_cache_groups
 from optc.core.ops import OPS
+from optc.core.ops.lora import slot_groups
 from optc.core.rope import cos_sin_tables
 from optc.core.store import TensorStore
 from optc.runtime.batch import ForwardBatch
+from optc.runtime.lora import LoraSlots
 
 
 class Model:
@@ -72,6 +78,17 @@ class Model:
         self.takes_tree_mask = group is None and len(self.kv_groups) == 1 and self.kv_groups[0].window is None and all(
             n.op == "attention" and not n.attrs.get("window") and (use_references or _takes_tree_mask(n.kernel))
             for n in graph.nodes if OPS[n.op].touches_kv_cache and n.op != "rope_kv_store")
+        self.lora: LoraSlots | None = None
+        self.num_unfused_lora_steps = 0  # steps with adapter rows, run node by node instead of fused
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
+        """Allocate `max_loras` adapter slots of rank <= max_rank and add their deltas to the targetable linears."""
+        if self.lora is None:
+            self.lora = LoraSlots(self.graph, max_loras, max_rank, self.device)
+            for i, node in enumerate(self.executor.graph.nodes):
+                if node.name in self.lora.tables:
+                    self.executor.wrap(i, lambda impl, name=node.name: _with_lora(impl, name, self.lora))
+        return self.lora
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config)
@@ -90,8 +107,23 @@ class Model:
             raise ValueError(f"the batch has {len(batch.group_tables) or 1} KV-cache group(s), this model "
                              f"{len(self.kv_groups)}: build it with num_groups={len(self.kv_groups)}")
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
-        out = self.executor.run(batch.input_ids, step)
+        if batch.lora_slots is not None and self.lora is not None:
+            step.lora_groups = slot_groups(batch.lora_slots)
+            step.lora_masks = self.lora.masks(batch.lora_slots) if len(step.lora_groups) > 1 else None
+        if step.lora_groups and self.fused_runs:
+            self.num_unfused_lora_steps += 1
+        out = self.executor.run(batch.input_ids, step, fused=not step.lora_groups)
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
+
+
+def _with_lora(impl: Impl, name: str, lora: LoraSlots) -> Impl:
+    """A linear's implementation followed by its LoRA deltas on steps with adapter rows."""
+    def run(node, inputs, params, step):
+        outputs = impl(node, inputs, params, step)
+        if step is None or not step.lora_groups:
+            return outputs
+        return lora.apply(name, inputs[0], outputs, step.lora_groups, step.lora_masks)
+    return run
 
 
 def _fuse_planned(graph: Graph, executor: Executor) -> int:

@@ -86,21 +86,30 @@ class ModelRunner:
     def forward(
         self, token_ids: list[list[int]], starts: list[int], block_ids: list[list[int]],
         num_rows: list[int] | None = None, block_copies: Sequence[tuple[int, int]] = (),
-        tree_parents: list[list[int] | None] | None = None,
+        tree_parents: list[list[int] | None] | None = None, lora_slots: list[int] | None = None,
     ) -> torch.Tensor:
         """float32 logits (sum(num_rows), V): request b's new `token_ids[b]` from position `starts[b]`,
         its last `num_rows[b]` (default 1) rows, after the block copies. A pure-decode step that fits a
         bucket replays a graph, built straight into the graph's buffers; the logits are valid until the
-        next step. `tree_parents[b]`: request b's drafts are a tree (ForwardBatch's; one rank, eager only)."""
+        next step. `tree_parents[b]`: request b's drafts are a tree (ForwardBatch's; one rank, eager only).
+        `lora_slots[b]`: request b's LoRA adapter slot, -1 for none (one rank, eager steps)."""
         if self.group is None:
-            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, tree_parents)
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, tree_parents, lora_slots)
         with self.group.guard():  # a dead or hung rank: a TensorParallelError naming it
             self.group.send_step(block_copies, token_ids, starts, block_ids, num_rows)
             return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
 
-    def _forward(self, token_ids, starts, block_ids, num_rows, block_copies, tree_parents=None) -> torch.Tensor:
+    def _forward(self, token_ids, starts, block_ids, num_rows, block_copies, tree_parents=None,
+                 lora_slots=None) -> torch.Tensor:
         self.num_forwards += 1
         self.copy_blocks(block_copies)
+        if lora_slots is not None and any(s >= 0 for s in lora_slots):  # eager: a captured graph has no deltas
+            batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents,
+                                             lora_slots)
+            if self._with_features:
+                logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
+                return logits
+            return self.model.forward(batch, self.kv_caches)
         if tree_parents is not None:
             batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents)
         else:
@@ -175,7 +184,9 @@ class ModelRunner:
         if constrained:  # the grammar's masks fill on a worker thread while the forward runs
             self._masks = self._masks or Masks()
             masks = self._masks.start([(requests[b].matcher, shaped[b]) for b in constrained])
-        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees)  # (sum(num_rows), V)
+        lora_slots = [r.lora_slot for r in requests]
+        logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees,
+                              lora_slots if any(s >= 0 for s in lora_slots) else None)  # (sum(num_rows), V)
         last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
         bitmasks = _split(masks.result(), [len(shaped[b]) for b in constrained], constrained) if constrained else {}
         plain = [b for b in ready if num_drafts[b] == 0]

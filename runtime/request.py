@@ -58,6 +58,9 @@ class Request:
     logprobs: list[Logprobs] = field(default_factory=list)  # per output token, with params.logprobs
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)  # per prompt token (None first)
     matcher: Matcher | None = None  # params.grammar's state over the output so far (runtime/grammar.py)
+    lora_name: str | None = None  # the LoRA adapter it runs under (runtime/lora.py); None: the base model
+    lora_slot: int = -1  # that adapter's slot in the model's LoraSlots
+    lora_key: bytes | None = None  # that adapter's name and weights' hash: its first prefix-cache block's parent
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from optc.commands.dataset import read_dataset
 from optc.core.errors import InputError
+from optc.core.lora import adapter_rank
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.speculative import SpeculativeConfig
 
@@ -53,6 +54,7 @@ class BenchOptions:
     speculative: str | None = None
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
+    loras: tuple[tuple[str, Path], ...] = ()  # (name, peft adapter folder): request i runs under loras[i % len]
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -117,9 +119,14 @@ def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torc
         if getattr(options, name) is not None:
             overrides[name] = getattr(options, name)
     speculative = SpeculativeConfig.parse(options.speculative) if options.speculative else None
+    if options.loras:
+        overrides |= {"max_loras": len(options.loras),
+                      "max_lora_rank": max(adapter_rank(folder) for _, folder in options.loras)}
     engine = Engine.load(options.artifact, device=options.device, verify=options.verify, speculative=speculative,
                          **overrides)
     try:
+        for name, folder in options.loras:
+            engine.load_lora(name, folder)
         return _measure(options, engine)
     finally:
         engine.close()  # tensor parallelism: stops the other ranks
@@ -148,8 +155,9 @@ def _measure(options: BenchOptions, engine: Engine) -> tuple[BenchResult, list[l
     if is_cuda:
         torch.cuda.reset_peak_memory_stats(engine.device)
 
-    requests = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, output_lens, strict=True)]
+    names = [name for name, _ in options.loras] or [None]
+    requests = [engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True), lora=names[i % len(names)])
+                for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True))]
     start = time.perf_counter()
     peak_blocks = 0
     total = sum(r.params.max_tokens for r in requests)

@@ -34,6 +34,9 @@ class Step:
     kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
     new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
     group: object = None  # the tensor-parallel process group the collective ops run over; None: one rank
+    # LoRA: (adapter slot, its rows (n,) int64) per slot the step's rows use (optc/core/ops/lora.py's slot_groups)
+    lora_groups: list[tuple[int, torch.Tensor]] | None = None
+    lora_masks: dict[int, torch.Tensor] | None = None  # rank capacity -> (T, S * R) slot mask (ops/lora.py's slot_mask)
     _transient: dict[int, KVCache] = field(default_factory=dict)
 
     def kv_cache(self, layer: int) -> KVCache:
@@ -86,6 +89,10 @@ class Executor:
         """Node i's params by role, the dict its implementation receives on every call."""
         return self._node_params[i]
 
+    def wrap(self, i: int, wrapper: Callable[[Impl], Impl]) -> None:
+        """Node i runs `wrapper(its implementation)` from now on (the runtime's LoRA deltas on a linear)."""
+        self._impls[i] = wrapper(self._impls[i])
+
     def fuse(self, start: int, stop: int, inputs: tuple[str, ...], outputs: tuple[str, ...],
              fn: Callable[[list, Step], list | None]) -> bool:
         """Run nodes [start, stop) as one call where it can: `fn(values of inputs, step)` returns the values of
@@ -109,12 +116,13 @@ class Executor:
         self._fused.clear()
 
     def run(
-        self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None
+        self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None,
+        fused: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values (and runs every
-        node one by one). Returns outputs."""
+        node one by one, as `fused=False` does). Returns outputs."""
         env = {"input_ids": input_ids, "positions": step.positions}
-        fused = self._fused if hook is None else {}
+        fused = self._fused if hook is None and fused else {}
         nodes, impls, params, dead_after = self.graph.nodes, self._impls, self._node_params, self._dead_after
         i, n = 0, len(nodes)
         while i < n:

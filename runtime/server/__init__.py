@@ -28,6 +28,7 @@ from pathlib import Path
 import uvicorn
 
 from optc.core.errors import InputError, UserError
+from optc.core.lora import DEFAULT_MAX_RANK, adapter_rank
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 from optc.runtime.server.async_engine import FAILURE_WINDOW_S
@@ -56,6 +57,9 @@ class ServeOptions:
     failure_window: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server (exit 1)
     chat_template: str | None = None  # Jinja text replacing the tokenizer's chat template (a base model has none)
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral; None = the model family's
+    loras: tuple[tuple[str, Path], ...] = ()  # (name, peft adapter folder) loaded at start
+    max_loras: int | None = None  # adapter slots; None = one per --lora (none without), 0 = no adapters
+    max_lora_rank: int | None = None  # None = the largest rank of --lora (64 without)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -72,6 +76,11 @@ class ServeOptions:
                 raise InputError(f"{name} must be a positive finite number, got {value}")
         if self.api_key == "":
             raise InputError("--api-key (or OPTC_API_KEY) must not be empty")
+        names = [name for name, _ in self.loras]
+        if len(set(names)) != len(names) or self.model_name in names:
+            raise InputError(f"--lora names must be distinct and not the served model's name, got {names}")
+        if self.max_loras is not None and self.max_loras < len(self.loras):
+            raise InputError(f"--max-loras {self.max_loras} is fewer than the {len(self.loras)} --lora adapters")
         if self.tool_call_parser is not None and self.tool_call_parser not in [p.value for p in Parser]:
             raise InputError(f"--tool-call-parser must be one of {', '.join(p.value for p in Parser)}, got "
                              f"{self.tool_call_parser!r}")
@@ -85,8 +94,15 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
     """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
     names = ("max_num_seqs", "tensor_parallel_size", "distributed_backend")
     overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
-    load = lambda: Engine.load(options.artifact, device=options.device, verify=options.verify,
-                               chat_template=options.chat_template, **overrides)
+    overrides |= _lora_overrides(options)
+
+    def load() -> Engine:
+        engine = Engine.load(options.artifact, device=options.device, verify=options.verify,
+                             chat_template=options.chat_template, **overrides)
+        for name, folder in options.loras:  # a bad adapter fails the load: its AdapterError names it (exit 2)
+            engine.load_lora(name, folder)
+        return engine
+
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
                           options.log_requests, options.max_body_bytes, options.client_timeout, options.failure_window,
                           Parser(options.tool_call_parser) if options.tool_call_parser else None)
@@ -117,6 +133,15 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
         raise fatal_errors[0]
     if not server.started:
         raise UserError(f"could not listen on {options.host}:{options.port} (is the port in use?)")
+
+
+def _lora_overrides(options: ServeOptions) -> dict:
+    """The engine's max_loras and max_lora_rank: slots for every --lora, of their largest rank, unless given."""
+    max_loras = len(options.loras) if options.max_loras is None else options.max_loras
+    if not max_loras:
+        return {}
+    rank = options.max_lora_rank or max((adapter_rank(folder) for _, folder in options.loras), default=DEFAULT_MAX_RANK)
+    return {"max_loras": max_loras, "max_lora_rank": rank}
 
 
 class _Server(uvicorn.Server):

@@ -27,12 +27,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from optc.core.errors import UserError
 from optc.runtime.engine import Engine
 from optc.runtime.grammar import GrammarKind, GrammarSpec
+from optc.runtime.lora import UnknownAdapterError
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.server import responses as r
 from optc.runtime.server.async_engine import (
@@ -51,7 +52,9 @@ from optc.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraRequest,
     TokenizeRequest,
+    UnloadLoraRequest,
     parse,
 )
 from optc.runtime.server.streaming import collect, stream
@@ -99,24 +102,33 @@ class ServerState:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.engine is not None and self.engine.ready.is_set()
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.config.model_name!r}",
-                           "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base, the served model name); 404 for another."""
+        if model is None or model == self.config.model_name:
+            return None
+        loras = self.engine.engine.lora_names() if self.is_ready else []
+        if model not in loras:
+            served = ", ".join(repr(n) for n in [self.config.model_name, *loras])
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", "model",
+                           "model_not_found")
+        return model
 
     async def start(self, prompt: Prompt | ChatPrompt, params: list[SamplingParams], is_streaming: bool,
-                    params_of: Mapping[str, str]) -> tuple[Accepted, AsyncIterator[Output]]:
-        """Queue a request: its Accepted and the iterator of its outputs (a 400/503 ApiError instead).
-        `params_of` maps the engine's field names (InputError.field; none = "prompt") to the body's."""
+                    params_of: Mapping[str, str], lora: str | None = None) -> tuple[Accepted, AsyncIterator[Output]]:
+        """Queue a request (under adapter `lora`): its Accepted and the iterator of its outputs (a 400/404/503
+        ApiError instead). `params_of` maps the engine's field names (InputError.field; none = "prompt") to the
+        body's."""
         if self.is_draining or not self.is_ready:
             raise ApiError(503, "the server is shutting down" if self.is_draining else "the model is loading")
         limit = self.engine.engine.config.max_num_seqs + self.config.max_waiting
         if self.engine.num_in_flight >= limit:
             raise ApiError(503, f"the server is full ({limit} requests in flight: max_num_seqs + max_waiting)")
         self.num_requests += 1
-        outputs = self.engine.generate(prompt, params, is_streaming, time.perf_counter())
+        outputs = self.engine.generate(prompt, params, is_streaming, time.perf_counter(), lora)
         try:
             accepted = await anext(outputs)
+        except UnknownAdapterError as e:  # unloaded since check_model
+            raise ApiError(404, str(e), "model", "model_not_found") from None
         except (ValueError, UserError) as e:
             field = getattr(e, "field", None) or "prompt"
             param = params_of.get(field, field)
@@ -177,23 +189,46 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     @v1.get("/models")
     async def models() -> Response:
         engine = _engine(state)
-        return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": 0, "owned_by": "optc",
-            "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab_size,
-        }]})
+        base = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "optc",
+                "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab_size}
+        adapters = await state.engine.call(lambda e: [(n, str(e.loras.adapters[n].path)) for n in e.lora_names()])
+        return JSONResponse({"object": "list", "data": [base, *(
+            {**base, "id": name, "parent": config.model_name, "root": path} for name, path in adapters)]})
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body: LoadLoraRequest = parse(LoadLoraRequest, await _json(request, config))
+        _engine(state)
+        if body.lora_name == config.model_name:
+            raise ApiError(400, f"{body.lora_name!r} is the base model's name", "lora_name")
+        try:
+            await state.engine.call(lambda e: e.load_lora(body.lora_name, body.lora_path))
+        except UserError as e:
+            raise ApiError(400, str(e).splitlines()[0], getattr(e, "field", None) or "lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body: UnloadLoraRequest = parse(UnloadLoraRequest, await _json(request, config))
+        _engine(state)
+        try:  # requests in flight under it finish first; new ones get 404 from now on
+            await state.engine.call(lambda e: e.unload_lora(body.lora_name))
+        except UnknownAdapterError as e:
+            raise ApiError(404, str(e), "lora_name", "model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse(CompletionRequest, await _json(request, config))
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         if body.echo and body.stream and body.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' is not supported when streaming", "echo")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         params = _params(body, max_tokens, logprobs=body.logprobs,
                          prompt_logprobs=(body.logprobs or 0) if body.echo and body.logprobs is not None
                          or max_tokens == 0 else None)
-        accepted, outputs = await state.start(body.single_prompt, params, body.stream, _PARAMS_OF)
-        ids = r.ResponseIds("cmpl", state.num_requests, config.model_name)
+        accepted, outputs = await state.start(body.single_prompt, params, body.stream, _PARAMS_OF, lora)
+        ids = r.ResponseIds("cmpl", state.num_requests, lora or config.model_name)
         echo = await _prompt_text(state, body.single_prompt, accepted) if body.echo else ""
         if body.stream:
             chunk = lambda out, first: r.completion_chunk(ids, out, echo if first else "", body.return_token_ids)
@@ -215,7 +250,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse(ChatCompletionRequest, await _json(request, config))
-        state.check_model(body.model)
+        lora = state.check_model(body.model)
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         parser = await _tool_parser(state, config) if tools.choice is not ToolChoice.NONE else None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to the context
@@ -225,8 +260,8 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         params_of = {**_PARAMS_OF, "prompt": "messages",
                      "max_tokens": "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"}
         accepted, outputs = await state.start(ChatPrompt(body.chat_messages(), tools), params, body.stream,
-                                              params_of)
-        ids = r.ResponseIds("chatcmpl", state.num_requests, config.model_name)
+                                              params_of, lora)
+        ids = r.ResponseIds("chatcmpl", state.num_requests, lora or config.model_name)
         if body.stream:
             chunk = (lambda out, first: r.chat_chunk(ids, out, first, body.logprobs)) if parser is None else \
                 r.ToolChunks(ids, parser, body.logprobs).chunk

@@ -151,9 +151,11 @@ class AsyncEngine:
     # -- event-loop side --------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: Prompt | ChatPrompt, params: Sequence[SamplingParams], is_streaming: bool, arrival_time: float
+        self, prompt: Prompt | ChatPrompt, params: Sequence[SamplingParams], is_streaming: bool, arrival_time: float,
+        lora: str | None = None,
     ) -> AsyncIterator[Accepted | Output]:
-        """Accepted, then Outputs (of `len(params)` completions, by index) until each has had a finish_reason.
+        """(Under LoRA adapter `lora`) Accepted, then Outputs (of `len(params)` completions, by index) until each
+        has had a finish_reason.
         Raises the engine's ValueError / UserError for a prompt it cannot serve. Closing the iterator early
         aborts every completion."""
         request_ids = [f"req-{self._next_id}-{i}" for i in range(len(params))]
@@ -163,7 +165,8 @@ class AsyncEngine:
         num_finished, is_finished = 0, False
         try:
             prompt_ids, matcher = await self.prepare(lambda tokenizer: self._prepare(tokenizer, prompt, params[0]))
-            self._send(("add", request_ids, prompt_ids, list(params), matcher, is_streaming, arrival_time, results))
+            self._send(("add", request_ids, prompt_ids, list(params), matcher, is_streaming, arrival_time, results,
+                        lora))
             while True:
                 item = await results.get()
                 if isinstance(item, BaseException):
@@ -291,9 +294,10 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_resolve, future, result, error)
 
     def _add(self, engine: Engine, request_ids: list[str], prompt_ids: list[int], params: list[SamplingParams],
-             matcher: Matcher | None, is_streaming: bool, arrival_time: float, results: asyncio.Queue) -> None:
+             matcher: Matcher | None, is_streaming: bool, arrival_time: float, results: asyncio.Queue,
+             lora: str | None = None) -> None:
         try:
-            requests = engine.add_requests(prompt_ids, params, request_ids, matcher)
+            requests = engine.add_requests(prompt_ids, params, request_ids, matcher, lora)
         except Exception as e:  # ValueError / UserError: the handler answers 400; anything else 500
             self._put(results, e)
             return

@@ -298,6 +298,20 @@ class TokenizeRequest(_Body):
         _check_messages(self.messages or [])
 
 
+class LoadLoraRequest(_Body):
+    """vLLM's /v1/load_lora_adapter body: a name for requests' `model` and a peft adapter folder."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is not used: names identify adapters)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

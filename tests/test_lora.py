@@ -1,0 +1,189 @@
+"""LoRA adapters (optc/core/lora.py, optc/core/ops/lora.py, runtime/lora.py) on random:tiny in float32: bad adapters
+refused by name, the grouped deltas against the op reference, concurrent mixed requests for the base and three
+adapters of different ranks and targets equal to transformers + peft token for token (on a fused qkv / gate_up
+artifact), prefix blocks keyed by adapter, the fused CPU step declined for adapter steps only, unloading after the
+requests in flight."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from optc.core.artifact import read
+from optc.core.lora import AdapterError, load_adapter
+from optc.core.ops.lora import lora_delta_grouped, lora_delta_masked, lora_delta_ref, slot_groups, slot_mask
+from optc.runtime import Engine, SamplingParams
+from optc.runtime.lora import UnknownAdapterError
+from optc.testing import assert_no_leaks, build_artifact, hf_greedy, random_peft_adapter, tiny_hf_model
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name -> (rank, alpha, rslora, targets): different ranks and targets
+    "all4": (4, 8, False, ATTENTION + MLP),
+    "qv8": (8, 16, True, ["q_proj", "v_proj"]),
+    "mlp16": (16, 8, False, ["gate_proj", "down_proj", "o_proj"]),
+}
+PROMPTS = [[5, 9, 13, 200, 3], [7] * 21, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [250, 3]]
+MAX_TOKENS = 12
+
+
+def make_adapter(folder, name: str, seed: int = 0):
+    """A random peft adapter of ADAPTERS[name] on random:tiny's transformers model, saved to folder/name."""
+    rank, alpha, rslora, targets = ADAPTERS[name]
+    return random_peft_adapter(folder / name, rank, alpha, targets, rslora, seed)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(folder, name, seed) for seed, name in enumerate(ADAPTERS)}
+
+
+def peft_greedy(adapter_dir, prompt):
+    model = tiny_hf_model() if adapter_dir is None else peft.PeftModel.from_pretrained(tiny_hf_model(), adapter_dir)
+    return hf_greedy(model.eval(), prompt, MAX_TOKENS)
+
+
+def test_grouped_deltas_equal_the_reference():
+    torch.manual_seed(0)
+    slots_count, rank, k, n = 3, 8, 24, 40
+    a, b = torch.randn(slots_count, rank, k), torch.randn(slots_count, n, rank)
+    a[1, 5:], b[1, :, 5:] = 0, 0  # slot 1 uses 5 of its 8 rank columns
+    x = torch.randn(7, k)
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])
+    ref = lora_delta_ref(x, slots, a, b)
+    got = lora_delta_grouped(x, slot_groups(slots), a, b, [8, 5, 8])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert got[1].abs().max() == 0 and got[5].abs().max() == 0  # rows without an adapter: no delta
+    b_cat = b.permute(1, 0, 2).reshape(n, slots_count * rank)
+    masked = lora_delta_masked(x, slot_mask(slots, slots_count, rank), a, b_cat)
+    torch.testing.assert_close(masked, ref, rtol=1e-5, atol=1e-5)
+    assert masked[1].abs().max() == 0 and masked[5].abs().max() == 0
+    whole = torch.tensor([1] * 7)
+    torch.testing.assert_close(lora_delta_grouped(x, slot_groups(whole), a, b, [8, 5, 8]),
+                               lora_delta_ref(x, whole, a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_adapters_are_refused_by_name(tiny_artifact, adapters, tmp_path):
+    graph = read(tiny_artifact).graph
+    with pytest.raises(AdapterError, match=r"rank 16 is above the maximum rank 8"):
+        load_adapter(adapters["mlp16"], graph, max_rank=8)
+    with pytest.raises(AdapterError, match="adapter_config.json: no such file"):
+        load_adapter(tmp_path, graph)
+    # a tensor of another base model's width, one for a module the graph lacks, a missing lora_B
+    from safetensors.torch import load_file, save_file
+
+    for case, edit, message in (
+        ("wide", lambda t, k: t[k].repeat(1, 2) if "q_proj.lora_A" in k and "layers.1" in k else t[k],
+         r"adapter_model.safetensors: base_model.model.model.layers.1.self_attn.q_proj is \(64 x 128\), this "
+         r"model's model.layers.1.self_attn.q_proj is \(64 x 64\)"),
+        ("lm_head", None, r"base_model.model.lm_head targets 'lm_head', which is not one of this model's projections"),
+        ("no_b", None, r"layers.0.self_attn.q_proj has no lora_B.weight"),
+    ):
+        bad = tmp_path / case
+        shutil.copytree(adapters["all4"], bad)
+        tensors = load_file(bad / "adapter_model.safetensors")
+        if case == "wide":
+            tensors = {k: edit(tensors, k) for k in tensors}
+        elif case == "lm_head":
+            tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 64)
+            tensors["base_model.model.lm_head.lora_B.weight"] = torch.zeros(256, 4)
+        else:
+            del tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+        save_file(tensors, bad / "adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=message):
+            load_adapter(bad, graph)
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["all4"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="adapter_config.json: use_dora is not supported"):
+        load_adapter(dora, graph)
+
+
+def test_fused_projections_take_adapters_of_the_separate_ones(tiny_artifact, adapters):
+    graph = read(tiny_artifact).graph
+    assert any(n.name.endswith("qkv_proj") for n in graph.nodes)  # recipes/tiny.yaml fuses qkv and gate_up
+    adapter = load_adapter(adapters["all4"], graph)
+    assert len(adapter.factors) == 2 * 7 and adapter.scaling == 2.0
+
+
+def test_mixed_requests_equal_peft(tiny_artifact, adapters):
+    """Base and three adapters at once, every prompt under each, one engine: peft's greedy tokens."""
+    engine = Engine.load(tiny_artifact, max_loras=3, max_lora_rank=16)
+    for name, path in adapters.items():
+        engine.load_lora(name, path)
+    names = [None, *ADAPTERS]
+    jobs = [(p, n) for p in PROMPTS for n in names]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    done = engine.generate([p for p, _ in jobs], params, loras=[n for _, n in jobs])
+    expected = {(i, n): peft_greedy(None if n is None else adapters[n], p)
+                for i, p in enumerate(PROMPTS) for n in names}
+    got = {(i, n): c.token_ids for (p, n), c, i in zip(jobs, done, [PROMPTS.index(p) for p, _ in jobs], strict=True)}
+    assert got == expected
+    # the adapters change the tokens: the test would catch deltas that were never added
+    assert all(expected[(i, n)] != expected[(i, None)] for i in range(len(PROMPTS)) for n in ADAPTERS)
+    assert_no_leaks(engine)
+
+
+def test_prefix_blocks_are_keyed_by_adapter(tiny_artifact, adapters):
+    engine = Engine.load(tiny_artifact, max_loras=2, max_lora_rank=16)
+    engine.load_lora("a", adapters["all4"])
+    engine.load_lora("b", adapters["qv8"])
+    prompt, params = list(range(1, 40)), SamplingParams(max_tokens=1, temperature=0.0)
+    kv = engine.kv_manager
+
+    def hits(lora):
+        before = kv.num_prefix_hit_tokens
+        engine.generate([prompt], params, loras=[lora])
+        return kv.num_prefix_hit_tokens - before
+
+    assert hits("a") == 0
+    assert hits("b") == 0  # the same tokens under another adapter: no shared block
+    assert hits(None) == 0  # nor the base
+    assert hits("a") == 32 and hits("b") == 32 and hits(None) == 32  # each its own: two full blocks of 16
+    assert_no_leaks(engine)
+
+
+def test_adapter_steps_run_node_by_node_base_steps_stay_fused(tmp_path, adapters):
+    recipe = tmp_path / "step.yaml"
+    recipe.write_text("model: random:tiny\ndtype: float32\ntarget: cpu\npasses: [fuse_qkv, fuse_gate_up, "
+                      "fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select_kernels: {measure: false}}, plan_cpu_step]\n")
+    engine = Engine.load(build_artifact(tmp_path / "a", recipe), max_loras=1, max_lora_rank=8)
+    if not engine.model.fused_runs:
+        pytest.skip("the fused CPU step is not built on this machine (no compiler or no AVX2)")
+    engine.load_lora("a", adapters["all4"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    base = engine.generate([PROMPTS[0]], params)[0].token_ids
+    assert engine.model.num_unfused_lora_steps == 0
+    assert base == peft_greedy(None, PROMPTS[0])
+    lora = engine.generate([PROMPTS[0]], params, loras=["a"])[0].token_ids
+    assert engine.model.num_unfused_lora_steps == MAX_TOKENS  # every step of the adapter's request
+    assert lora == peft_greedy(adapters["all4"], PROMPTS[0])
+
+
+def test_unknown_and_unloaded_adapters(tiny_artifact, adapters):
+    engine = Engine.load(tiny_artifact, max_loras=1, max_lora_rank=16)
+    engine.load_lora("a", adapters["all4"])
+    with pytest.raises(UnknownAdapterError, match="the model 'nope' does not exist"):
+        engine.add_request([1, 2, 3], lora="nope")
+    with pytest.raises(Exception, match="all 1 adapter slots are in use"):
+        engine.load_lora("b", adapters["qv8"])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    request = engine.add_request(PROMPTS[0], params, lora="a")
+    engine.step()
+    engine.unload_lora("a")  # in flight: it finishes under its adapter first
+    assert engine.lora_names() == []
+    with pytest.raises(UnknownAdapterError):
+        engine.add_request([1, 2, 3], lora="a")
+    with pytest.raises(Exception, match="all 1 adapter slots are in use"):
+        engine.load_lora("b", adapters["qv8"])  # the slot is still held by the finishing request
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_token_ids == peft_greedy(adapters["all4"], PROMPTS[0])
+    engine.load_lora("b", adapters["qv8"])  # the slot is free now
+    assert engine.lora_names() == ["b"]
+    assert_no_leaks(engine)
