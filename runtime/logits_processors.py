@@ -2,7 +2,8 @@
 outputs' grammar masks, as pure functions of a row's logits and the tokens before it.
 
 A request whose SamplingParams `shapes_logits` gets its rows shaped (a copy: logprobs stay the model's own,
-as OpenAI and vLLM report them); every other row passes untouched. For each row, in this order:
+as OpenAI and vLLM report them); every other row passes untouched. For each row, in this order (the -inf
+steps commute with the others):
 
     repetition (CTRL, HF, vLLM):  l[t] = l[t] / r if l[t] > 0 else l[t] * r     for t in prompt or output
     presence / frequency (OpenAI): l[t] -= presence * [count(t) > 0] + frequency * count(t)   over the output
@@ -55,6 +56,13 @@ def shape(logits: torch.Tensor, rows: Sequence[RowTokens], eos_token_ids: Sequen
     device, vocab_size = logits.device, logits.shape[-1]
     for i, row in enumerate(rows):
         params, x = row.request.params, out[i]
+        num_output = row.request.num_output_tokens + len(row.drafts)
+        if num_output < params.min_tokens:
+            banned = [t for t in (*eos_token_ids, *params.stop_token_ids) if t < vocab_size]
+            x[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+        if not (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                or params.logit_bias):
+            continue  # a grammar alone: its mask below; the output is not copied (O(length) a token)
         output = row.request.output_token_ids + list(row.drafts)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.request.prompt_token_ids) | set(output)), device=device)
@@ -66,9 +74,6 @@ def shape(logits: torch.Tensor, rows: Sequence[RowTokens], eos_token_ids: Sequen
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
             x[ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
-        if len(output) < params.min_tokens:
-            banned = [t for t in (*eos_token_ids, *params.stop_token_ids) if t < vocab_size]
-            x[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
     if bitmask is not None:
         apply_bitmask(out, bitmask)
     return out

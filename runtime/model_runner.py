@@ -103,22 +103,18 @@ class ModelRunner:
                  lora_slots=None) -> torch.Tensor:
         self.num_forwards += 1
         self.copy_blocks(block_copies)
-        if lora_slots is not None and any(s >= 0 for s in lora_slots):  # eager: a captured graph has no deltas
+        with_lora = lora_slots is not None and any(s >= 0 for s in lora_slots)
+        # eager where a captured graph cannot hold the step: draft trees, LoRA deltas
+        runner = None if tree_parents is not None or with_lora else self.graph_runner
+        if runner is None:
             batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents,
-                                             lora_slots)
-            if self._with_features:
-                logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
-                return logits
-            return self.model.forward(batch, self.kv_caches)
-        if tree_parents is not None:
-            batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents)
+                                             lora_slots if with_lora else None)
         else:
-            batch = (self.graph_runner or self.batch_builder).build(token_ids, starts, block_ids, self.block_size,
-                                                                    num_rows)
+            batch = runner.build(token_ids, starts, block_ids, self.block_size, num_rows)
         if self._with_features:
             logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
             return logits
-        return (self.graph_runner or self.model).forward(batch, self.kv_caches)
+        return (runner or self.model).forward(batch, self.kv_caches)
 
     def rank_stats(self) -> list[RankStats]:
         """Every tensor-parallel rank's counters (forwards run, KV pool size), asked over the control
