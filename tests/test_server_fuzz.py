@@ -111,7 +111,7 @@ chat_bodies = st.builds(
 
 
 def params_of(body: dict, max_tokens: int) -> SamplingParams:
-    """What the server runs a body with (app._params), for the in-process engine."""
+    """What the server runs a body with (protocol.py sampling_params), for the in-process engine."""
     stop = body.get("stop") or ()
     grammar = None
     if "structured_outputs" in body:

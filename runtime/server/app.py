@@ -224,7 +224,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         if body.echo and body.stream and body.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' is not supported when streaming", "echo")
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        params = _params(body, max_tokens, logprobs=body.logprobs,
+        params = body.sampling_params(max_tokens, logprobs=body.logprobs,
                          prompt_logprobs=(body.logprobs or 0) if body.echo and body.logprobs is not None
                          or max_tokens == 0 else None)
         accepted, outputs = await state.start(body.single_prompt, params, body.stream, _PARAMS_OF, lora)
@@ -245,7 +245,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
             if body.return_token_ids:
                 choice |= {"prompt_token_ids": accepted.prompt_token_ids, "token_ids": token_ids}
             choices.append(choice)
-        return JSONResponse(ids.completion(choices, _usage(results)))
+        return JSONResponse(ids.completion(choices, r.total_usage(results)))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -254,7 +254,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
         tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         parser = await _tool_parser(state, config) if tools.choice is not ToolChoice.NONE else None
         max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to the context
-        params = _params(body, max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        params = body.sampling_params(max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         if parser is not None:
             params = await _with_tool_grammar(state, params, tools, parser)
         params_of = {**_PARAMS_OF, "prompt": "messages",
@@ -280,7 +280,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choices.append({"index": index, "message": message, "finish_reason": finish_reason,
                             "logprobs": r.chat_logprobs(entries) if body.logprobs else None})
-        return JSONResponse(ids.chat(choices, _usage(results)))
+        return JSONResponse(ids.chat(choices, r.total_usage(results)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -369,30 +369,6 @@ async def _with_tool_grammar(state: ServerState, params: list[SamplingParams], t
     grammar = GrammarSpec(GrammarKind.LARK, lark, "tools") if lark is not None else params[0].grammar
     keep_special = parser is Parser.MISTRAL
     return [dataclasses.replace(p, grammar=grammar, skip_special_tokens=not keep_special) for p in params]
-
-
-def _params(body: Any, max_tokens: int | None, logprobs: int | None,
-            prompt_logprobs: int | None = None) -> list[SamplingParams]:
-    """One SamplingParams per completion (`n`); a seeded request's completion i draws from seed + i."""
-    seeds = [None] * body.n if body.seed is None else [body.seed] + [
-        (body.seed + i + (1 << 63)) % (1 << 64) - (1 << 63) for i in range(1, body.n)]  # wraps within int64
-    try:
-        return [SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_k=max(0, body.top_k or 0), top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
-            max_tokens=max_tokens, stop=body.stops, ignore_eos=body.ignore_eos, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
-            min_tokens=body.min_tokens, stop_token_ids=tuple(body.stop_token_ids or ()), grammar=body.grammar(),
-        ) for seed in seeds]
-    except ValueError as e:
-        raise ApiError(400, str(e), getattr(e, "field", None)) from None
-
-
-def _usage(results: list[tuple[str, Output, list, list[int]]]) -> dict[str, int]:
-    """The prompt once, every completion's tokens."""
-    return r.usage(results[0][1].num_prompt_tokens, sum(last.num_output_tokens for _, last, _, _ in results))
 
 
 async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:

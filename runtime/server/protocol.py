@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from optc.runtime.grammar import GrammarKind, GrammarSpec
+from optc.runtime.sampler import SamplingParams
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # completions of one request
@@ -117,6 +118,26 @@ class _Sampling(_Body):
             raise ApiError(400, f"'logit_bias' holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}",
                            "logit_bias")
         self.grammar()
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """What the engine runs the request with: one SamplingParams per completion (`n`); a seeded request's
+        completion i draws from seed + i (wrapping within the signed 64-bit range). A 400 for values the
+        SamplingParams refuses."""
+        seeds = [None] * self.n if self.seed is None else [self.seed] + [
+            (self.seed + i + (1 << 63)) % (1 << 64) - (1 << 63) for i in range(1, self.n)]
+        try:
+            return [SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=max(0, self.top_k or 0), top_p=1.0 if self.top_p is None else self.top_p, seed=seed,
+                max_tokens=max_tokens, stop=self.stops, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+                min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()), grammar=self.grammar(),
+            ) for seed in seeds]
+        except ValueError as e:
+            raise ApiError(400, str(e), getattr(e, "field", None)) from None
 
     def grammar(self) -> GrammarSpec | None:
         """The output's grammar: from response_format or structured_outputs (one of them), None for free text."""

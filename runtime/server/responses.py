@@ -16,6 +16,11 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
+def total_usage(results: list[tuple[str, Output, list, list[int]]]) -> dict[str, int]:
+    """The usage of `n` completions (streaming.collect's results): the prompt once, every completion's tokens."""
+    return usage(results[0][1].num_prompt_tokens, sum(last.num_output_tokens for _, last, _, _ in results))
+
+
 def sse(chunk: dict[str, Any] | str) -> str:
     """One server-sent event: `data: {json}` (or `data: [DONE]`) and a blank line."""
     return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk)}\n\n"
