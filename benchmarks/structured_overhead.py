@@ -3,8 +3,9 @@ against unconstrained at batch 1 and 16, in process through `Engine`, and each s
 
 A step is timed only while every row of the batch is decoding (after the prefill step, before the first row
 finishes): a constrained row ends when its JSON does, so max_tokens is large and the unconstrained rows
-ignore EOS and stop at 64 tokens. The configurations alternate round by round (unconstrained, constrained,
-unconstrained, ...), so a loaded machine slows both alike; the ratio is of medians over all rounds. Compile
+ignore EOS and stop at 64 tokens. The configurations alternate round by round, in ABBA order (unconstrained,
+constrained, constrained, unconstrained, ...), so that drift and a loaded machine slow both alike; the ratio is
+of medians over all rounds, and the spread of the per-round ratios is reported beside it. Compile
 time: a fresh GrammarCompiler (empty cache) per schema, as the server compiles a schema it has not seen.
 
     python benchmarks/structured_overhead.py ARTIFACT --threads 2 --json benchmarks/results/structured-avx512.json
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("artifact")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10, help="rounds per configuration and batch")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
@@ -85,22 +86,29 @@ def main(argv: list[str] | None = None) -> int:
            "isa": torch.backends.cpu.get_cpu_capability(), "load_before": os.getloadavg(),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip(),
-           "cpu": _cpu_name(), "loaded": "shared machine: another developer's build on the same cores"}
+           "cpu": _cpu_name()}
     compiled = compile_times(engine)
     for case in CASES:  # warm the engine's cache: the decode timing leaves compiling out
         engine.grammars.matcher(GrammarSpec.json_schema(case.json_schema(strict=True)))
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         steps: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+        round_medians: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
         for round_ in range(args.rounds):
-            for name in steps:  # interleaved, so that load drifts hit both
-                steps[name] += decode_step_times(engine, batch, name == "json_schema", offset=round_ * batch)
+            for name in (list(steps) if round_ % 2 == 0 else list(steps)[::-1]):  # ABBA: drift hits both alike
+                times = decode_step_times(engine, batch, name == "json_schema", offset=round_ * batch)
+                steps[name] += times
+                round_medians[name].append(statistics.median(times))
         medians = {name: statistics.median(t) * 1e3 for name, t in steps.items()}
+        per_round = sorted(c / u for c, u in zip(round_medians["json_schema"], round_medians["unconstrained"],
+                                                 strict=True))
         row = {"batch": batch, "itl_ms": medians, "num_steps": {n: len(t) for n, t in steps.items()},
-               "ratio": medians["json_schema"] / medians["unconstrained"]}
+               "ratio": medians["json_schema"] / medians["unconstrained"],
+               "round_ratios": {"min": per_round[0], "median": statistics.median(per_round), "max": per_round[-1]}}
         rows.append(row)
         print(f"batch {batch}: unconstrained {medians['unconstrained']:.2f} ms, json_schema "
-              f"{medians['json_schema']:.2f} ms, ratio {row['ratio']:.3f} ({row['num_steps']})", flush=True)
+              f"{medians['json_schema']:.2f} ms, ratio {row['ratio']:.3f} (rounds {per_round[0]:.3f}.."
+              f"{per_round[-1]:.3f}; {row['num_steps']})", flush=True)
     ms = sorted(v * 1e3 for v in compiled.values())
     print(f"compile (cold, ms): median {statistics.median(ms):.1f}, max {ms[-1]:.1f}")
     env["load_after"] = os.getloadavg()

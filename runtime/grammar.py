@@ -11,9 +11,9 @@ and rolls back, which speculative decoding needs. Nothing here parses JSON or re
   every request starts from a deep copy of it. It is thread-safe: the server compiles off the engine thread. A
   spec llguidance refuses is an InputError naming the construct (the server's 400).
 - `Masks` fills the bitmasks of a step's constrained rows on a worker thread while the model's forward runs
-  (llguidance drops the GIL), and `apply_bitmask` sets the logits of disallowed tokens to -inf afterwards,
-  outside any captured CUDA graph. A speculative row's mask is the one after its drafts before it, so
-  verification accepts only drafts the grammar allows.
+  (llguidance drops the GIL) where the forward leaves a core free, else just before it, and `masked` sets the
+  logits of disallowed tokens to -inf afterwards, outside any captured CUDA graph. A speculative row's mask is
+  the one after its drafts before it, so verification accepts only drafts the grammar allows.
 
 The matcher consumes every output token the engine appends (an end-of-sequence token ends the request instead);
 once the grammar is complete it allows only the end-of-sequence tokens, so a finished JSON value ends with
@@ -133,27 +133,38 @@ class Matcher:
 
 
 class Masks:
-    """Bitmasks of a step's constrained rows, computed on a worker thread beside the forward."""
+    """Bitmasks of a step's constrained rows. `beside`: filled on a worker thread while the forward runs (where
+    the forward leaves the host a core: a GPU's step, a CPU step on fewer threads than cores); else on the
+    caller's thread just before the forward, as a third thread on cores whose every one runs the forward's
+    OpenMP threads stalls their barriers for longer than the masks take (tens of microseconds a row)."""
 
-    def __init__(self, num_threads: int = 1) -> None:
+    def __init__(self, beside: bool, num_threads: int = 1) -> None:
         import llguidance
 
+        self.beside = beside
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optc-grammar")
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optc-grammar") if beside else None
 
     def start(self, rows: Sequence[tuple[Matcher, Sequence[Sequence[int]]]]) -> Future:
         """Begin filling the masks of a step's constrained requests, rows after rows: rows[i] = (matcher, the
         tokens before each of its rows past its output): a plain row's `[[]]`; a chain of drafts d1..dk's
         `[[], [d1], ..., [d1..dk]]`; a draft tree's root and each node's path. A row past a draft the grammar
         refuses stays all-allowed: verification rejects the refused draft first, so its token is never used.
-        The future's result: (number of rows, W) int32."""
-        return self._worker.submit(self._fill, list(rows))
+        The future's result: (number of rows, W) int32 (already there where not `beside`)."""
+        if self._worker is not None:
+            return self._worker.submit(self._fill, list(rows))
+        done: Future = Future()
+        done.set_result(self._fill(list(rows)))
+        return done
 
     def _fill(self, rows: list[tuple[Matcher, Sequence[Sequence[int]]]]) -> torch.Tensor:
         import llguidance.torch as lt
 
         shape = lt.get_bitmask_shape(sum(len(h) for _, h in rows), rows[0][0].num_mask_tokens)
         bitmask = torch.full(shape, -1, dtype=torch.int32)
+        if len(rows) == 1 and len(rows[0][1]) == 1 and not list(rows[0][1][0]):  # one plain row: no executor
+            lt.fill_next_token_bitmask(rows[0][0]._matcher, bitmask, 0)
+            return bitmask
         plain, chains, row = [], [], 0
         for matcher, histories in rows:
             last = list(histories[-1])
@@ -176,23 +187,28 @@ class Masks:
         return bitmask
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set the logits of the tokens each row's bitmask leaves out to -inf, in place.
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` with the tokens each row's bitmask leaves out at -inf.
 
-    logits: (R, V) float; bitmask: (R, W) int32 on the CPU, bit j of word w = token 32 w + j allowed. On the CPU
-    numpy unpacks the bits (one single-threaded pass; torch's element-wise shifts over R x W x 32 values fan out
-    to OpenMP threads, which a busy core stalls); on CUDA the words go to the device as they are (W = V / 32 a
-    row, nothing syncs the stream) and unpack there."""
+    logits: (R, V) float; bitmask: (R, W) int32 on the CPU, bit j of word w = token 32 w + j allowed (tokens past
+    32 W: never). On the CPU numpy unpacks the bits and copies the allowed logits, single-threaded: torch's
+    element-wise ops over a 50k-token row fan out to OpenMP threads, which one busy core stalls for milliseconds.
+    On CUDA (and for other dtypes) the words go to the device as they are (W = V / 32 a row, nothing syncs the
+    stream) and unpack there."""
     rows, vocab_size = logits.shape
-    if logits.device.type == "cpu":  # little-endian words: byte 4w + k holds tokens 32w + 8k .. 32w + 8k + 7
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits).view(torch.bool)
-    else:
-        words = bitmask.to(logits.device, non_blocking=True)
-        allowed = ((words.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).view(rows, -1).bool()
-    width = min(vocab_size, allowed.shape[1])
-    logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
-    logits[:, width:] = float("-inf")
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # little-endian words: byte 4w + k holds tokens 32w + 8k .. 32w + 8k + 7
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little").view(bool)
+        source = logits.detach().contiguous().numpy()
+        out = np.full_like(source, -np.inf)
+        width = min(vocab_size, bits.shape[1])
+        np.copyto(out[:, :width], source[:, :width], where=bits[:, :width])
+        return torch.from_numpy(out)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).view(rows, -1).bool()
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab_size - allowed.shape[1])], dim=1)
+    return torch.where(allowed[:, :vocab_size], logits, float("-inf"))
 
 
 def _grammar(spec: GrammarSpec) -> str:

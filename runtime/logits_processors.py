@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from optc.runtime.grammar import apply_bitmask
+from optc.runtime.grammar import masked
 from optc.runtime.request import Request
 
 
@@ -52,7 +52,7 @@ def shape(logits: torch.Tensor, rows: Sequence[RowTokens], eos_token_ids: Sequen
           bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """Shaped copy of `logits` (R, V) float32, row i following rows[i]; `bitmask` (R, W) int32: the grammar's
     masks of the rows (all bits set where a request has no grammar)."""
-    out = logits.clone()
+    out = logits.clone() if bitmask is None else masked(logits, bitmask)  # -inf commutes with every step below
     device, vocab_size = logits.device, logits.shape[-1]
     for i, row in enumerate(rows):
         params, x = row.request.params, out[i]
@@ -74,6 +74,4 @@ def shape(logits: torch.Tensor, rows: Sequence[RowTokens], eos_token_ids: Sequen
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
             x[ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
-    if bitmask is not None:
-        apply_bitmask(out, bitmask)
     return out

@@ -21,7 +21,9 @@ path's K/V to consecutive slots and hands the path's features to the speculator 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,20 +89,24 @@ class ModelRunner:
         self, token_ids: list[list[int]], starts: list[int], block_ids: list[list[int]],
         num_rows: list[int] | None = None, block_copies: Sequence[tuple[int, int]] = (),
         tree_parents: list[list[int] | None] | None = None, lora_slots: list[int] | None = None,
+        on_built: Callable[[], object] | None = None,
     ) -> torch.Tensor:
         """float32 logits (sum(num_rows), V): request b's new `token_ids[b]` from position `starts[b]`,
         its last `num_rows[b]` (default 1) rows, after the block copies. A pure-decode step that fits a
         bucket replays a graph, built straight into the graph's buffers; the logits are valid until the
         next step. `tree_parents[b]`: request b's drafts are a tree (ForwardBatch's; one rank, eager only).
-        `lora_slots[b]`: request b's LoRA adapter slot, -1 for none (one rank, eager steps)."""
+        `lora_slots[b]`: request b's LoRA adapter slot, -1 for none (one rank, eager steps). `on_built` runs
+        once the batch is built, just before the model: work started there on another thread (the grammar's
+        masks) runs while the model's kernels have dropped the GIL, not while this thread builds the batch."""
         if self.group is None:
-            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, tree_parents, lora_slots)
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, tree_parents, lora_slots,
+                                 on_built)
         with self.group.guard():  # a dead or hung rank: a TensorParallelError naming it
             self.group.send_step(block_copies, token_ids, starts, block_ids, num_rows)
-            return self._forward(token_ids, starts, block_ids, num_rows, block_copies)
+            return self._forward(token_ids, starts, block_ids, num_rows, block_copies, on_built=on_built)
 
     def _forward(self, token_ids, starts, block_ids, num_rows, block_copies, tree_parents=None,
-                 lora_slots=None) -> torch.Tensor:
+                 lora_slots=None, on_built=None) -> torch.Tensor:
         self.num_forwards += 1
         self.copy_blocks(block_copies)
         with_lora = lora_slots is not None and any(s >= 0 for s in lora_slots)
@@ -111,6 +117,8 @@ class ModelRunner:
                                              lora_slots if with_lora else None)
         else:
             batch = runner.build(token_ids, starts, block_ids, self.block_size, num_rows)
+        if on_built is not None:
+            on_built()
         if self._with_features:
             logits, self._features = self.model.forward(batch, self.kv_caches, with_features=True)
             return logits
@@ -177,14 +185,20 @@ class ModelRunner:
         shaped = {b: logits_processors.row_histories(requests[b], trees[b] if trees else None)
                   for b in ready if requests[b].params.shapes_logits}
         constrained = [b for b in shaped if requests[b].matcher is not None]
-        if constrained:  # the grammar's masks fill on a worker thread while the forward runs
-            self._masks = self._masks or Masks()
-            masks = self._masks.start([(requests[b].matcher, shaped[b]) for b in constrained])
+        masks: list[Future] = []  # the grammar's masks: started once the batch is built (grammar.Masks)
+        if constrained:
+            self._masks = self._masks or Masks(beside=self.device.type != "cpu"
+                                               or torch.get_num_threads() < len(os.sched_getaffinity(0)))
+
+        def start_masks() -> None:
+            masks.append(self._masks.start([(requests[b].matcher, shaped[b]) for b in constrained]))
         lora_slots = [r.lora_slot for r in requests]
         logits = self.forward(token_ids, starts, out.block_ids, num_rows, out.block_copies, trees,
-                              lora_slots if any(s >= 0 for s in lora_slots) else None)  # (sum(num_rows), V)
+                              lora_slots if any(s >= 0 for s in lora_slots) else None,
+                              start_masks if constrained else None)  # (sum(num_rows), V)
         last_rows = logprobs.record_prompt_logprobs(requests, starts, num_rows, logits)
-        bitmasks = _split(masks.result(), [len(shaped[b]) for b in constrained], constrained) if constrained else {}
+        bitmasks = (_split(masks[0].result(), [len(shaped[b]) for b in constrained], constrained)
+                    if constrained else {})
         plain = [b for b in ready if num_drafts[b] == 0]
         spec = [b for b in ready if num_drafts[b] > 0]
         first_rows = {b: last_rows[b] - num_drafts[b] for b in ready}  # the row of each request's first new token

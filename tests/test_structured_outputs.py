@@ -127,12 +127,12 @@ def test_masks_of_chains_and_trees_equal_one_matcher_per_row(engine):
         assert matcher.consume(token)
     chain = [[], ids[2:3], ids[2:4], ids[2:5]]
     tree = [[], ids[2:3], [ord("x")], ids[2:4], [ord("x"), ids[3]]]  # node 2 refused: its row and child all-allowed
-    masks = Masks().start([(matcher, chain), (matcher.copy(), tree)]).result()
+    masks = Masks(beside=True).start([(matcher, chain), (matcher.copy(), tree)]).result()
     expected = []
     for history in chain + tree:
         fresh = engine.grammars.matcher(spec)
         ok = all(fresh.consume(t) for t in ids[:2] + list(history))
-        expected.append(Masks().start([(fresh, [[]])]).result()[0] if ok else None)
+        expected.append(Masks(beside=True).start([(fresh, [[]])]).result()[0] if ok else None)
     for row, want in enumerate(expected):
         assert masks[row].tolist() == (want.tolist() if want is not None else [-1] * masks.shape[1]), row
     assert matcher.num_valid(ids[2:]) == len(ids) - 2  # rolled back to after ids[:2]
@@ -160,3 +160,25 @@ def test_preemption_and_chunked_prefill_keep_the_grammar_state(tiny_artifact, en
     tight = Engine.load(tiny_artifact, num_blocks=9, max_num_batched_tokens=16)
     assert [o.text for o in tight.generate(prompts, params)] == expected
     assert tight.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab_size,num_words", [(100, 4), (96, 3), (130, 4)])
+def test_masked_sets_exactly_the_refused_tokens_to_minus_inf(dtype, vocab_size, num_words):
+    """Bit j of word w allows token 32 w + j; tokens past the words are refused; the input is left as it was."""
+    import torch
+
+    from optc.runtime.grammar import masked
+
+    g = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(3, vocab_size, generator=g).to(getattr(torch, dtype))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, num_words), dtype=torch.int32, generator=g)
+    before = logits.clone()
+    expected = logits.clone()
+    for r in range(3):
+        for t in range(vocab_size):
+            if t // 32 >= num_words or not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    out = masked(logits, bitmask)
+    assert out.dtype == logits.dtype and torch.equal(out, expected)
+    assert torch.equal(logits, before)
