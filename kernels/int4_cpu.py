@@ -10,10 +10,10 @@ parts; the artifact keeps the format's own parts, which the reference reads. `in
 lm_head's: its prepared weight keeps the stored parts beside the packed ones, for the fp32 recompute of
 each row's best logits (optc.core.ops.linear.exact_top_logits).
 
-Where it pays (measured in docs/PERF.md): with bfloat16 activations it is several times faster than
-dequantizing per call; with float32 activations it is 30-100x slower than the reference at M >= 64,
-so the table offers it for bfloat16 only. Its one rounding that the reference does not have is b in
-bfloat16 (the reference rounds (q - z) * s once, in fp32): tests bound the difference.
+Where it pays: with bfloat16 activations it is faster than dequantizing per call; with float32 activations torch's
+int4 CPU matmul is far slower than the reference at M >= 64, so the table offers it for bfloat16 only. Its one
+rounding that the reference does not have is b in bfloat16 (the reference rounds (q - z) * s once, in fp32): tests
+bound the difference.
 """
 
 from __future__ import annotations

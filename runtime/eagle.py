@@ -70,7 +70,7 @@ def load_eagle_head(artifact: Any, model: Any) -> EagleHead:
                          "with a recipe whose passes include train_draft_head or import_draft_head")
     config = EagleHeadConfig.from_json(section["config"])
     # on the CPU the head's small matmuls are fastest in bfloat16 on bf16dot (one pass over a weight for a tree's
-    # rows, AVX-512 or AVX2), else where oneDNN runs them (AVX-512: 2-3x float32's, docs/PERF.md), else in float32
+    # rows, AVX-512 or AVX2), else where oneDNN runs them (AVX-512 with BF16), else in float32
     cpu = model.device.type == "cpu"
     on_bf16dot = cpu and model.dtype == torch.bfloat16 and cpu_ext.bf16_isa() is not None
     slow_bf16 = cpu and not on_bf16dot and not (model.dtype == torch.bfloat16 and onednn_bf16_gemm())

@@ -138,8 +138,8 @@ def test_quantize_lm_head_runs_once_and_refuses_another_format():
 def test_gptq_lm_head_beats_rtn_on_its_calibration_inputs(options):
     """`method: gptq` rounds the lm_head on its inputs over the calibration tokens, computed through the
     graph as quantized so far (here int4 RTN linears): on those tokens its logits are closer to the dense
-    lm_head's than round-to-nearest's (GPTQ's objective; measured 0.86x RTN's error for int4, 0.84x int8:
-    random weights give nearly uncorrelated inputs, where GPTQ gains least; SmolLM2's lm_head: docs/PERF.md)."""
+    lm_head's than round-to-nearest's (GPTQ's objective; random weights give nearly uncorrelated inputs, where
+    GPTQ gains least)."""
     from optc.frontend.sources import load_source
 
     src = load_source("random:tiny")

@@ -3,10 +3,9 @@ verification steps.
 
 A row's sums are the same sequence of float32 operations whatever the call's row count (vdpbf16ps's lanes, then
 a fixed tree), so a decode step's row and the same row in a k + 1 row verification agree bit for bit, and one pass
-over the weight serves every row: at batch 1 on SmolLM2 its linears read the weights at about twice the rate of
-torch's one-row gemv on AVX-512, and capped to AVX2, where torch runs a product row by row, a verification's
-extra rows cost a fraction of a step instead of a step each (docs/PERF.md). From 32 rows on torch's GEMM is
-faster (1.1-1.4x at 64-128 rows, one thread), but the kernel choice keeps bf16dot up to ROWS
+over the weight serves every row: capped to AVX2, where torch runs a product row by row, a verification's
+extra rows cost a fraction of a step instead of a step each. From a few dozen rows on torch's GEMM is faster,
+but the kernel choice keeps bf16dot up to ROWS
 (kernels/choose.py, `rows_independent`) so that every speculative step's rows sum as decode rows do; calls of
 more rows (long prefills) run torch's GEMM. Where the extension cannot be built, the op references run.
 
