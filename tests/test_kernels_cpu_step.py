@@ -37,7 +37,7 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     "gemma2-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # attention soft caps
     "qwen3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3-f32": ("float32", "", "{select_kernels: {measure: false}}"),
-    # MoE (routing and dense experts: the reference's ATen ops), and MLA's nodes around mla_attention (not taken)
+    # MoE (routing and dense experts: the reference's ATen ops), and MLA (the reference's ATen ops, absorbed decode)
     "mixtral-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),
     "qwen3_moe-f32": ("float32", "", "{select_kernels: {measure: false}}"),
     # packed experts (cpu.moe_packed): int8_wo on _weight_int8pack_mm, int4_g on torch's int4pack
@@ -51,7 +51,6 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
     "qdot": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: false}}, ",
              "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
 }
-RUNS = {"deepseek_v2-bf16": 4}  # runs between the nodes step.cpp lacks (mla_attention); others: one
 
 
 def _artifact(tmp_path, name):
@@ -98,10 +97,9 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
         assert {n.kernel for n in model.graph.nodes if n.op == "moe"} == {"cpu.moe_packed"}
     fused = dict(model.executor._fused)
     planned = runs(model.graph)
-    assert model.fused_runs == len(fused) == len(planned) == RUNS.get(name, 1)
+    assert model.fused_runs == len(fused) == len(planned) == 1
     assert [(start, run[0]) for start, run in sorted(fused.items())] == planned
-    if name not in RUNS:  # every node between the embedding and the lm_head
-        assert planned == [(1, len(model.graph.nodes) - 1)]
+    assert planned == [(1, len(model.graph.nodes) - 1)]  # every node between the embedding and the lm_head
     calls = []
 
     def counted(fn):
@@ -123,7 +121,7 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
 
 @needs_ext
 @pytest.mark.parametrize("name", ["bf16", "bf16-torch", "qdot", "qwen3-bf16", "gemma3-bf16", "gemma3-f32",
-                                  "mixtral-bf16"])
+                                  "mixtral-bf16", "deepseek_v2-bf16"])
 def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
     """A step of a decode row, a chain's 5 verification rows, a draft tree's 7 nodes (under its ancestor bits) and a
     3-token prompt: the fused run takes it and gives the node-by-node logits bit for bit; the tree's rows differ

@@ -20,7 +20,7 @@ BF16 = Format(dtype="bfloat16")
 INT4 = quantized_format(4, "bfloat16", 32)
 KV = {"layer": 0, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "kv_block_size": 16, "kv_dtype": "bfloat16",
       "kv_scales": "none"}
-OP_LIST = "step.cpp runs linear, rms_norm, add_rms_norm, gated_act, rope_kv_store, attention, add, moe"
+OP_LIST = "step.cpp runs linear, rms_norm, add_rms_norm, gated_act, rope_kv_store, attention, add, moe, mla_attention"
 
 
 def _graph() -> Graph:
@@ -40,7 +40,9 @@ def _graph() -> Graph:
         Node("o", "linear", ["a"], ["o"], {"kernel": "torch", "in_features": 64, "out_features": 64},
              {"weight": "wo"}),
         Node("post", "add_rms_norm", ["h", "o"], ["m", "r"], cpp, {"weight": "w"}),  # alone
-        Node("mla", "mla_attention", ["m"], ["e"], {"kernel": "torch"}, {}),
+        Node("mla", "mla_attention", ["m"], ["e"], {"kernel": "torch", **KV, "kv_dtype": "int8", "kv_scales": "token",
+                                                    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                                                    "scale": 0.25, "eps": 1e-5}, {"kv_norm": "wn", "kv_b": "wkvb"}),
         Node("odd", "add_rms_norm", ["r", "e"], ["y", "z"], {**cpp, "bias_scale": 2.0}, {"weight": "w"}),
         Node("up", "linear", ["y"], ["g", "u"], {"kernel": "cpu.int4pack", "in_features": 64, "out_features": 256,
                                                  "split": [128, 128],
@@ -50,7 +52,8 @@ def _graph() -> Graph:
         Node("lm_head", "lm_head", ["f"], ["logits"], {}, {"weight": "embed"}),
     ]
     tensors = {"embed": TensorInfo((256, 64), BF16), "w": TensorInfo((64,), BF16), "wqkv": TensorInfo((128, 64), BF16),
-               "wo": TensorInfo((64, 64), INT4), "wup": TensorInfo((256, 64), INT4)}
+               "wo": TensorInfo((64, 64), INT4), "wup": TensorInfo((256, 64), INT4), "wn": TensorInfo((16,), BF16),
+               "wkvb": TensorInfo((128, 16), BF16)}
     return Graph(config, nodes, tensors)
 
 
@@ -63,7 +66,7 @@ def test_plan_records_runs_and_why_each_other_node_is_left_out():
         "norm": {"step_run": 0}, "qkv": {"step_run": 0}, "rope": {"step_run": 0}, "attn": {"step_run": 0},
         "o": {"step_left_out": "weight is int4_g/g32, not dense bfloat16 (what its reference reads as it is)"},
         "post": {"step_left_out": "a run of one node (nothing to fuse it with)"},
-        "mla": {"step_left_out": f"op mla_attention ({OP_LIST})"},
+        "mla": {"step_left_out": "a int8 KV cache with scales token (step.cpp: bfloat16, none)"},
         "odd": {"step_left_out": "attribute bias_scale=2.0 (step.cpp does not read it)"},
         "up": {"step_run": 1, "step_max_rows": 1}, "act": {"step_run": 1},
         "lm_head": {"step_left_out": f"op lm_head ({OP_LIST})"},

@@ -86,7 +86,8 @@ struct Linear {
 
 // a node's op kind: kernels/cpu_ext/step.py's OPS, in this order
 enum Op : int64_t {
-  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6, MOE = 7
+  LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6, MOE = 7,
+  MLA = 8
 };
 enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 
@@ -104,6 +105,8 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 //                  gate_up (E, 2I, H), down (E, H, I); INT8PACK / INT4PACK_EXPERTS each expert's gate_up parts,
 //                  then each one's down parts, two a matmul}: moe_ref's ATen ops (optc/core/ops/moe.py) with the
 //                  per-expert matmuls of the node's kernel (kernels/moe_cpu.py's moe_packed)
+//   MLA            ints {H, Dn, Dv, layer, rope table, KV group}, floats {scale, eps}, tensors {kv_norm, kv_b};
+//                  reads (q, kv_a): mla_attention_ref's ATen ops (optc/core/ops/mla.py), absorbed at one query row
 struct Node {
   int64_t op;
   std::vector<int64_t> in, out, release;
@@ -172,12 +175,83 @@ at::Tensor moe(const Node& n, const at::Tensor& x) {
   return out;
 }
 
+// rms_norm_ref (optc/core/ops/norm.py) without an offset, op for op
+at::Tensor rms_norm_ref(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto xf = x.to(at::kFloat);
+  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+// rope_interleaved_ref (optc/core/ops/mla.py): x (T, H, Dr), pairs (x[2i], x[2i+1]) rotated by frequency i
+at::Tensor rope_interleaved_ref(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin) {
+  const int64_t half = cos_sin.size(-1) / 2;
+  const auto cs = cos_sin.index({positions}).unsqueeze(1);
+  const auto cos = cs.slice(-1, 0, half), sin = cs.slice(-1, half);
+  const auto pairs = x.to(at::kFloat).unflatten(-1, {half, 2});
+  const auto x1 = pairs.select(-1, 0), x2 = pairs.select(-1, 1);
+  return at::stack({x1 * cos - x2 * sin, x2 * cos + x1 * sin}, -1).flatten(-2).to(x.scalar_type());
+}
+
+// mla_attention_ref (optc/core/ops/mla.py) op for op over a float latent cache (NB, 1, block, 1, R + Dr): the
+// tokens' [latent | rotated k_pe] stored, then each request's queries over its cached context, absorbed (W_UK folded
+// into the query, W_UV after the attention) when every request has one query row, expanded otherwise
+at::Tensor mla(const Node& n, const at::Tensor& q_in, const at::Tensor& kv_a, const at::Tensor& positions,
+               const at::Tensor& cos_sin, const at::Tensor& cache, const at::Tensor& table_in,
+               const at::Tensor& slot_mapping, const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  const int64_t num_heads = n.ints[0], dn = n.ints[1], dv = n.ints[2], dr = cos_sin.size(-1);
+  const int64_t num_tokens = q_in.size(0), rank = kv_a.size(-1) - dr;
+  const auto q = q_in.view({num_tokens, num_heads, dn + dr});
+  // store_latents
+  const auto latent = rms_norm_ref(kv_a.slice(1, 0, rank), n.tensors[0], n.floats[1]);
+  const auto k_pe = rope_interleaved_ref(kv_a.slice(1, rank).unsqueeze(1), positions, cos_sin).select(1, 0);
+  auto row_values = at::cat({latent, k_pe}, -1);
+  auto slots = slot_mapping;
+  const auto keep = slots >= 0;
+  if (!keep.all().item<bool>()) {
+    slots = slots.index({keep});
+    row_values = row_values.index({keep});
+  }
+  const int64_t block_size = cache.size(2);
+  cache.select(1, 0).index_put_({at::floor_divide(slots, block_size), slots.remainder(block_size)},
+                                row_values.unsqueeze(1).to(cache.scalar_type()));
+  const auto q_nope = q.slice(-1, 0, dn).to(at::kFloat);
+  const auto q_pe = rope_interleaved_ref(q.slice(-1, dn), positions, cos_sin).to(at::kFloat);
+  // the attention
+  const int64_t num_requests = seq_lens.size(0);
+  const auto query_lens = (query_start_loc.slice(0, 1) - query_start_loc.slice(0, 0, -1)).to(at::kLong);
+  if (num_tokens == 0 || num_requests == 0) return q.new_empty({num_tokens, num_heads * dv});
+  const int64_t max_query = query_lens.max().item<int64_t>();
+  const int64_t num_blocks = (seq_lens.max().item<int64_t>() + block_size - 1) / block_size;
+  const auto table = table_in.slice(1, 0, num_blocks).to(at::kLong);
+  const auto cached = cache.index({table}).to(at::kFloat).reshape({num_requests, -1, rank + dr});
+  const auto c = cached.slice(-1, 0, rank), kr = cached.slice(-1, rank);
+  const auto w = n.tensors[1].to(at::kFloat).view({num_heads, dn + dv, rank});
+  const auto w_uk = w.slice(1, 0, dn), w_uv = w.slice(1, dn);
+  const auto opts = q.options().dtype(at::kLong);
+  const auto request = at::repeat_interleave(at::arange(num_requests, opts), query_lens);
+  const auto row = at::arange(num_tokens, opts) - query_start_loc.index({request}).to(at::kLong);
+  auto qn = q_nope.new_zeros({num_requests, max_query, num_heads, dn});
+  auto qr = q_pe.new_zeros({num_requests, max_query, num_heads, dr});
+  qn.index_put_({request, row}, q_nope);
+  qr.index_put_({request, row}, q_pe);
+  const auto rope_scores = at::einsum("bqhd,bld->bhql", {qr, kr});
+  const bool absorbed = max_query == 1;
+  const auto scores = absorbed
+      ? at::einsum("bqhr,blr->bhql", {at::einsum("bqhd,hdr->bqhr", {qn, w_uk}), c}) + rope_scores
+      : at::einsum("bqhd,bhld->bhql", {qn, at::einsum("blr,hdr->bhld", {c, w_uk})}) + rope_scores;
+  const auto query_pos = (seq_lens.to(at::kLong) - query_lens).unsqueeze(1) + at::arange(max_query, opts);
+  const auto masked = at::arange(c.size(1), opts).unsqueeze(0).unsqueeze(0) > query_pos.unsqueeze(2);
+  const auto probs = (scores * n.floats[0]).masked_fill_(masked.unsqueeze(1), -INFINITY).softmax(-1);
+  const auto out = absorbed ? at::einsum("bhqr,hvr->bqhv", {at::matmul(probs, c.unsqueeze(1)), w_uv})
+                            : at::matmul(probs, at::einsum("blr,hvr->bhlv", {c, w_uv})).transpose(1, 2);
+  return out.index({request, row}).flatten(1).to(q.scalar_type());
+}
+
 class Run {
  public:
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
            std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(op > LINEAR && op <= MOE, "unknown op kind ", op);
-    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 9};
+    TORCH_CHECK(op > LINEAR && op <= MLA, "unknown op kind ", op);
+    static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 9, 6};
     TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
     nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
   }
@@ -262,6 +336,10 @@ class Run {
           break;
         case MOE:
           v[n.out[0]] = moe(n, x);
+          break;
+        case MLA:
+          v[n.out[0]] = mla(n, x, v[n.in[1]], positions, cos_sin.at(n.ints[4]), caches.at(n.ints[3]),
+                            tables.at(n.ints[5]), slots.at(n.ints[5]), seq_lens, starts);
           break;
       }
       for (int64_t r : n.release) v[r] = at::Tensor();

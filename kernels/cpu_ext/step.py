@@ -33,7 +33,7 @@ from optc.kernels.spec import PreparedImpl
 DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
 DENSE_EXPERTS, INT8PACK_EXPERTS, INT4PACK_EXPERTS = range(3)  # step.cpp's moe experts
 # step.cpp's op kinds
-OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe")
+OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe", "mla_attention")
 ACTS = ("silu", "gelu_tanh")  # step.cpp's gated activations
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -167,10 +167,14 @@ def _node(node: Node, executor, index: int, tables: list[str],
         return _moe(node, executor, index)
     layers.append(a["layer"])
     group = a.get("kv_group", -1) + 1  # 0: the batch's own tables
-    if node.op == "rope_kv_store":
+    if node.op in ("rope_kv_store", "mla_attention"):
         table = a.get("rope_table", GLOBAL)
         if table not in tables:
             tables.append(table)
+        if node.op == "mla_attention":  # the reference reads its params dense (mla.py's _mla_call)
+            params = [executor.params[node.params[r]].dense() for r in ("kv_norm", "kv_b")]
+            return ([a["num_heads"], a["qk_nope_head_dim"], a["v_head_dim"], a["layer"], tables.index(table), group],
+                    [a["scale"], a["eps"]], params)
         return [a["num_heads"], a["num_kv_heads"], a["head_dim"], a["layer"], tables.index(table), group], [], []
     # attention
     return [a["num_heads"], a["head_dim"], a["layer"], a.get("window") or 0, group], [a["scale"],

@@ -28,6 +28,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "attention": ("cpu.cpp_attention",),
     "add": (REFERENCE_KERNEL,),  # x + y: the reference's ATen add
     "moe": (REFERENCE_KERNEL, "cpu.moe_packed"),  # the reference's ATen ops, the experts' matmuls the kernel's
+    "mla_attention": (REFERENCE_KERNEL,),  # the reference's ATen ops (absorbed at one query row a request)
 }
 BINDING = ("kernel", "kernel_by_m", "kernel_candidates", "layer")  # every op: read by the executor, not the math
 KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_group")
@@ -41,6 +42,7 @@ ATTRS: dict[str, tuple[str, ...]] = {
     "add": (),
     "moe": ("num_experts", "intermediate_size", "top_k", "scoring", "renormalize", "act", "round_weights",
             "routed_scale", "num_groups", "topk_groups", "float_router"),
+    "mla_attention": (*KV, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "scale", "eps"),
 }
 PLAN_ATTRS = ("step_run", "step_max_rows", "step_left_out")  # what the plan pass writes on nodes
 
@@ -69,7 +71,10 @@ def reason(graph: Graph, node: Node) -> str | None:
         dense = node.kernel == REFERENCE_KERNEL  # moe_packed's experts: what its supports predicate took
         experts = (_dense_weight(graph, node, "gate_up") or _dense_weight(graph, node, "down")) if dense else None
         return experts or _dense_router(graph, node)
-    if node.op in ("rope_kv_store", "attention"):
+    if node.op == "mla_attention" and (weights := _dense_weight(graph, node, "kv_norm")
+                                       or _dense_weight(graph, node, "kv_b")):
+        return weights
+    if node.op in ("rope_kv_store", "attention", "mla_attention"):
         a = node.attrs
         if node.op == "attention" and not a.get("kv_stored"):
             return "attention that stores K/V itself (step.cpp: after rope_kv_store, fuse_rope_kv)"

@@ -48,6 +48,9 @@ TOKENIZER_FILES = (
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5, **_NO_SPECIAL_TOKENS)
+_SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=2048,
+                tie_word_embeddings=True, rms_norm_eps=1e-5, **_NO_SPECIAL_TOKENS)
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny": ("llama", dict(_TINY, head_dim=16, tie_word_embeddings=False)),
     "llama-3-8b": ("llama", dict(
@@ -62,6 +65,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
         hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
         head_dim=64, vocab_size=4096, max_position_embeddings=2048, tie_word_embeddings=False, rms_norm_eps=1e-5,
         **_NO_SPECIAL_TOKENS)),
+    # SmolLM2-135M's size (576 hidden, 30 layers, 9 query / 3 KV heads of 64, a 1536 MLP, 49,152 tied embeddings)
+    # in each family's form, what makes the family differ kept as in its tiny preset: the fused CPU step's speed per
+    # family against the Llama shape (benchmarks/family_speed.py)
+    "llama-135m": ("llama", dict(_SMOLLM2, rope_theta=100000.0)),
+    "qwen3-135m": ("qwen3", dict(_SMOLLM2, rms_norm_eps=1e-6)),
+    "gemma3-135m": ("gemma3_text", dict(_SMOLLM2, rms_norm_eps=1e-6, sliding_window=512, query_pre_attn_scalar=64,
+                                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                                        rope_parameters={"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}})),
+    "phi3-135m": ("phi3", dict(_SMOLLM2, original_max_position_embeddings=512, partial_rotary_factor=0.75,
+                               rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 24 for i in range(24)],
+                                             "long_factor": [1.0 + i / 2 for i in range(24)]})),
     "qwen3-tiny": ("qwen3", dict(_TINY, head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6)),
     "gemma2-tiny": ("gemma2", dict(_TINY, num_hidden_layers=2, head_dim=32, rms_norm_eps=1e-6, sliding_window=20,
                                    query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
