@@ -183,7 +183,7 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _failure(self, cause: str) -> TensorParallelError:
-        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, self.rank + 1) if not w.is_alive()]
         dead, deadline = exited(), time.monotonic() + EXIT_GRACE_S
         while not dead and self.workers and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -203,9 +203,10 @@ def launched_by_torchrun() -> bool:
 
 
 def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> TensorParallelGroup:
-    """Join (torchrun: every rank runs this) or start (one machine: spawn ranks 1 .. N-1) a group of
-    `config.tensor_parallel_size` ranks for an opened artifact; on a torchrun rank other than 0,
-    serve steps and exit. A model that does not split that many ways raises before any process starts."""
+    """Join (torchrun: every rank runs this) or start (spawn this node's ranks but the first: ranks 1 .. N-1
+    on one machine) a group of tensor_parallel_size x pipeline_parallel_size ranks for an opened artifact;
+    on a torchrun rank other than 0, or a node other than 0 (`config.node_rank`), serve steps and exit.
+    A model that does not split or cut that many ways raises before any process starts."""
     tp, pp, path = config.tensor_parallel_size, config.pipeline_parallel_size, artifact.path
     size = tp * pp
     stages = plan_stages(artifact.graph, pp)  # StageError: more stages than layers
@@ -215,6 +216,9 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
             plan_shards(graph, rank, tp)  # ShardError naming the tensor and the sizes that work
     backend = config.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
     if launched_by_torchrun():
+        if config.nnodes > 1 or config.master_addr is not None:
+            raise UserError("under torchrun, torchrun's own --nnodes, --node-rank and --master-addr place the "
+                            "ranks: drop optc's")
         if int(os.environ["WORLD_SIZE"]) != size:
             raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size x "
                             f"pipeline_parallel_size is {tp} x {pp} = {size}: they must match")
@@ -223,17 +227,20 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
             run_worker(group, config, path, device, verify)
             raise SystemExit(0)
         return group
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    first = config.node_rank * size // config.nnodes  # this node's ranks: first .. first + size / nnodes - 1
+    init_method = f"tcp://{config.master_addr or '127.0.0.1'}:{config.master_port or _free_port()}"
     spawn = mp.get_context("spawn")
-    workers = [spawn.Process(target=_spawned_worker, daemon=True, name=f"optc-tp-rank-{rank}",
-                             args=(rank, size, backend, init_method, config, str(path), device, verify, os.getpid()))
-               for rank in range(1, size)]
+    workers = [spawn.Process(target=_spawned_worker, daemon=True, name=f"optc-rank-{rank}",
+                             args=(rank, rank - first, size, backend, init_method, config, str(path), device, verify,
+                                   os.getpid()))
+               for rank in range(first + 1, first + size // config.nnodes)]
     for w in workers:
         w.start()
     try:
-        group = _join_watching(workers, size, backend, init_method, config.collective_timeout_s, pp)
+        group = _join_watching(workers, first, size, backend, init_method, config.collective_timeout_s, pp)
     except BaseException as e:
-        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, 1) if not w.is_alive()]
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, first + 1)
+                if not w.is_alive()]
         for w in workers:
             w.kill()
             w.join()
@@ -241,10 +248,13 @@ def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> Ten
             raise TensorParallelError(f"{_kind(pp)} {', '.join(dead)} died while starting") from e
         raise
     group.workers = workers
+    if first != 0:
+        run_worker(group, config, path, device, verify)
+        raise SystemExit(0)
     return group
 
 
-def _join_watching(workers: list, size: int, backend: str, init_method: str, timeout_s: float,
+def _join_watching(workers: list, rank: int, size: int, backend: str, init_method: str, timeout_s: float,
                    pipeline_size: int) -> TensorParallelGroup:
     """Rank 0's `_join`, run beside a watch on the spawned workers: the control group's rendezvous has no
     deadline (see `_join`), so a worker that dies before joining (e.g. a spawn that cannot re-import the
@@ -253,7 +263,7 @@ def _join_watching(workers: list, size: int, backend: str, init_method: str, tim
 
     def join() -> None:
         try:
-            joined["group"] = _join(0, size, backend, init_method, timeout_s, pipeline_size)
+            joined["group"] = _join(rank, size, backend, init_method, timeout_s, pipeline_size)
         except BaseException as e:  # re-raised in the caller's thread
             joined["error"] = e
 
@@ -359,12 +369,12 @@ def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float
                                pipeline_size=pipeline_size, pipe_group=pipe_group)
 
 
-def _spawned_worker(rank: int, size: int, backend: str, init_method: str, config: EngineConfig, path: str,
-                    device: str, verify: bool, parent: int) -> None:
+def _spawned_worker(rank: int, local_rank: int, size: int, backend: str, init_method: str, config: EngineConfig,
+                    path: str, device: str, verify: bool, parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    os.environ["LOCAL_RANK"] = str(rank)
-    if device == "cpu":  # the ranks share the machine's cores: oversubscribed threads stall every collective
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    if device == "cpu":  # a node's ranks share its cores: oversubscribed threads stall every collective
+        torch.set_num_threads(max(1, torch.get_num_threads() // (size // config.nnodes)))
     group = _join(rank, size, backend, init_method, config.collective_timeout_s, config.pipeline_parallel_size)
     run_worker(group, config, path, device, verify)
 
