@@ -16,7 +16,6 @@ from optc.core.errors import InputError
 from optc.core.kv_cache import DEFAULT_BLOCK_SIZE
 from optc.core.settings import RuntimeSettings
 
-
 # the EngineConfig fields of tensor and pipeline parallelism (their command-line options: optc/commands/parallel.py)
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_backend", "nnodes", "node_rank",
                     "master_addr", "master_port")

@@ -122,7 +122,8 @@ class Model:
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
 
     @torch.inference_mode()
-    def run_stage(self, batch: ForwardBatch, kv_caches: list, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_stage(self, batch: ForwardBatch, kv_caches: list,
+                  received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A pipeline stage's step (runtime/pipeline.py): the values it sends on (the last stage: its logits)
         for the batch, from the values `received` from the stage before (none for stage 0)."""
         if batch.input_ids.device != self.device:

@@ -67,8 +67,8 @@ class Pipeline:
         """The values this stage sends, side by side: (T, len(sends) * hidden)."""
         for name in self.sends:
             if tuple(out[name].shape) != (num_tokens, self.hidden_size):
-                raise RuntimeError(f"pipeline stage {self.group.stage} sends {name} of shape "
-                                   f"{tuple(out[name].shape)}, not (tokens, hidden) = ({num_tokens}, {self.hidden_size})")
+                raise RuntimeError(f"pipeline stage {self.group.stage} sends {name} of shape {tuple(out[name].shape)}, "
+                                   f"not (tokens, hidden) = ({num_tokens}, {self.hidden_size})")
         return torch.cat([out[name] for name in self.sends], dim=1).contiguous()
 
     def _receive(self, num_tokens: int) -> dict[str, torch.Tensor]:

@@ -49,7 +49,7 @@ def plan_stages(graph: Graph, size: int) -> list[Stage]:
     layer_of = _layers(graph)
     layer_bytes = [0] * num_layers
     for layer in range(num_layers):
-        used = {t for n, l in zip(graph.nodes, layer_of, strict=True) if l == layer for t in n.params.values()}
+        used = {t for n, at in zip(graph.nodes, layer_of, strict=True) if at == layer for t in n.params.values()}
         layer_bytes[layer] = sum(_tensor_bytes(graph, t) for t in used)
     cuts = _balanced_cuts(tuple(layer_bytes), size)
     bounds = list(zip((0, *cuts), (*cuts, num_layers), strict=True))
@@ -100,7 +100,8 @@ def _layers(graph: Graph) -> list[int]:
 
 def _tensor_bytes(graph: Graph, name: str) -> int:
     info = graph.tensors[name]
-    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in info.format.part_shapes(info.shape).values())
+    parts = info.format.part_shapes(info.shape).values()
+    return sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in parts)
 
 
 def _balanced_cuts(layer_bytes: tuple[int, ...], size: int) -> tuple[int, ...]:
