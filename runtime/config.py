@@ -38,6 +38,10 @@ class EngineConfig(RuntimeSettings):
     seed: int | None = None  # seeds the generators of requests without a seed
     distributed_backend: DistributedBackend | str | None = None  # tensor parallelism: None = nccl on CUDA, gloo
     collective_timeout_s: float = 60.0  # a collective waiting longer fails: a rank died or hung
+    # pipeline parallelism cuts a step into micro-batches of at least this many tokens (runtime/pipeline.py): on
+    # this repository's 2-core CPU, 2 stages gain 1.3x on 2048-token prefill steps and 1.14x on 256-request
+    # decode steps from 2 micro-batches, break even at 64 requests and lose 1.2x at 16 (docs/PERF.md)
+    pipeline_micro_batch_tokens: int = 64
     # several machines without torchrun (runtime/distributed.py): each node runs the same command with its
     # node_rank; its ranks are node_rank * R .. + R - 1 (R = ranks / nnodes), met at master_addr:master_port
     nnodes: int = 1
@@ -58,6 +62,8 @@ class EngineConfig(RuntimeSettings):
                 raise InputError(f"distributed backend (--distributed-backend) must be one of {allowed}, "
                                  f"got {self.distributed_backend!r}") from None
         self._check_nodes()
+        if self.pipeline_micro_batch_tokens < 1:
+            raise InputError(f"pipeline_micro_batch_tokens must be >= 1, got {self.pipeline_micro_batch_tokens}")
         if self.collective_timeout_s <= 0:
             raise InputError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.max_loras < 0 or self.max_lora_rank < 1:

@@ -1,17 +1,20 @@
-"""Tensor parallelism across processes on torch.distributed: starting the ranks, the step each step's
-batch travels in, the worker loop, and turning a dead or hung rank into one clear error.
+"""Tensor and pipeline parallelism across processes on torch.distributed: starting the ranks, the step each
+step's batch travels in, the worker loop, and turning a dead or hung rank into one clear error.
 
-Processes. Rank 0 is the process that loads the engine (`Engine.load(path, tensor_parallel_size=N)`):
-it owns the scheduler, KV manager, sampler, detokenizer and speculative proposer. On one machine it
-starts ranks 1 .. N-1 itself (`torch.multiprocessing`, spawn). Across machines `torchrun` starts every
-rank (rendezvous through `env://`), each running the same optc command: rank 0 serves it, and on any
-other rank `Engine.load` serves steps until rank 0 closes, then exits the process (docs/
-TENSOR_PARALLEL.md has the command).
+Processes. Rank 0 is the process that loads the engine (`Engine.load(path, tensor_parallel_size=T,
+pipeline_parallel_size=P)`, P x T ranks; rank r is stage r // T, tensor-parallel rank r % T): it owns
+the scheduler, KV manager, sampler, detokenizer and speculative proposer. On one machine it starts
+ranks 1 .. PT-1 itself (`torch.multiprocessing`, spawn). Across machines either `torchrun` starts every
+rank (rendezvous through `env://`), or each node runs the same optc command with its `node_rank`
+(EngineConfig's nnodes, node_rank, master_addr, master_port) and spawns its own ranks but the first,
+meeting at master_addr. Rank 0 serves the command; on any other torchrun rank or node, `Engine.load`
+serves steps until rank 0 closes, then exits the process (docs/PARALLEL.md has the commands).
 
-Groups. The model's collectives (optc/core/ops/collective.py) run over a device group: NCCL on CUDA, gloo
-on the CPU, with a bounded timeout. The default group (gloo) carries control: each step's message and
-the agreement on the KV pool size; ranks wait on it without a practical deadline (a rank loading a
-large shard, an idle server that sends nothing).
+Groups. The model's collectives (optc/core/ops/collective.py) run over a device group, one per stage
+(every rank when P = 1): NCCL on CUDA, gloo on the CPU, with a bounded timeout; stages hand values over in
+a group of every rank on the same backend (runtime/pipeline.py). The default group (gloo) carries control:
+each step's message and the agreement on the KV pool size; ranks wait on it without a practical deadline
+(a rank loading a large shard, an idle server that sends nothing).
 
 Step. Before each forward, rank 0's model runner sends the step: the block copies and the forward's
 arguments (new token ids, start positions, block ids, logits rows per request) flattened into one

@@ -76,7 +76,8 @@ class ModelRunner:
             max_num_seqs=max_num_requests or config.max_num_seqs, max_seq_len=max_model_len,
             block_size=config.block_size)
         self.batch_builder = BatchBuilder(self.device, len(kv_windows(model)))
-        self.pipeline = (Pipeline(stage_group, model, self.batch_builder, config.block_size)
+        self.pipeline = (Pipeline(stage_group, model, self.batch_builder, config.block_size,
+                                  config.pipeline_micro_batch_tokens)
                          if stage_group is not None else None)
         self.speculator = speculator
         if speculator is not None:  # draft trees: a mask every attention takes, one rank, eager steps

@@ -3,7 +3,10 @@
 is stage r // T, tensor-parallel rank r % T).
 
 Every rank receives the whole step from rank 0 (runtime/distributed.py) and cuts it the same way
-into micro-batches: consecutive requests, up to P of them, balanced by tokens. A stage runs its
+into micro-batches: consecutive requests, balanced by tokens, up to P of them and no more than the step's
+tokens over `pipeline_micro_batch_tokens` (EngineConfig): a stage reads all its weights once per micro-batch,
+so cutting a small step (a decode step of a few requests, bound by reading the weights) costs more
+than the overlap gains (docs/PERF.md measures both sides). A stage runs its
 layers on each micro-batch in turn and hands the values the next stage reads (the residual stream,
 (T, hidden) per value) to the rank of the same tensor-parallel rank in the next stage, without
 waiting for it to arrive; the next stage starts on micro-batch 1 while this one runs micro-batch 2.
@@ -30,15 +33,16 @@ from optc.runtime.batch import BatchBuilder
 
 
 class Pipeline:
-    def __init__(self, group: Any, model: Any, batch_builder: BatchBuilder, block_size: int) -> None:
+    def __init__(self, group: Any, model: Any, batch_builder: BatchBuilder, block_size: int,
+                 micro_batch_tokens: int) -> None:
         """`group`: this rank's TensorParallelGroup (runtime/distributed.py) with pipeline_size > 1;
-        `model`: its stage's Model."""
+        `model`: its stage's Model; `micro_batch_tokens`: the fewest tokens a micro-batch gets."""
         self.group, self.model, self.batch_builder, self.block_size = group, model, batch_builder, block_size
         t, stage, last = group.tensor_size, group.stage, group.pipeline_size - 1
         self.previous = (stage - 1) * t + group.tp_rank if stage > 0 else None
         self.next = (stage + 1) * t + group.tp_rank if stage < last else None
         self.last_rank = last * t  # the rank that sends rank 0 the logits
-        self.num_micro_batches = group.pipeline_size
+        self.num_micro_batches, self.micro_batch_tokens = group.pipeline_size, micro_batch_tokens
         self.timeout = datetime.timedelta(seconds=group.timeout_s)
         self.hidden_size = model.graph.config.hidden_size
         self.sends = model.graph.outputs
@@ -47,7 +51,7 @@ class Pipeline:
                 num_rows: list[int], kv_caches: list) -> torch.Tensor | None:
         """Run this stage over the step's micro-batches: rank 0 returns the step's float32 logits
         (sum(num_rows), V), every other rank None."""
-        parts = micro_batches([len(t) for t in token_ids], self.num_micro_batches)
+        parts = micro_batches([len(t) for t in token_ids], self.num_micro_batches, self.micro_batch_tokens)
         sent: list[Any] = []
         for a, b in parts:
             batch = self.batch_builder.build(token_ids[a:b], starts[a:b], block_ids[a:b], self.block_size,
@@ -89,10 +93,11 @@ class Pipeline:
         return logits
 
 
-def micro_batches(num_tokens: Sequence[int], most: int) -> list[tuple[int, int]]:
+def micro_batches(num_tokens: Sequence[int], most: int, min_tokens: int = 1) -> list[tuple[int, int]]:
     """Up to `most` runs [a, b) of consecutive requests, each non-empty, whose token counts are as even
-    as cuts between requests make them (each cut at the request boundary nearest its share)."""
-    count = min(most, len(num_tokens))
+    as cuts between requests make them (each cut at the request boundary nearest its share); no more runs
+    than `min_tokens` go into the step's tokens (at least one)."""
+    count = max(1, min(most, len(num_tokens), sum(num_tokens) // min_tokens))
     prefix = [0]
     for n in num_tokens:
         prefix.append(prefix[-1] + n)

@@ -18,8 +18,9 @@ from optc.runtime import Engine, SamplingParams
 from optc.runtime.pipeline import micro_batches
 from optc.testing import assert_close, assert_no_leaks
 
-# chunked prefill (32 tokens a step) and a pool too small for every request at once (preemption)
-OVERRIDES = {"max_num_batched_tokens": 32, "num_blocks": 12}
+# chunked prefill (32 tokens a step), a pool too small for every request at once (preemption), and every step of
+# two requests or more cut into micro-batches
+OVERRIDES = {"max_num_batched_tokens": 32, "num_blocks": 12, "pipeline_micro_batch_tokens": 1}
 PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(4 + 9 * i)] for i in range(6)]
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -60,6 +61,8 @@ def test_micro_batches_split_requests_by_tokens():
     assert micro_batches([30, 1, 1, 1], 2) == [(0, 1), (1, 4)]
     assert micro_batches([5], 2) == [(0, 1)]  # one request: one micro-batch
     assert micro_batches([1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3)]
+    assert micro_batches([1] * 16, 2, min_tokens=64) == [(0, 16)]  # a small decode step stays whole
+    assert micro_batches([100, 28], 2, min_tokens=64) == [(0, 1), (1, 2)]
 
 
 def test_greedy_tokens_and_logits_match_one_rank(parallel, reference):

@@ -46,7 +46,7 @@ def test_optc_run_tensor_parallel_gives_the_tokens_of_one_rank(tiny_artifact):
 
 
 def test_two_torchrun_nodes_give_the_tokens_of_one_rank(tiny_artifact):
-    """The multi-machine path (docs/TENSOR_PARALLEL.md) with both nodes on this machine."""
+    """The multi-machine path (docs/PARALLEL.md) with both nodes on this machine."""
     torchrun = Path(sys.executable).parent / "torchrun"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
