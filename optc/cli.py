@@ -324,7 +324,8 @@ def bench(
                             "in-process, every request is submitted at once and --max-num-seqs sets how many run")
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
-                               **parallel.overrides(tensor_parallel_size, distributed_backend=distributed_backend),
+                               **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend,
+                                                    nnodes, node_rank, master_addr, master_port),
                                loras=tuple(parse_named_adapter(v) for v in lora))
         result = run_bench(options)
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
@@ -458,7 +459,8 @@ def serve(
             raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
-                               **parallel.overrides(tensor_parallel_size, distributed_backend=distributed_backend),
+                               **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend,
+                                                    nnodes, node_rank, master_addr, master_port),
                                max_body_bytes=max_body_bytes, client_timeout=client_timeout,
                                failure_window=failure_window,
                                chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,

@@ -1,6 +1,7 @@
 """Pipeline-parallel engines that start and end within one test, on the CPU (gloo): a dead stage is one
 clear error naming it within the collective timeout, after which the engine stays failed and no process
-is left; `optc inspect -pp` shows the stages and sizes that do not fit are one-line errors; optc's own
+is left; `optc inspect -pp` shows the stages, `optc bench -pp 2` runs over 2 ranks, and sizes that do not fit
+are one-line errors; optc's own
 --nnodes/--node-rank/--master-addr/--master-port start the ranks of two "machines" (both on this one)
 and give one rank's tokens.
 
@@ -45,13 +46,17 @@ def test_a_dead_stage_is_one_clear_error_and_leaves_no_process(tiny_pp_artifact)
     assert not multiprocessing.active_children()
 
 
-def test_inspect_shows_the_stages_and_bad_sizes_are_errors(tiny_pp_artifact):
+def test_inspect_and_bench_take_pp_and_bad_sizes_are_errors(tiny_pp_artifact):
     invoke = lambda *args: CliRunner().invoke(app, list(args))
     shown = invoke("inspect", str(tiny_pp_artifact), "-pp", "2", "--json")
     assert shown.exit_code == 0, shown.output
     assert [s["layers"] for s in json.loads(shown.output)["pipeline_parallel"]["stages"]] == [[0, 2], [2, 4]]
     five = invoke("run", str(tiny_pp_artifact), "--prompt", "hi", "-pp", "5")
     assert five.exit_code == 2 and "cannot cut 4 layers into 5 pipeline stages" in five.output
+    bench = invoke("bench", str(tiny_pp_artifact), "-pp", "2", "--num-requests", "2", "--output-len", "3", "--json")
+    assert bench.exit_code == 0, bench.output
+    assert json.loads(bench.output[bench.output.index("{"):])["pipeline_parallel_size"] == 2
+    assert not multiprocessing.active_children()
     nodes = invoke("run", str(tiny_pp_artifact), "--prompt", "hi", "-pp", "3", "--nnodes", "2", "--master-addr", "x",
                    "--master-port", "1")
     assert nodes.exit_code == 2 and "--nnodes 2 does not divide the 3 ranks" in nodes.output
