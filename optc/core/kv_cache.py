@@ -140,7 +140,7 @@ class KVCacheSpec:
         """Bytes of one pool block, its scales included: one layer's block in each of the
         `num_kv_slots` cache tensors (every layer, for a model without sliding layers); of `layers`'
         slots only, when given (a pipeline stage's: optc/core/ops/stages.py)."""
-        return len(_slots(config, layers)) * self._layer_block_bytes(config)
+        return len(set(_slots(config, layers).values())) * self._layer_block_bytes(config)
 
     def bytes_per_token(self, config: ModelConfig) -> float:
         """KV bytes one token costs over every layer (scales included), when every layer holds it."""
@@ -165,7 +165,7 @@ class KVCacheSpec:
         different groups share a tensor; a model without sliding layers has one per layer). With
         `layers` (a pipeline stage's), only theirs: the other layers' entries are None."""
         slot_of = _slots(config, layers)
-        slots = [self.allocate_layer(config, num_blocks, device) for _ in range(len(slot_of))]
+        slots = [self.allocate_layer(config, num_blocks, device) for _ in set(slot_of.values())]
         return [slots[slot_of[layer]] if layer in slot_of else None for layer in range(config.num_layers)]
 
     def node_attrs(self) -> dict[str, Any]:
