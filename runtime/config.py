@@ -39,7 +39,7 @@ class EngineConfig(RuntimeSettings):
     distributed_backend: DistributedBackend | str | None = None  # tensor parallelism: None = nccl on CUDA, gloo
     collective_timeout_s: float = 60.0  # a collective waiting longer fails: a rank died or hung
     # pipeline parallelism cuts a step into micro-batches of at least this many tokens (runtime/pipeline.py): on
-    # this repository's 2-core CPU, 2 stages gain 1.3x on 2048-token prefill steps and 1.14x on 256-request
+    # this repository's 2-core CPU, 2 stages gain 1.3x on 2048-token prefill steps and 1.18x on 256-request
     # decode steps from 2 micro-batches, break even at 64 requests and lose 1.2x at 16 (docs/PERF.md)
     pipeline_micro_batch_tokens: int = 64
     # several machines without torchrun (runtime/distributed.py): each node runs the same command with its

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from typer.testing import CliRunner
 from optc.cli import app
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.distributed import TensorParallelError
+from optc.testing import assert_two_nodes_give_one_rank_tokens
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -64,19 +63,7 @@ def test_inspect_and_bench_take_pp_and_bad_sizes_are_errors(tiny_pp_artifact):
 
 def test_two_nodes_started_by_optc_give_the_tokens_of_one_rank(tiny_pp_artifact):
     """--nnodes 2 --node-rank 0|1 --master-addr --master-port, as two machines run it, both on this one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = lambda rank: [str(Path(sys.executable).parent / "optc"), "run", str(tiny_pp_artifact), "--prompt",
-                            "hello there", "--max-tokens", "6", "--json", "-pp", "2", "--nnodes", "2", "--node-rank",
-                            str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    nodes = [subprocess.Popen(command(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=180)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    want = Engine.load(tiny_pp_artifact).generate(["hello there"], SamplingParams(max_tokens=6))[0].token_ids
-    assert json.loads(outputs[0].strip().splitlines()[-1])["token_ids"] == want
+    command = lambda rank, port: [str(Path(sys.executable).parent / "optc"), "run", str(tiny_pp_artifact), "--prompt",
+                                  "hello there", "--max-tokens", "6", "--json", "-pp", "2", "--nnodes", "2",
+                                  "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    assert_two_nodes_give_one_rank_tokens(tiny_pp_artifact, command)
