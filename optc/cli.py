@@ -238,6 +238,7 @@ def eval_(
         False, "--json", help="Print ppl, reference_ppl, kld, top1_agreement, tokens as JSON."
     ),
     tensor_parallel_size: int | None = parallel.TP,
+    pipeline_parallel_size: int | None = parallel.PP,
     distributed_backend: str | None = parallel.BACKEND,
 ) -> None:
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
@@ -246,7 +247,7 @@ def eval_(
     with _user_errors():
         result = evaluate(
             artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None,
-            **parallel.overrides(tensor_parallel_size, distributed_backend=distributed_backend),
+            **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend),
         )
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))

@@ -1,7 +1,7 @@
 """Pipeline-parallel engines that start and end within one test, on the CPU (gloo): a dead stage is one
 clear error naming it within the collective timeout, after which the engine stays failed and no process
-is left; `optc inspect -pp` shows the stages, `optc bench -pp 2` runs over 2 ranks, and sizes that do not fit
-are one-line errors; optc's own
+is left; `optc inspect -pp` shows the stages, `optc bench -pp 2` runs over 2 ranks, `optc eval -pp 2`
+scores as one rank, and sizes that do not fit are one-line errors; optc's own
 --nnodes/--node-rank/--master-addr/--master-port start the ranks of two "machines" (both on this one)
 and give one rank's tokens.
 
@@ -45,7 +45,7 @@ def test_a_dead_stage_is_one_clear_error_and_leaves_no_process(tiny_pp_artifact)
     assert not multiprocessing.active_children()
 
 
-def test_inspect_and_bench_take_pp_and_bad_sizes_are_errors(tiny_pp_artifact):
+def test_inspect_bench_and_eval_take_pp_and_bad_sizes_are_errors(tiny_pp_artifact):
     invoke = lambda *args: CliRunner().invoke(app, list(args))
     shown = invoke("inspect", str(tiny_pp_artifact), "-pp", "2", "--json")
     assert shown.exit_code == 0, shown.output
@@ -55,6 +55,10 @@ def test_inspect_and_bench_take_pp_and_bad_sizes_are_errors(tiny_pp_artifact):
     bench = invoke("bench", str(tiny_pp_artifact), "-pp", "2", "--num-requests", "2", "--output-len", "3", "--json")
     assert bench.exit_code == 0, bench.output
     assert json.loads(bench.output[bench.output.index("{"):])["pipeline_parallel_size"] == 2
+    one, two = (invoke("eval", str(tiny_pp_artifact), "--max-tokens", "1024", "--json", *extra)
+                for extra in ([], ["-pp", "2"]))
+    assert one.exit_code == 0 and two.exit_code == 0, two.output
+    assert abs(json.loads(two.output)["ppl"] - json.loads(one.output)["ppl"]) < 1e-4 * json.loads(one.output)["ppl"]
     assert not multiprocessing.active_children()
     nodes = invoke("run", str(tiny_pp_artifact), "--prompt", "hi", "-pp", "3", "--nnodes", "2", "--master-addr", "x",
                    "--master-port", "1")

@@ -1,4 +1,4 @@
-"""The parallelism options `optc run`, `serve` and `bench` share (`eval` takes -tp and the backend):
+"""The parallelism options `optc run`, `serve` and `bench` share (`eval` takes -tp, -pp and the backend):
 tensor- and pipeline-parallel sizes, the torch.distributed backend, and where the ranks of several
 machines meet when optc starts them itself (named as vLLM's: --nnodes, --node-rank, --master-addr,
 --master-port; under torchrun, torchrun's own flags place them). Each is an EngineConfig field
