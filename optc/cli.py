@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 
+from optc.commands import parallel
 from optc.commands.export import ExportFormat, Flavor
 from optc.core.errors import UserError
 from optc.core.lora import adapter_rank, parse_named_adapter
@@ -28,13 +29,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-
-TENSOR_PARALLEL_HELP = (
-    "Split the model over N ranks (tensor parallelism: N GPUs, or N CPU processes); the size must divide "
-    "the model's heads (`optc inspect --tensor-parallel-size N` shows what each rank holds). Default: the "
-    "artifact's runtime.tensor_parallel_size, else 1."
-)
-BACKEND_HELP = "torch.distributed backend of tensor parallelism: nccl or gloo (default: nccl on cuda, gloo on cpu)."
 
 SPECULATIVE_HELP = (
     "Speculative decoding: ngram[:K] (prompt lookup), draft:PATH[:K] (a draft artifact with the same "
@@ -57,12 +51,6 @@ def _main(
     """optc: compile LLM checkpoints into optimized, self-describing inference artifacts."""
     if show_traceback:  # the flag lives in this process's environment: every command of the run sees it
         os.environ["OPTC_TRACEBACK"] = "1"
-
-
-def _parallel_options(tensor_parallel_size: int | None, distributed_backend: str | None) -> dict:
-    """The engine overrides of the tensor-parallel options given (unset ones keep the artifact's)."""
-    options = {"tensor_parallel_size": tensor_parallel_size, "distributed_backend": distributed_backend}
-    return {k: v for k, v in options.items() if v is not None}
 
 
 def _read_text(path: Path, option: str) -> str:
@@ -134,12 +122,15 @@ def inspect(
     tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp", min=1,
         help="Also show how each tensor shards over N ranks and the weight bytes each rank holds."),
+    pipeline_parallel_size: int | None = typer.Option(
+        None, "--pipeline-parallel-size", "-pp", min=1, help="Also show the P pipeline stages the layers are cut "
+        "into: each one's layers, weight bytes and the values it hands on."),
 ) -> None:
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.commands.inspect import summarize
 
     with _user_errors():
-        summary = summarize(artifact, tensor_parallel_size)
+        summary = summarize(artifact, tensor_parallel_size, pipeline_parallel_size)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
@@ -170,9 +161,13 @@ def run(
         False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
     ),
     speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    tensor_parallel_size: int | None = typer.Option(
-        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
-    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    tensor_parallel_size: int | None = parallel.TP,
+    pipeline_parallel_size: int | None = parallel.PP,
+    distributed_backend: str | None = parallel.BACKEND,
+    nnodes: int | None = parallel.NNODES,
+    node_rank: int | None = parallel.NODE_RANK,
+    master_addr: str | None = parallel.MASTER_ADDR,
+    master_port: int | None = parallel.MASTER_PORT,
     lora: Path | None = typer.Option(None, "--lora", help="A peft LoRA adapter folder to generate under."),
 ) -> None:
     """Generate text from one prompt."""
@@ -190,8 +185,10 @@ def run(
         if template is not None and not chat:
             raise UserError("--chat-template formats chat prompts: add --chat")
         loras = {"max_loras": 1, "max_lora_rank": adapter_rank(lora)} if lora else {}
+        parallel_options = parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend, nnodes,
+                                              node_rank, master_addr, master_port)
         engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec, chat_template=template,
-                             **_parallel_options(tensor_parallel_size, distributed_backend), **loras)
+                             **parallel_options, **loras)
         try:
             if lora:
                 engine.load_lora("lora", lora)
@@ -240,9 +237,9 @@ def eval_(
     as_json: bool = typer.Option(
         False, "--json", help="Print ppl, reference_ppl, kld, top1_agreement, tokens as JSON."
     ),
-    tensor_parallel_size: int | None = typer.Option(
-        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
-    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    tensor_parallel_size: int | None = parallel.TP,
+    pipeline_parallel_size: int | None = parallel.PP,
+    distributed_backend: str | None = parallel.BACKEND,
 ) -> None:
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.commands.eval import evaluate
@@ -250,7 +247,7 @@ def eval_(
     with _user_errors():
         result = evaluate(
             artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None,
-            **_parallel_options(tensor_parallel_size, distributed_backend),
+            **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend),
         )
     if as_json:
         typer.echo(json.dumps(result, sort_keys=True))
@@ -289,9 +286,13 @@ def bench(
     max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1, help="With --url: requests in "
                                                "flight at most (default: no limit)."),
     speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    tensor_parallel_size: int | None = typer.Option(
-        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
-    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    tensor_parallel_size: int | None = parallel.TP,
+    pipeline_parallel_size: int | None = parallel.PP,
+    distributed_backend: str | None = parallel.BACKEND,
+    nnodes: int | None = parallel.NNODES,
+    node_rank: int | None = parallel.NODE_RANK,
+    master_addr: str | None = parallel.MASTER_ADDR,
+    master_port: int | None = parallel.MASTER_PORT,
     lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: a peft LoRA adapter; requests take the adapters "
                                    "in turn (repeatable)."),
 ) -> None:
@@ -307,7 +308,8 @@ def bench(
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
                           "--compare-hf": compare_hf, "--tensor-parallel-size": tensor_parallel_size is not None,
-                          "--distributed-backend": distributed_backend is not None,
+                          "--pipeline-parallel-size": pipeline_parallel_size is not None,
+                          "--distributed-backend": distributed_backend is not None, "--nnodes": nnodes is not None,
                           "--speculative": speculative is not None, "--lora": bool(lora)}
             if any(in_process.values()):
                 raise UserError(f"{[k for k, v in in_process.items() if v][0]} is for in-process runs; with --url "
@@ -323,7 +325,8 @@ def bench(
                             "in-process, every request is submitted at once and --max-num-seqs sets how many run")
         options = BenchOptions(artifact, num_requests, input_len, output_len, dataset, max_num_seqs, device, eager,
                                compare_hf, None, seed, show_progress=not as_json, speculative=speculative,
-                               **_parallel_options(tensor_parallel_size, distributed_backend),
+                               **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend,
+                                                    nnodes, node_rank, master_addr, master_port),
                                loras=tuple(parse_named_adapter(v) for v in lora))
         result = run_bench(options)
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_bench(result))
@@ -421,9 +424,13 @@ def serve(
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
                                            "get to finish after SIGTERM/SIGINT before they are cancelled."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
-    tensor_parallel_size: int | None = typer.Option(
-        None, "--tensor-parallel-size", "-tp", min=1, help=TENSOR_PARALLEL_HELP),
-    distributed_backend: str | None = typer.Option(None, "--distributed-backend", help=BACKEND_HELP),
+    tensor_parallel_size: int | None = parallel.TP,
+    pipeline_parallel_size: int | None = parallel.PP,
+    distributed_backend: str | None = parallel.BACKEND,
+    nnodes: int | None = parallel.NNODES,
+    node_rank: int | None = parallel.NODE_RANK,
+    master_addr: str | None = parallel.MASTER_ADDR,
+    master_port: int | None = parallel.MASTER_PORT,
     max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; a larger one "
                                        "is answered 413 before it is read."),
     client_timeout: float = typer.Option(30.0, "--client-timeout", help="Seconds a client may take to send a "
@@ -453,7 +460,8 @@ def serve(
             raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
         options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
                                tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
-                               **_parallel_options(tensor_parallel_size, distributed_backend),
+                               **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend,
+                                                    nnodes, node_rank, master_addr, master_port),
                                max_body_bytes=max_body_bytes, client_timeout=client_timeout,
                                failure_window=failure_window,
                                chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import IO
@@ -360,3 +361,25 @@ def benchmark_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     finally:
         sys.path.remove(folder)
+
+
+def assert_two_nodes_give_one_rank_tokens(artifact: Path, command: Callable[[int, int], list[str]]) -> None:
+    """Run `command(node_rank, port)` for node ranks 0 and 1 at once, as two machines would (both here,
+    meeting at 127.0.0.1:port): both exit 0 and node 0 prints (`optc run --json`, "hello there", 6 tokens)
+    the tokens one rank generates."""
+    from optc.runtime import Engine, SamplingParams
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [subprocess.Popen(command(rank, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    engine = Engine.load(artifact)
+    want = engine.generate(["hello there"], SamplingParams(max_tokens=6))[0].token_ids
+    assert json.loads(outputs[0].strip().splitlines()[-1])["token_ids"] == want

@@ -1,17 +1,20 @@
-"""Tensor parallelism across processes on torch.distributed: starting the ranks, the step each step's
-batch travels in, the worker loop, and turning a dead or hung rank into one clear error.
+"""Tensor and pipeline parallelism across processes on torch.distributed: starting the ranks, the step each
+step's batch travels in, the worker loop, and turning a dead or hung rank into one clear error.
 
-Processes. Rank 0 is the process that loads the engine (`Engine.load(path, tensor_parallel_size=N)`):
-it owns the scheduler, KV manager, sampler, detokenizer and speculative proposer. On one machine it
-starts ranks 1 .. N-1 itself (`torch.multiprocessing`, spawn). Across machines `torchrun` starts every
-rank (rendezvous through `env://`), each running the same optc command: rank 0 serves it, and on any
-other rank `Engine.load` serves steps until rank 0 closes, then exits the process (docs/
-TENSOR_PARALLEL.md has the command).
+Processes. Rank 0 is the process that loads the engine (`Engine.load(path, tensor_parallel_size=T,
+pipeline_parallel_size=P)`, P x T ranks; rank r is stage r // T, tensor-parallel rank r % T): it owns
+the scheduler, KV manager, sampler, detokenizer and speculative proposer. On one machine it starts
+ranks 1 .. PT-1 itself (`torch.multiprocessing`, spawn). Across machines either `torchrun` starts every
+rank (rendezvous through `env://`), or each node runs the same optc command with its `node_rank`
+(EngineConfig's nnodes, node_rank, master_addr, master_port) and spawns its own ranks but the first,
+meeting at master_addr. Rank 0 serves the command; on any other torchrun rank or node, `Engine.load`
+serves steps until rank 0 closes, then exits the process (docs/PARALLEL.md has the commands).
 
-Groups. The model's collectives (optc/core/ops/collective.py) run over a device group: NCCL on CUDA, gloo
-on the CPU, with a bounded timeout. The default group (gloo) carries control: each step's message and
-the agreement on the KV pool size; ranks wait on it without a practical deadline (a rank loading a
-large shard, an idle server that sends nothing).
+Groups. The model's collectives (optc/core/ops/collective.py) run over a device group, one per stage
+(every rank when P = 1): NCCL on CUDA, gloo on the CPU, with a bounded timeout; stages hand values over in
+a group of every rank on the same backend (runtime/pipeline.py). The default group (gloo) carries control:
+each step's message and the agreement on the KV pool size; ranks wait on it without a practical deadline
+(a rank loading a large shard, an idle server that sends nothing).
 
 Step. Before each forward, rank 0's model runner sends the step: the block copies and the forward's
 arguments (new token ids, start positions, block ids, logits rows per request) flattened into one
@@ -50,6 +53,7 @@ import torch.multiprocessing as mp
 
 from optc.core.errors import UserError
 from optc.core.ops.sharding import plan_shards
+from optc.core.ops.stages import plan_stages, stage_graph
 from optc.runtime.config import EngineConfig
 from optc.runtime.rank_stats import RankStats
 
@@ -78,12 +82,27 @@ class TensorParallelGroup:
     workers: list[Any] = field(default_factory=list)  # spawned processes of ranks 1 .. N-1
     error: TensorParallelError | None = None  # set by the first failure: every later step raises it
     is_closed: bool = False
+    pipeline_size: int = 1  # stages (runtime/pipeline.py): rank r is stage r // tensor_size
+    pipe_group: Any = None  # every rank, on the device backend: what stages hand values over in
+
+    @property
+    def tensor_size(self) -> int:
+        return self.size // self.pipeline_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tensor_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_size
 
     def load_model(self, artifact: Any, device: str, use_references: bool = False) -> Any:
-        """This rank's shard of the artifact, its collectives over the device group."""
+        """This rank's stage and shard of the artifact, its collectives over its stage's device group."""
         from optc.runtime.loader import load_model
 
-        return load_model(artifact, _rank_device(device), self.rank, self.size, self.device_group, use_references)
+        return load_model(artifact, _rank_device(device), self.tp_rank, self.tensor_size, self.device_group,
+                          use_references, self.stage, self.pipeline_size)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest KV pool any rank can hold: every rank allocates that many blocks."""
@@ -167,15 +186,16 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
     def _failure(self, cause: str) -> TensorParallelError:
-        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, 1) if not w.is_alive()]
+        exited = lambda: [(rank, w.exitcode) for rank, w in enumerate(self.workers, self.rank + 1) if not w.is_alive()]
         dead, deadline = exited(), time.monotonic() + EXIT_GRACE_S
         while not dead and self.workers and time.monotonic() < deadline:
             time.sleep(0.05)
             dead = exited()
+        kind = _kind(self.pipeline_size)
         if dead:
             which = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
-            return TensorParallelError(f"tensor-parallel {which} died; the engine stopped ({cause})")
-        return TensorParallelError(f"a tensor-parallel collective failed or timed out after {self.timeout_s:g} s "
+            return TensorParallelError(f"{kind} {which} died; the engine stopped ({cause})")
+        return TensorParallelError(f"a {kind} collective failed or timed out after {self.timeout_s:g} s "
                                    f"(a rank died or hung): {cause}")
 
 
@@ -186,44 +206,59 @@ def launched_by_torchrun() -> bool:
 
 
 def start(config: EngineConfig, artifact: Any, device: str, verify: bool) -> TensorParallelGroup:
-    """Join (torchrun: every rank runs this) or start (one machine: spawn ranks 1 .. N-1) a group of
-    `config.tensor_parallel_size` ranks for an opened artifact; on a torchrun rank other than 0,
-    serve steps and exit. A model that does not split that many ways raises before any process starts."""
-    size, path = config.tensor_parallel_size, artifact.path
-    for rank in range(size):
-        plan_shards(artifact.graph, rank, size)  # ShardError naming the tensor and the sizes that work
+    """Join (torchrun: every rank runs this) or start (spawn this node's ranks but the first: ranks 1 .. N-1
+    on one machine) a group of tensor_parallel_size x pipeline_parallel_size ranks for an opened artifact;
+    on a torchrun rank other than 0, or a node other than 0 (`config.node_rank`), serve steps and exit.
+    A model that does not split or cut that many ways raises before any process starts."""
+    tp, pp, path = config.tensor_parallel_size, config.pipeline_parallel_size, artifact.path
+    size = tp * pp
+    stages = plan_stages(artifact.graph, pp)  # StageError: more stages than layers
+    for stage in range(pp):
+        graph = stage_graph(artifact.graph, stages, stage)
+        for rank in range(tp):
+            plan_shards(graph, rank, tp)  # ShardError naming the tensor and the sizes that work
     backend = config.distributed_backend or ("nccl" if device.startswith("cuda") else "gloo")
     if launched_by_torchrun():
+        if config.nnodes > 1 or config.master_addr is not None:
+            raise UserError("under torchrun, torchrun's own --nnodes, --node-rank and --master-addr place the "
+                            "ranks: drop optc's")
         if int(os.environ["WORLD_SIZE"]) != size:
-            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size is "
-                            f"{size}: they must match")
-        group = _join(int(os.environ["RANK"]), size, backend, "env://", config.collective_timeout_s)
+            raise UserError(f"torchrun started {os.environ['WORLD_SIZE']} processes but tensor_parallel_size x "
+                            f"pipeline_parallel_size is {tp} x {pp} = {size}: they must match")
+        group = _join(int(os.environ["RANK"]), size, backend, "env://", config.collective_timeout_s, pp)
         if group.rank != 0:
             run_worker(group, config, path, device, verify)
             raise SystemExit(0)
         return group
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    first = config.node_rank * size // config.nnodes  # this node's ranks: first .. first + size / nnodes - 1
+    init_method = f"tcp://{config.master_addr or '127.0.0.1'}:{config.master_port or _free_port()}"
     spawn = mp.get_context("spawn")
-    workers = [spawn.Process(target=_spawned_worker, daemon=True, name=f"optc-tp-rank-{rank}",
-                             args=(rank, size, backend, init_method, config, str(path), device, verify, os.getpid()))
-               for rank in range(1, size)]
+    workers = [spawn.Process(target=_spawned_worker, daemon=True, name=f"optc-rank-{rank}",
+                             args=(rank, rank - first, size, backend, init_method, config, str(path), device, verify,
+                                   os.getpid()))
+               for rank in range(first + 1, first + size // config.nnodes)]
     for w in workers:
         w.start()
     try:
-        group = _join_watching(workers, size, backend, init_method, config.collective_timeout_s)
+        group = _join_watching(workers, first, size, backend, init_method, config.collective_timeout_s, pp)
     except BaseException as e:
-        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, 1) if not w.is_alive()]
+        dead = [f"rank {rank} (exit code {w.exitcode})" for rank, w in enumerate(workers, first + 1)
+                if not w.is_alive()]
         for w in workers:
             w.kill()
             w.join()
         if dead:
-            raise TensorParallelError(f"tensor-parallel {', '.join(dead)} died while starting") from e
+            raise TensorParallelError(f"{_kind(pp)} {', '.join(dead)} died while starting") from e
         raise
     group.workers = workers
+    if first != 0:
+        run_worker(group, config, path, device, verify)
+        raise SystemExit(0)
     return group
 
 
-def _join_watching(workers: list, size: int, backend: str, init_method: str, timeout_s: float) -> TensorParallelGroup:
+def _join_watching(workers: list, rank: int, size: int, backend: str, init_method: str, timeout_s: float,
+                   pipeline_size: int) -> TensorParallelGroup:
     """Rank 0's `_join`, run beside a watch on the spawned workers: the control group's rendezvous has no
     deadline (see `_join`), so a worker that dies before joining (e.g. a spawn that cannot re-import the
     parent's main module) would leave rank 0 waiting forever; a dead worker raises here instead."""
@@ -231,7 +266,7 @@ def _join_watching(workers: list, size: int, backend: str, init_method: str, tim
 
     def join() -> None:
         try:
-            joined["group"] = _join(0, size, backend, init_method, timeout_s)
+            joined["group"] = _join(rank, size, backend, init_method, timeout_s, pipeline_size)
         except BaseException as e:  # re-raised in the caller's thread
             joined["error"] = e
 
@@ -240,7 +275,7 @@ def _join_watching(workers: list, size: int, backend: str, init_method: str, tim
     while thread.is_alive():
         thread.join(0.2)
         if thread.is_alive() and any(not w.is_alive() for w in workers):
-            raise TensorParallelError("a tensor-parallel worker exited before joining the group")
+            raise TensorParallelError(f"a {_kind(pipeline_size)} worker exited before joining the group")
     if "error" in joined:
         raise joined["error"]
     return joined["group"]
@@ -257,7 +292,8 @@ def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Pat
         model = group.load_model(read(path, verify=verify, device=device), device, config.use_references)
         max_model_len = min(model.max_position_embeddings, config.max_seq_len or 1 << 62)
         num_blocks = group.agree_num_blocks(config.num_blocks or num_kv_blocks([model], config, max_model_len))
-        runner = ModelRunner(model, config, num_blocks, max_model_len)
+        runner = ModelRunner(model, config, num_blocks, max_model_len,
+                             stage_group=group if group.pipeline_size > 1 else None)
         counters = lambda: (runner.num_forwards, num_blocks)
         while (step := group.receive_step(counters)) is not None:
             block_copies, token_ids, starts, block_ids, num_rows = step
@@ -314,7 +350,8 @@ def decode_step(header: torch.Tensor, body: torch.Tensor) -> StepArgs:
 # -- helpers ----------------------------------------------------------------------------------------
 
 
-def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float) -> TensorParallelGroup:
+def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float,
+          pipeline_size: int = 1) -> TensorParallelGroup:
     if dist.is_initialized():
         raise UserError("this process already belongs to a tensor-parallel group: close the other engine first "
                         "(Engine.close)")
@@ -324,17 +361,24 @@ def _join(rank: int, size: int, backend: str, init_method: str, timeout_s: float
     # their own pace, and an idle worker waits for the next step as long as the engine idles
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(days=365))
-    device_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return TensorParallelGroup(rank, size, backend, timeout_s, dist.group.WORLD, device_group)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    device_group = pipe_group = dist.new_group(backend=backend, timeout=timeout)
+    if pipeline_size > 1:  # each stage's tensor-parallel ranks: every rank creates every group, in order
+        t = size // pipeline_size
+        stages = [dist.new_group(list(range(s * t, (s + 1) * t)), backend=backend, timeout=timeout)
+                  for s in range(pipeline_size)]
+        device_group = stages[rank // t]
+    return TensorParallelGroup(rank, size, backend, timeout_s, dist.group.WORLD, device_group,
+                               pipeline_size=pipeline_size, pipe_group=pipe_group)
 
 
-def _spawned_worker(rank: int, size: int, backend: str, init_method: str, config: EngineConfig, path: str,
-                    device: str, verify: bool, parent: int) -> None:
+def _spawned_worker(rank: int, local_rank: int, size: int, backend: str, init_method: str, config: EngineConfig,
+                    path: str, device: str, verify: bool, parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    os.environ["LOCAL_RANK"] = str(rank)
-    if device == "cpu":  # the ranks share the machine's cores: oversubscribed threads stall every collective
-        torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    group = _join(rank, size, backend, init_method, config.collective_timeout_s)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    if device == "cpu":  # a node's ranks share its cores: oversubscribed threads stall every collective
+        torch.set_num_threads(max(1, torch.get_num_threads() // (size // config.nnodes)))
+    group = _join(rank, size, backend, init_method, config.collective_timeout_s, config.pipeline_parallel_size)
     run_worker(group, config, path, device, verify)
 
 
@@ -343,6 +387,11 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(WATCHDOG_INTERVAL_S)
     os._exit(1)
+
+
+def _kind(pipeline_size: int) -> str:
+    """What errors call a rank: tensor-parallel, or pipeline-parallel when there are stages."""
+    return "tensor-parallel" if pipeline_size == 1 else "pipeline-parallel"
 
 
 def _rank_device(device: str) -> str:

@@ -77,7 +77,7 @@ class Engine:
         self.runner = ModelRunner(model, config, num_blocks, self.max_model_len,
                                   make_speculator(speculative, draft_model, config, num_blocks, self.max_model_len,
                                                   draft_head, model.vocab_size),
-                                  group=group)
+                                  group=group, stage_group=group if group and group.pipeline_size > 1 else None)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_manager
         )
@@ -116,7 +116,8 @@ class Engine:
     ) -> Engine:
         """Load an artifact; `overrides` are EngineConfig fields that replace the manifest's (e.g.
         `tensor_parallel_size=N`: rank 0 of N, which starts the others; `close()` stops them; under
-        torchrun every N, 1 included, joins torchrun's group);
+        torchrun every N, 1 included, joins torchrun's group; `pipeline_parallel_size=P`: P stages of N
+        ranks each, rank 0 the first stage's first);
         `speculative` replaces the manifest's runtime.speculative (a draft artifact loads here too);
         `chat_template` (Jinja text) replaces the tokenizer's, or gives a base model one."""
         from transformers import AutoTokenizer
@@ -132,7 +133,7 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(artifact.tokenizer_dir)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
-        distributed = config.tensor_parallel_size > 1 or launched_by_torchrun()
+        distributed = config.tensor_parallel_size * config.pipeline_parallel_size > 1 or launched_by_torchrun()
         group = start(config, artifact, device, verify) if distributed else None
         try:
             refs = config.use_references

@@ -65,7 +65,13 @@ def profile_activation_bytes(model: Any, config: Any, max_model_len: int) -> int
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    model.forward(batch.to(device), caches)
+    if getattr(model, "kv_layers", None) is not None:  # a pipeline stage: some layers (runtime/pipeline.py)
+        # what it receives from the stage before is zeros here
+        hidden = model.graph.config.hidden_size
+        received = {v: torch.zeros((num_tokens, hidden), dtype=model.dtype, device=device) for v in model.receives}
+        model.run_stage(batch.to(device), caches, received)
+    else:
+        model.forward(batch.to(device), caches)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del caches

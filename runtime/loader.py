@@ -15,17 +15,19 @@ import os
 from optc.core.artifact import Artifact, check_unchanged
 from optc.core.ir import REFERENCE_KERNEL, Graph
 from optc.core.ops.sharding import shard
+from optc.core.ops.stages import plan_stages, stage_graph
 from optc.runtime.model import Model
 
 
 def load_model(artifact: Artifact, device: str = "cpu", rank: int = 0, world_size: int = 1,
-               group: object = None, use_references: bool = False) -> Model:
+               group: object = None, use_references: bool = False, stage: int = 0, num_stages: int = 1) -> Model:
     """The artifact's graph bound to the kernels its nodes name (every op's torch reference with
     `use_references`: what evaluation scores), with its weights on `device`; with a `group`, tensor-parallel
     rank `rank` of `world_size`'s graph and weight slices (optc/core/ops/sharding.py; ShardError when
-    the model does not split that many ways), its collectives over `group`."""
-    graph, store = (artifact.graph, artifact.store) if group is None else shard(
-        artifact.graph, artifact.store, rank, world_size)
+    the model does not split that many ways), its collectives over `group`, of pipeline stage `stage` of
+    `num_stages` (optc/core/ops/stages.py: its layers only; StageError when the model has fewer layers)."""
+    graph = stage_graph(artifact.graph, plan_stages(artifact.graph, num_stages), stage)
+    graph, store = (graph, artifact.store) if group is None else shard(graph, artifact.store, rank, world_size)
     if not use_references and str(device).startswith("cuda"):
         graph = _refine_kernel_choice(graph, device)
     impls = {} if use_references else _impls(graph)

@@ -23,7 +23,7 @@ import torch
 
 from optc.core.execute import Executor, Impl, Step, bind_params
 from optc.core.formats import DTYPES
-from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.ir import GRAPH_INPUTS, REFERENCE_KERNEL, Graph, Node
 from optc.core.kv_cache import KVCache, KVCacheGroup, KVCacheSpec, kv_cache_groups
 from optc.core.ops import OPS
 from optc.core.ops.lora import slot_groups
@@ -72,6 +72,10 @@ class Model:
         self.eos_token_ids = list(c.eos_token_ids)
         self.dtype = DTYPES[c.dtype]
         self.kv_spec = kv_spec or KVCacheSpec(dtype=c.dtype)
+        # a pipeline stage's graph (optc/core/ops/stages.py) holds some layers: its KV caches are theirs only
+        layers = {n.attrs["layer"] for n in graph.nodes if OPS[n.op].touches_kv_cache}
+        self.kv_layers = None if len(layers) == c.num_layers else tuple(sorted(layers))
+        self.receives = tuple(v for v in graph.inputs if v not in GRAPH_INPUTS)  # a later stage's: its inputs
         self.cos_sin = {name: t.to(self.device) for name, t in cos_sin_tables(c, c.max_position_embeddings).items()}
         # a batch may carry draft trees (ForwardBatch.tree_mask) when every KV-touching node is an attention whose
         # implementation takes the mask, over full attention in one KV-cache group, on one rank
@@ -91,10 +95,12 @@ class Model:
         return self.lora
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config)
+        return replace(self.kv_spec, block_size=block_size).bytes_per_block(self.graph.config, self.kv_layers)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        return replace(self.kv_spec, block_size=block_size).allocate(self.graph.config, num_blocks, self.device)
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache | None]:
+        """Every layer's cache (None for a layer another pipeline stage holds)."""
+        return replace(self.kv_spec, block_size=block_size).allocate(self.graph.config, num_blocks, self.device,
+                                                                     self.kv_layers)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
@@ -114,6 +120,16 @@ class Model:
             self.num_unfused_lora_steps += 1
         out = self.executor.run(batch.input_ids, step, fused=not step.lora_groups)
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
+
+    @torch.inference_mode()
+    def run_stage(self, batch: ForwardBatch, kv_caches: list,
+                  received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A pipeline stage's step (runtime/pipeline.py): the values it sends on (the last stage: its logits)
+        for the batch, from the values `received` from the stage before (none for stage 0)."""
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
+        return self.executor.run(batch.input_ids, step, stage_inputs=received)
 
 
 def _with_lora(impl: Impl, name: str, lora: LoraSlots) -> Impl:

@@ -29,11 +29,13 @@ from typing import Any
 
 import torch
 
+from optc.core.errors import UserError
 from optc.runtime import logits_processors, logprobs
 from optc.runtime.batch import BatchBuilder
 from optc.runtime.cuda_graphs import make_runner
 from optc.runtime.grammar import Masks
 from optc.runtime.model import kv_windows
+from optc.runtime.pipeline import Pipeline
 from optc.runtime.rank_stats import RankStats
 from optc.runtime.sampler import Logprobs, compute_logprobs, sample
 from optc.runtime.scheduler import SchedulerOutput
@@ -51,27 +53,34 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: Any, config: Any, num_blocks: int, max_model_len: int, speculator: Any = None,
-        max_num_requests: int | None = None, group: Any = None,
+        max_num_requests: int | None = None, group: Any = None, stage_group: Any = None,
     ) -> None:
         """`config`: an EngineConfig; `max_num_requests`: the most requests a decode step of this runner
         holds (the engine's max_num_seqs by default; a draft's the speculation cut-off); `group`: rank
-        0's TensorParallelGroup, which every forward is sent through first."""
+        0's TensorParallelGroup, which every forward is sent through first; `stage_group`: any rank's
+        group when `model` is a pipeline stage (runtime/pipeline.py runs its forwards)."""
         self.model = model
         self.group = group
+        if stage_group is not None and speculator is not None and speculator.needs_features:
+            raise UserError("EAGLE speculation reads the last layer's features on rank 0: pipeline parallelism "
+                            "does not run it (use ngram or draft speculation)")
         self.device = torch.device(model.device)
         self.block_size = config.block_size
         self.kv_caches = model.allocate_kv_caches(num_blocks, config.block_size)
         # the pool's tensors, once each (KV-cache groups share them): what a block copy copies
-        self._pool_caches = list({id(c): c for c in self.kv_caches}.values())
+        self._pool_caches = list({id(c): c for c in self.kv_caches if c is not None}.values())
         # a speculator that drafts from the target's features (EAGLE) reads them from every step: eager steps
         self._with_features = speculator is not None and speculator.needs_features
         self._features: torch.Tensor | None = None
         self.graph_runner = make_runner(  # None on the CPU, with enforce_eager or without a plan: eager steps
-            model, self.kv_caches, enforce_eager=config.enforce_eager or self._with_features,
+            model, self.kv_caches, enforce_eager=config.enforce_eager or self._with_features or stage_group is not None,
             batch_sizes=config.cuda_graph_batch_sizes,
             max_num_seqs=max_num_requests or config.max_num_seqs, max_seq_len=max_model_len,
             block_size=config.block_size)
         self.batch_builder = BatchBuilder(self.device, len(kv_windows(model)))
+        self.pipeline = (Pipeline(stage_group, model, self.batch_builder, config.block_size,
+                                  config.pipeline_micro_batch_tokens)
+                         if stage_group is not None else None)
         self.speculator = speculator
         if speculator is not None:  # draft trees: a mask every attention takes, one rank, eager steps
             speculator.allow_trees(getattr(model, "takes_tree_mask", False) and group is None
@@ -109,6 +118,9 @@ class ModelRunner:
                  lora_slots=None, on_built=None) -> torch.Tensor:
         self.num_forwards += 1
         self.copy_blocks(block_copies)
+        if self.pipeline is not None:  # rank 0 gets the logits, every other rank None
+            return self.pipeline.forward(token_ids, starts, block_ids, num_rows or [1] * len(token_ids),
+                                         self.kv_caches)
         with_lora = lora_slots is not None and any(s >= 0 for s in lora_slots)
         # eager where a captured graph cannot hold the step: draft trees, LoRA deltas
         runner = None if tree_parents is not None or with_lora else self.graph_runner

@@ -55,6 +55,17 @@ def tiny_artifact(tmp_path_factory) -> Path:
     return build_artifact(tmp_path_factory.mktemp("tiny") / "a", RECIPES / "tiny.yaml")
 
 
+@pytest.fixture(scope="session")
+def tiny_pp_artifact(tmp_path_factory) -> Path:
+    """random:tiny with 4 layers and 3 heads (KV heads too) of 16, MLP 96: cuts into 2..4 pipeline stages and
+    splits 3 ways (tests/test_pipeline_parallel*.py)."""
+    from optc.testing import build_artifact
+
+    model = ("model=random:tiny?num_hidden_layers=4&num_attention_heads=3&num_key_value_heads=3&hidden_size=48"
+             "&intermediate_size=96")
+    return build_artifact(tmp_path_factory.mktemp("tiny-pp") / "a", RECIPES / "tiny.yaml", model)
+
+
 TINY_INT8_KV = "passes=[fuse_qkv, fuse_gate_up, {kv_layout: {dtype: int8}}]"
 
 

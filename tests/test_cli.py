@@ -229,7 +229,7 @@ def test_a_bug_shows_its_traceback_and_exits_1(tmp_path, tiny_artifact, monkeypa
     (broken / "manifest.json").write_text(json.dumps(m))
     assert_user_error(optc("inspect", broken), "manifest.json: a damaged section", "rebuild")
 
-    def bug(path, tensor_parallel_size=None):
+    def bug(path, tensor_parallel_size=None, pipeline_parallel_size=None):
         raise KeyError("synthetic bug")
 
     monkeypatch.setattr("optc.commands.inspect.summarize", bug)

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from optc.cli import app
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.distributed import TensorParallelError
-from optc.testing import assert_close
+from optc.testing import assert_close, assert_two_nodes_give_one_rank_tokens
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -46,26 +46,13 @@ def test_optc_run_tensor_parallel_gives_the_tokens_of_one_rank(tiny_artifact):
 
 
 def test_two_torchrun_nodes_give_the_tokens_of_one_rank(tiny_artifact):
-    """The multi-machine path (docs/TENSOR_PARALLEL.md) with both nodes on this machine."""
+    """The multi-machine path (docs/PARALLEL.md) with both nodes on this machine."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = lambda rank: [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-                            "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
-                            str(Path(sys.executable).parent / "optc"), "run", str(tiny_artifact), "--prompt",
-                            "hello there", "--max-tokens", "6", "--json", "-tp", "2"]
-    nodes = [subprocess.Popen(command(rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    try:
-        outputs = [node.communicate(timeout=180)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs
-    engine = Engine.load(tiny_artifact)
-    want = engine.generate(["hello there"], SamplingParams(max_tokens=6))[0].token_ids
-    assert json.loads(outputs[0].strip().splitlines()[-1])["token_ids"] == want
+    command = lambda rank, port: [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
+                                  str(Path(sys.executable).parent / "optc"), "run", str(tiny_artifact), "--prompt",
+                                  "hello there", "--max-tokens", "6", "--json", "-tp", "2"]
+    assert_two_nodes_give_one_rank_tokens(tiny_artifact, command)
 
 
 @pytest.mark.parametrize("fault", ["dead", "hung"])

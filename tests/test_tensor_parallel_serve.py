@@ -1,5 +1,5 @@
-"""`optc serve -tp 2` as a live process on random:tiny (gloo, 2 ranks): the `openai` client gets the
-tokens of one rank; killing the worker mid-request ends the server within 60 s with a non-zero exit
+"""`optc serve -tp 2` and `-pp 2` as live processes on random:tiny (gloo, 2 ranks): the `openai` client gets
+the tokens of one rank; killing the worker mid-request ends the server within 60 s with a non-zero exit
 and a message naming the dead rank, and leaves none of its processes behind."""
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from optc.testing import serve_process  # noqa: E402
 PROMPT = "The quick brown fox"
 
 
-def test_serve_tp2_answers_and_a_killed_worker_ends_the_server(tiny_artifact):
+@pytest.mark.parametrize("option", ["-tp", "-pp"])
+def test_serve_over_2_ranks_answers_and_a_killed_worker_ends_the_server(tiny_artifact, option):
     want = Engine.load(tiny_artifact).generate([PROMPT], SamplingParams(max_tokens=8))[0].text
-    with tempfile.TemporaryFile("w+") as log, serve_process(tiny_artifact, "-tp", "2", "--distributed-backend",
+    with tempfile.TemporaryFile("w+") as log, serve_process(tiny_artifact, option, "2", "--distributed-backend",
                                                             "gloo", log=log) as (url, process):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
         answer = client.completions.create(model="a", prompt=PROMPT, max_tokens=8, temperature=0)
@@ -44,7 +45,8 @@ def test_serve_tp2_answers_and_a_killed_worker_ends_the_server(tiny_artifact):
         log.seek(0)
         output = log.read()
     assert code == 2, output
-    assert "error: tensor-parallel rank 1 (exit code -9) died" in output
+    kind = "tensor" if option == "-tp" else "pipeline"
+    assert f"error: {kind}-parallel rank 1 (exit code -9) died" in output
     time.sleep(1)  # the kernel reaps orphans asynchronously
     assert [pid for pid in descendants if _is_running(pid)] == []
 

@@ -12,7 +12,7 @@ Its shapes split 1 or 3 ways only (2 cuts the heads, 9 the MLP), so N = 3 is the
 
 bfloat16 is not compared token for token: each rank rounds its partial sums to bf16 before the
 all-reduce, which moves SmolLM2's logits by up to 1.6, as much as binding the torch kernels instead
-of the packed ones does (docs/TENSOR_PARALLEL.md)."""
+of the packed ones does (docs/PARALLEL.md)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from optc.commands.dataset import read_dataset
 from optc.core.errors import InputError
 from optc.core.lora import adapter_rank
 from optc.runtime import Engine, SamplingParams
+from optc.runtime.config import PARALLEL_OPTIONS
 from optc.runtime.speculative import SpeculativeConfig
 
 PERCENTILES = (50, 90, 99)
@@ -54,6 +55,11 @@ class BenchOptions:
     speculative: str | None = None
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
+    pipeline_parallel_size: int | None = None  # stages of tensor_parallel_size ranks; None = the artifact's default
+    nnodes: int | None = None  # machines optc starts the ranks on (optc/commands/parallel.py); None = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     loras: tuple[tuple[str, Path], ...] = ()  # (name, peft adapter folder): request i runs under loras[i % len]
 
     def __post_init__(self) -> None:
@@ -75,7 +81,7 @@ class BenchResult:
     output_len: int
     max_num_seqs: int
     eager: bool
-    tensor_parallel_size: int  # ranks the model ran split over
+    tensor_parallel_size: int  # ranks each stage ran split over
     cuda_graphs: list[int] | None  # decode batch sizes replayed as CUDA graphs; None: eager
     elapsed_s: float
     num_prompt_tokens: int
@@ -96,6 +102,7 @@ class BenchResult:
     spec_acceptance_rate: float = 0.0  # accepted / drafted tokens
     spec_mean_acceptance_length: float = 0.0  # 1 + accepted / drafts
     hf: dict[str, Any] | None = None  # the transformers run, with optc_over_hf
+    pipeline_parallel_size: int = 1  # stages the model ran cut into (tensor_parallel_size ranks each)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,7 +122,7 @@ def run_bench(options: BenchOptions) -> BenchResult:
 
 def _run_optc(options: BenchOptions) -> tuple[BenchResult, list[list[int]], torch.dtype]:
     overrides: dict[str, Any] = {"enforce_eager": options.eager}
-    for name in ("max_num_seqs", "tensor_parallel_size", "distributed_backend"):
+    for name in ("max_num_seqs", *PARALLEL_OPTIONS):
         if getattr(options, name) is not None:
             overrides[name] = getattr(options, name)
     speculative = SpeculativeConfig.parse(options.speculative) if options.speculative else None
@@ -185,6 +192,7 @@ def _measure(options: BenchOptions, engine: Engine) -> tuple[BenchResult, list[l
         max_num_seqs=engine.config.max_num_seqs,
         eager=options.eager,
         tensor_parallel_size=engine.config.tensor_parallel_size,
+        pipeline_parallel_size=engine.config.pipeline_parallel_size,
         cuda_graphs=list(engine.cuda_graph_batch_sizes) if engine.cuda_graph_batch_sizes else None,
         elapsed_s=elapsed,
         num_prompt_tokens=num_prompt,
@@ -236,6 +244,7 @@ def format_bench(result: BenchResult) -> str:
         f"{result.num_requests} requests, {result.mean_input_len:.0f} in / {result.output_len} out "
         f"tokens, max_num_seqs {result.max_num_seqs}, {result.device}"
         + (f" x {result.tensor_parallel_size} ranks" if result.tensor_parallel_size > 1 else "")
+        + (f" x {result.pipeline_parallel_size} stages" if result.pipeline_parallel_size > 1 else "")
         + f", {result.elapsed_s:.2f} s",
         f"throughput  output {result.output_tokens_per_s:.1f} tok/s   "
         f"total {result.total_tokens_per_s:.1f} tok/s",

@@ -42,12 +42,13 @@ class Loaded:
 
 def evaluate(model, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192, window: int = 512,
              progress: Callable[[str], None] = lambda m: None, tensor_parallel_size: int | None = None,
-             distributed_backend: str | None = None) -> dict:
+             distributed_backend: str | None = None, pipeline_parallel_size: int | None = None) -> dict:
     """-> {ppl, reference_ppl, kld, top1_agreement, tokens, windows, window, data}; the reference
     keys are None without a reference. The tokenizer is the model's. `tensor_parallel_size` (None:
-    the artifact's runtime.tensor_parallel_size) > 1 scores the model split over that many ranks."""
+    the artifact's runtime.tensor_parallel_size) > 1 scores the model split over that many ranks, and
+    `pipeline_parallel_size` (None: the artifact's) > 1 cut into that many stages."""
     (scores,) = score_windows([model], reference, data, max_tokens, window, progress, tensor_parallel_size,
-                              distributed_backend)
+                              distributed_backend, pipeline_parallel_size)
     return summarize_windows(scores, has_reference=reference is not None) | {
         "windows": len(scores), "window": window, "data": data}
 
@@ -65,15 +66,16 @@ class WindowScore:
 
 def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_tokens: int = 8192,
                   window: int = 512, progress: Callable[[str], None] = lambda m: None,
-                  tensor_parallel_size: int | None = None,
-                  distributed_backend: str | None = None) -> list[list[WindowScore]]:
+                  tensor_parallel_size: int | None = None, distributed_backend: str | None = None,
+                  pipeline_parallel_size: int | None = None) -> list[list[WindowScore]]:
     """Per-window sums of every model in `models` (the windows of the module doc, tokenized with the
     first model's tokenizer), each window's reference run shared by the models scored together. ->
     one list of WindowScore per model, in window order (what a bootstrap over windows resamples).
 
-    A model split over N > 1 ranks (`tensor_parallel_size`, else its manifest's) is scored through
-    a tensor-parallel engine's forward, still with the ops' references, in a pass of its own: a
-    process belongs to one tensor-parallel group at a time, so the reference runs again for it."""
+    A model split over N > 1 ranks (`tensor_parallel_size`, else its manifest's) or cut into P > 1
+    stages (`pipeline_parallel_size`, likewise) is scored through such an engine's forward, still with
+    the ops' references, in a pass of its own: a process belongs to one group at a time, so the
+    reference runs again for it."""
     loaded = [load_model(m) for m in models]
     ids = torch.tensor(encode(loaded[0].tokenizer, load_text(data))[:max_tokens], dtype=torch.int64)
     num_windows = ids.numel() // window
@@ -81,16 +83,17 @@ def score_windows(models: list, reference=None, data: str = DEFAULT_DATA, max_to
         raise InputError(f"{data} has {ids.numel()} tokens (max_tokens={max_tokens}), fewer than one window "
                          f"of {window}")
     windows = ids[: num_windows * window].view(num_windows, window)
-    sizes = [_tensor_parallel_size(m, tensor_parallel_size) for m in models]
-    passes = [p for p in [[i for i, n in enumerate(sizes) if n == 1]] + [[i] for i, n in enumerate(sizes) if n > 1]
-              if p]
+    sizes = [(_parallel_size(m, tensor_parallel_size, "tensor"), _parallel_size(m, pipeline_parallel_size, "pipeline"))
+             for m in models]
+    split = [tp * pp > 1 for tp, pp in sizes]
+    passes = [p for p in [[i for i, s in enumerate(split) if not s]] + [[i] for i, s in enumerate(split) if s] if p]
     run_ref = _runner(load_model(reference)) if reference is not None else None
     scores: list[list[WindowScore]] = [[] for _ in loaded]
     done = 0
     for indices in passes:
         with contextlib.ExitStack() as stack:
-            runs = {i: stack.enter_context(_parallel_runner(models[i], sizes[i], distributed_backend, window))
-                    if sizes[i] > 1 else _runner(loaded[i]) for i in indices}
+            runs = {i: stack.enter_context(_parallel_runner(models[i], *sizes[i], distributed_backend, window))
+                    if split[i] else _runner(loaded[i]) for i in indices}
             for i in range(num_windows):
                 done += 1
                 progress(f"eval window {done}/{num_windows * len(passes)}")
@@ -163,31 +166,33 @@ def _runner(m: Loaded):
     return lambda ids: run_dense(executor, ids)
 
 
-def _tensor_parallel_size(model, size: int | None) -> int:
-    """The given size, else an artifact's runtime.tensor_parallel_size; 1 for sources and graphs."""
+def _parallel_size(model, size: int | None, kind: str) -> int:
+    """The given size, else an artifact's runtime.{kind}_parallel_size; 1 for sources and graphs."""
     path = Path(str(model)) if isinstance(model, (str, Path)) else None
     is_artifact = path is not None and (path / "manifest.json").is_file()
     if size is not None:
         if size > 1 and not is_artifact:
-            raise InputError(f"--tensor-parallel-size {size} needs an artifact folder to split, got {str(model)!r}")
+            raise InputError(f"--{kind}-parallel-size {size} needs an artifact folder to split, got {str(model)!r}")
         return size
     if not is_artifact:
         return 1
     from optc.core.artifact import read
 
-    return read(path, verify=False).manifest.runtime.tensor_parallel_size
+    return getattr(read(path, verify=False).manifest.runtime, f"{kind}_parallel_size")
 
 
 @contextlib.contextmanager
-def _parallel_runner(path, size: int, backend: str | None, window: int) -> Iterator[Callable]:
-    """(1, S) ids -> (1, S, V) logits of the artifact split over `size` ranks: one prefill of the whole
-    window into a KV pool that holds just it, every row's logits, the ops' references on every rank."""
+def _parallel_runner(path, size: int, stages: int, backend: str | None, window: int) -> Iterator[Callable]:
+    """(1, S) ids -> (1, S, V) logits of the artifact split over `size` ranks in each of `stages` stages: one
+    prefill of the whole window into a KV pool that holds just it, every row's logits, the ops' references
+    on every rank."""
     from optc.core.artifact import read
     from optc.runtime import Engine
 
     block_size = read(path, verify=False).manifest.kv_layout.block_size
     num_blocks = -(-window // block_size)
-    engine = Engine.load(path, tensor_parallel_size=size, distributed_backend=backend, use_references=True,
+    engine = Engine.load(path, tensor_parallel_size=size, pipeline_parallel_size=stages,
+                         distributed_backend=backend, use_references=True,
                          num_blocks=num_blocks + 1, enable_prefix_caching=False)  # block 0: the null block
     block_ids = list(range(1, num_blocks + 1))
     try:

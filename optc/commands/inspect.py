@@ -9,9 +9,11 @@ from optc.core.artifact import read
 from optc.core.kv_cache import KVCacheSpec, kv_cache_groups
 
 
-def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict:
+def summarize(path: str | Path, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+              ) -> dict:
     """The artifact at `path` (sizes checked, hashes not: inspect reads no weights) as plain data; with
-    `tensor_parallel_size`, how each split tensor shards and the weight bytes each rank holds."""
+    `tensor_parallel_size`, how each split tensor shards and the weight bytes each rank holds; with
+    `pipeline_parallel_size`, the stages: each one's layers, weight bytes and the values it receives and sends."""
     artifact = read(path, verify=False)
     m, graph = artifact.manifest.to_json(), artifact.graph
     formats = Counter(info.format.label for info in graph.tensors.values())
@@ -46,7 +48,17 @@ def summarize(path: str | Path, tensor_parallel_size: int | None = None) -> dict
         "kernel_choice_cache": _cached_choices(graph),
         "cpu_step": _cpu_step(graph),
         **({"tensor_parallel": tensor_parallel(graph, tensor_parallel_size)} if tensor_parallel_size else {}),
+        **({"pipeline_parallel": pipeline_parallel(graph, pipeline_parallel_size)} if pipeline_parallel_size else {}),
     }
+
+
+def pipeline_parallel(graph, size: int) -> dict:
+    """The stages the runtime cuts (optc/core/ops/stages.py); a StageError when the model has fewer layers."""
+    from optc.core.ops.stages import plan_stages
+
+    return {"size": size, "stages": [{"layers": list(s.layers), "weight_bytes": s.weight_bytes,
+                                      "receives": list(s.receives), "sends": list(s.sends)}
+                                     for s in plan_stages(graph, size)]}
 
 
 def tensor_parallel(graph, size: int) -> dict:
@@ -120,6 +132,14 @@ def render(s: dict) -> str:
             axis = f"expert {axis}" if slices[0].get("experts") else axis
             ranks = " | ".join(",".join(f"{a}:{b}" for a, b in rank["ranges"]) for rank in slices)
             lines.append(f"  {name:<48} {axis:<8} {ranks}")
+    pp = s.get("pipeline_parallel")
+    if pp:
+        lines.append(f"pipeline parallel {pp['size']} stages (layers balanced by weight bytes)")
+        for i, stage in enumerate(pp["stages"]):
+            first, stop = stage["layers"]
+            layers = f"layers {first}-{stop - 1}" if stop - first > 1 else f"layer {first}"
+            lines.append(f"  stage {i}: {layers}, weights {stage['weight_bytes'] / 2**20:.2f} MiB, "
+                         f"receives {', '.join(stage['receives']) or 'the ids'}, sends {', '.join(stage['sends'])}")
     return "\n".join(lines)
 
 

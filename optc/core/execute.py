@@ -117,11 +117,12 @@ class Executor:
 
     def run(
         self, input_ids: torch.Tensor, step: Step, hook: Callable[[int, Node, list, list], None] | None = None,
-        fused: bool = True,
+        fused: bool = True, stage_inputs: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Execute every node; `hook(i, node, inputs, outputs)` sees each node's values (and runs every
-        node one by one, as `fused=False` does). Returns outputs."""
-        env = {"input_ids": input_ids, "positions": step.positions}
+        node one by one, as `fused=False` does); `stage_inputs`: the graph's other inputs (a pipeline stage's,
+        optc/core/ops/stages.py). Returns outputs."""
+        env = {"input_ids": input_ids, "positions": step.positions, **(stage_inputs or {})}
         fused = self._fused if hook is None and fused else {}
         nodes, impls, params, dead_after = self.graph.nodes, self._impls, self._node_params, self._dead_after
         i, n = 0, len(nodes)

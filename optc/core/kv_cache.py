@@ -35,6 +35,7 @@ fp8: rounded to nearest e4m3), read back as value * s. A row of zeros has s = 0 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -89,6 +90,13 @@ def num_kv_slots(config: ModelConfig) -> int:
     return max(len(g.layers) for g in kv_cache_groups(config))
 
 
+def _slots(config: ModelConfig, layers: Collection[int] | None) -> dict[int, int]:
+    """Layer -> its cache tensor: the i-th kept layer of each group on tensor i (every layer kept: None)."""
+    keep = range(config.num_layers) if layers is None else layers
+    return {layer: slot for group in kv_cache_groups(config)
+            for slot, layer in enumerate(x for x in group.layers if x in keep)}
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -128,10 +136,11 @@ class KVCacheSpec:
             return (1, self.block_size, 1) if self.is_quantized else ()
         return (2, self.block_size, config.num_kv_heads) if self.is_quantized else ()
 
-    def bytes_per_block(self, config: ModelConfig) -> int:
+    def bytes_per_block(self, config: ModelConfig, layers: Collection[int] | None = None) -> int:
         """Bytes of one pool block, its scales included: one layer's block in each of the
-        `num_kv_slots` cache tensors (every layer, for a model without sliding layers)."""
-        return num_kv_slots(config) * self._layer_block_bytes(config)
+        `num_kv_slots` cache tensors (every layer, for a model without sliding layers); of `layers`'
+        slots only, when given (a pipeline stage's: optc/core/ops/stages.py)."""
+        return len(set(_slots(config, layers).values())) * self._layer_block_bytes(config)
 
     def bytes_per_token(self, config: ModelConfig) -> float:
         """KV bytes one token costs over every layer (scales included), when every layer holds it."""
@@ -150,12 +159,14 @@ class KVCacheSpec:
             scales = torch.zeros((num_blocks, *self.scale_shape(config)), dtype=SCALE_DTYPE, device=device)
         return KVCache(data, scales, QMAX.get(self.dtype, 0.0))
 
-    def allocate(self, config: ModelConfig, num_blocks: int, device: torch.device | str) -> list[KVCache]:
+    def allocate(self, config: ModelConfig, num_blocks: int, device: torch.device | str,
+                 layers: Collection[int] | None = None) -> list[KVCache | None]:
         """Every layer's cache: `num_kv_slots` tensors, layer i of each group on tensor i (layers of
-        different groups share a tensor; a model without sliding layers has one per layer)."""
-        slots = [self.allocate_layer(config, num_blocks, device) for _ in range(num_kv_slots(config))]
-        slot_of = {layer: slot for group in kv_cache_groups(config) for slot, layer in enumerate(group.layers)}
-        return [slots[slot_of[layer]] for layer in range(config.num_layers)]
+        different groups share a tensor; a model without sliding layers has one per layer). With
+        `layers` (a pipeline stage's), only theirs: the other layers' entries are None."""
+        slot_of = _slots(config, layers)
+        slots = [self.allocate_layer(config, num_blocks, device) for _ in set(slot_of.values())]
+        return [slots[slot_of[layer]] if layer in slot_of else None for layer in range(config.num_layers)]
 
     def node_attrs(self) -> dict[str, Any]:
         """What kv_layout records on every node that touches the cache."""

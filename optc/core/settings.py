@@ -7,7 +7,9 @@ and the engine's `EngineConfig` say about serving, one name per concept.
 - `CUDA_GRAPH_BATCH_SIZES`: the default decode buckets the `cuda_graphs` pass plans; the largest
   bucket an engine captures is its graph config's `max_capture_size`;
 - `tensor_parallel_size`: ranks the model is split over (runtime/distributed.py), one per GPU; the KV
-  budget (`kv_cache_memory`, `gpu_memory_utilization`) is each rank's.
+  budget (`kv_cache_memory`, `gpu_memory_utilization`) is each rank's;
+- `pipeline_parallel_size`: stages its layers are cut into (runtime/pipeline.py), each stage over
+  `tensor_parallel_size` ranks: P x T ranks in all.
 
 This module imports neither the recipe nor the runtime: both import it. Not here: the KV cache's
 layout (optc/core/kv_cache.py) or options of the compiler passes.
@@ -63,12 +65,16 @@ class RuntimeSettings:
     )
     tensor_parallel_size: int = field(
         default=1, metadata={"min": 1, "help": "ranks the model is split over (tensor parallelism, one per GPU)"})
+    pipeline_parallel_size: int = field(
+        default=1, metadata={"min": 1, "help": "stages the model's layers are cut into (pipeline parallelism), "
+                                               "each over tensor_parallel_size ranks"})
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InputError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise InputError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InputError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

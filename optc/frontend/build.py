@@ -25,6 +25,7 @@ from optc.core.ir import Graph
 from optc.core.kv_cache import KVCacheSpec
 from optc.core.ops import verify
 from optc.core.ops.sharding import ShardError, plan_shards
+from optc.core.ops.stages import StageError, plan_stages, stage_graph
 from optc.core.store import TensorStore
 from optc.frontend.passmanager import PassContext, PassManager
 from optc.frontend.recipe import Recipe, RecipeError, SourceQuantization, load_recipe
@@ -94,7 +95,7 @@ def build(options: BuildOptions, evaluate: Evaluator | None = None) -> Path:
         manager = PassManager(passes, verify_each=options.verify_each, dump_ir=options.dump_ir)
         graph, store, records, sections = manager.run(source.graph, source.store, ctx)
     verify(graph, store)
-    _check_tensor_parallel_size(graph, recipe.runtime.tensor_parallel_size)
+    _check_parallel_sizes(graph, recipe.runtime.tensor_parallel_size, recipe.runtime.pipeline_parallel_size)
     if recipe.eval:
         say("measuring quality (optc eval)")
         quality = evaluate(graph, store, source)
@@ -176,12 +177,17 @@ def _calibration(recipe: Recipe, ctx: PassContext):
     return tokens
 
 
-def _check_tensor_parallel_size(graph: Graph, size: int) -> None:
-    """Refuse a recipe whose default tensor-parallel size the built model cannot be split into: no
-    engine could load the artifact with its own default."""
+def _check_parallel_sizes(graph: Graph, size: int, stages: int) -> None:
+    """Refuse a recipe whose default pipeline stages the built model cannot be cut into, or whose default
+    tensor-parallel size a stage cannot be split into: no engine could load the artifact with its own default."""
     try:
-        for rank in range(size):
-            plan_shards(graph, rank, size)
+        plan = plan_stages(graph, stages)
+    except StageError as e:
+        raise StageError(f"runtime.pipeline_parallel_size {stages}: {e}") from None
+    try:
+        for stage in range(stages):
+            for rank in range(size):
+                plan_shards(stage_graph(graph, plan, stage), rank, size)
     except ShardError as e:
         raise ShardError(f"runtime.tensor_parallel_size {size}: {e}") from None
 

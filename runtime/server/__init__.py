@@ -29,6 +29,7 @@ import uvicorn
 
 from optc.core.errors import InputError, UserError
 from optc.core.lora import DEFAULT_MAX_RANK, adapter_rank
+from optc.runtime.config import PARALLEL_OPTIONS
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 from optc.runtime.server.async_engine import FAILURE_WINDOW_S
@@ -52,6 +53,11 @@ class ServeOptions:
     verify: bool = True  # check the artifact's file hashes on load
     tensor_parallel_size: int | None = None  # ranks the model is split over; None = the artifact's default
     distributed_backend: str | None = None  # nccl | gloo; None = nccl on cuda, gloo on cpu
+    pipeline_parallel_size: int | None = None  # stages of tensor_parallel_size ranks; None = the artifact's default
+    nnodes: int | None = None  # machines optc starts the ranks on (optc/commands/parallel.py); None = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is answered 413 before it is read
     client_timeout: float = CLIENT_TIMEOUT_S  # seconds a client may take to send its headers, and its body
     failure_window: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server (exit 1)
@@ -92,7 +98,7 @@ class ServeOptions:
 
 def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> None:
     """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
-    names = ("max_num_seqs", "tensor_parallel_size", "distributed_backend")
+    names = ("max_num_seqs", *PARALLEL_OPTIONS)
     overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
     overrides |= _lora_overrides(options)
 

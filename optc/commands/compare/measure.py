@@ -7,7 +7,9 @@ size, `max(num_requests, batch size)` requests), repeated `repeats` times; each 
 fresh process (spawned), so a repeat's peak memory is its own (RSS high-water mark of that process
 on the CPU; `torch.cuda.max_memory_allocated` on CUDA) and not that of the builds and evaluations
 before it. A variant whose artifact says `runtime.tensor_parallel_size: N` is scored and benchmarked
-split over N ranks, as an engine loads it. Size comes from the artifact's manifest (`files`: bytes).
+split over N ranks, as an engine loads it; one that says `runtime.pipeline_parallel_size: P` is benchmarked
+in P stages, and scored in them only when N > 1 too (one rank scores the same math). Size comes from the
+artifact's manifest (`files`: bytes).
 Not here: verdicts.
 """
 

@@ -101,6 +101,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
             "recipe_sha256": manifest.recipe_sha256, "artifact": str(b.artifact), "cache_key": b.key,
             "is_cached": b.is_hit, "build_seconds": round(b.build_seconds, 3),
             "tensor_parallel_size": manifest.runtime.tensor_parallel_size,  # what eval and bench split it over
+            "pipeline_parallel_size": manifest.runtime.pipeline_parallel_size,  # stages bench runs it in
             "quality": _quality(quality[v.name]),
             "speed": _speed(speed[v.name], o.speed.batch_sizes),
             "peak_memory_bytes": V.band([r["peak_memory_bytes"] for r in speed[v.name]]),
