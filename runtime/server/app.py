@@ -145,14 +145,12 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
                engine_class: Callable[..., AsyncEngine] = AsyncEngine) -> FastAPI:
     """The app; `load` builds the Engine on the engine thread, `on_loaded` runs on the event loop once
     loading ended (check `engine.load_error`), `on_fatal(error)` once the engine can step no more (a
-    tensor-parallel rank died). `engine_class` is AsyncEngine, or replicas.py's RemoteEngine (`load` then
-    starts the replicas)."""
+    tensor-parallel rank died). `engine_class`: AsyncEngine, or replicas.py's RemoteEngine (`load` starts replicas)."""
     state = ServerState(config, load, on_loaded, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine = engine_class(load, asyncio.get_running_loop(), state.metrics, on_fatal,
-                                    config.failure_window_s)
+        state.engine = engine_class(load, asyncio.get_running_loop(), state.metrics, on_fatal, config.failure_window_s)
         state.engine.start()
         waiter = asyncio.create_task(_when_loaded(state))
         yield

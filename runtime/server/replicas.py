@@ -132,8 +132,9 @@ class Replicas:
             _end(started)  # ray.shutdown leaves the raylet's agents running (Ray 2.60)
 
 
-def start_replicas(options) -> Replicas:
-    """Start Ray (or join --ray-address), deploy the replicas and wait until they serve."""
+def start_replicas(options, affinity: bool = True) -> Replicas:
+    """Start Ray (or join --ray-address), deploy the replicas and wait until they serve (routed by prefix
+    affinity, or by load alone)."""
     from transformers import AutoTokenizer
 
     from optc.core.artifact import read
@@ -163,7 +164,7 @@ def start_replicas(options) -> Replicas:
         target_ongoing_requests=config.max_num_seqs)})
     router = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                  request_router_kwargs={"block_size": config.block_size,
-                                                        "imbalance": config.max_num_seqs})
+                                                        "imbalance": config.max_num_seqs, "affinity": affinity})
     deployment = serve.deployment(EngineReplica).options(
         name="engine", ray_actor_options=actor, max_ongoing_requests=config.max_num_seqs + options.max_waiting,
         request_router_config=router, health_check_period_s=2.0, logging_config={"log_level": "WARNING"},

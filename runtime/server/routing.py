@@ -55,8 +55,11 @@ def _registry() -> dict[str, PrefixAffinityRouter]:
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, block_size: int = 16, imbalance: int = 16, max_blocks: int = MAX_BLOCKS) -> None:
-        """Ray passes RequestRouterConfig.request_router_kwargs here."""
+    def initialize_state(self, block_size: int = 16, imbalance: int = 16, max_blocks: int = MAX_BLOCKS,
+                         affinity: bool = True) -> None:
+        """Ray passes RequestRouterConfig.request_router_kwargs here. Without `affinity`, requests go by load alone
+        (benchmarks/serve_data_parallel.py's baseline)."""
+        self.affinity = affinity
         self.block_size = block_size
         self.imbalance = imbalance
         self.max_blocks = max_blocks
@@ -78,7 +81,7 @@ class PrefixAffinityRouter(RequestRouter):
         by_load = sorted(candidate_replicas, key=lambda r: (self._queue_len(r), hash((key, r.replica_id.unique_id))))
         if not by_load:
             return []
-        preferred = self._remembered(chain)
+        preferred = self._remembered(chain) if self.affinity else None
         if preferred is None or not self._has_room(preferred, by_load[0]):
             return [by_load]
         return [[preferred], [r for r in by_load if r is not preferred]]
