@@ -155,7 +155,8 @@ def start_replicas(options, affinity: bool = True) -> Replicas:
         ray.init(num_cpus=highest * actor["num_cpus"], include_dashboard=False, configure_logging=False,
                  logging_level=logging.WARNING, log_to_driver=False)
     else:
-        ray.init(address=options.ray_address, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=options.ray_address, configure_logging=False, logging_level=logging.WARNING,
+                 log_to_driver=False)
     serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     name = f"optc-{Path(options.artifact).resolve().name}-{uuid.uuid4().hex[:8]}"
