@@ -152,8 +152,8 @@ def start_replicas(options, affinity: bool = True) -> Replicas:
     owns_ray = options.ray_address is None
     logging.getLogger("ray").setLevel(logging.ERROR)  # not its INFO lines, nor a warning about signal handlers
     if owns_ray:
-        ray.init(num_cpus=highest * actor["num_cpus"], include_dashboard=False, configure_logging=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address="local", num_cpus=highest * actor["num_cpus"], include_dashboard=False,  # not `ray start`'s
+                 configure_logging=False, logging_level=logging.WARNING, log_to_driver=False)
     else:
         ray.init(address=options.ray_address, configure_logging=False, logging_level=logging.WARNING,
                  log_to_driver=False)
