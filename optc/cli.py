@@ -30,6 +30,9 @@ app = typer.Typer(
 )
 
 
+DP_HELP = ("Serve N engine replicas (data parallelism) on Ray Serve behind this one endpoint (needs the ray "
+           "extra): a prompt goes to the replica that cached its first KV blocks, or the least loaded one.")
+
 SPECULATIVE_HELP = (
     "Speculative decoding: ngram[:K] (prompt lookup), draft:PATH[:K] (a draft artifact with the same "
     "tokenizer, e.g. an int4 build of the model), eagle[:K] (the artifact's own draft head, trained at build "
@@ -449,6 +452,14 @@ def serve(
                                          "default: one per --lora). Room for /v1/load_lora_adapter."),
     max_lora_rank: int | None = typer.Option(None, "--max-lora-rank", min=1, help="Largest adapter rank the slots "
                                              "hold (default: the largest --lora's, 64 without)."),
+    data_parallel_size: int | None = typer.Option(None, "--data-parallel-size", "-dp", min=1, help=DP_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="A running Ray cluster (ray://HOST:PORT "
+                                           "or HOST:PORT) for the --data-parallel-size replicas; default: a local "
+                                           "Ray instance, stopped with the server."),
+    min_replicas: int | None = typer.Option(None, "--min-replicas", min=1, help="Autoscaling: fewest replicas "
+                                            "(default: --data-parallel-size); Ray Serve adds replicas under load."),
+    max_replicas: int | None = typer.Option(None, "--max-replicas", min=1, help="Autoscaling: most replicas "
+                                            "(default: --data-parallel-size)."),
 ) -> None:
     """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
     plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
@@ -467,7 +478,8 @@ def serve(
                                chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,
                                tool_call_parser=tool_call_parser,
                                loras=tuple(parse_named_adapter(v) for v in lora), max_loras=max_loras,
-                               max_lora_rank=max_lora_rank)
+                               max_lora_rank=max_lora_rank, data_parallel_size=data_parallel_size,
+                               ray_address=ray_address, min_replicas=min_replicas, max_replicas=max_replicas)
         run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
 
 

@@ -32,7 +32,7 @@ from optc.core.lora import DEFAULT_MAX_RANK, adapter_rank
 from optc.runtime.config import PARALLEL_OPTIONS
 from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
-from optc.runtime.server.async_engine import FAILURE_WINDOW_S
+from optc.runtime.server.async_engine import FAILURE_WINDOW_S, AsyncEngine
 from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, header_timeout_protocol
 from optc.runtime.server.tool_parsers import Parser
 
@@ -66,6 +66,10 @@ class ServeOptions:
     loras: tuple[tuple[str, Path], ...] = ()  # (name, peft adapter folder) loaded at start
     max_loras: int | None = None  # adapter slots; None = one per --lora (none without), 0 = no adapters
     max_lora_rank: int | None = None  # None = the largest rank of --lora (64 without)
+    data_parallel_size: int | None = None  # engine replicas on Ray Serve (replicas.py); None = one, in-process
+    ray_address: str | None = None  # a running Ray cluster; None = a local Ray instance of the server's own
+    min_replicas: int | None = None  # Ray Serve autoscaling's bounds; None = data_parallel_size
+    max_replicas: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -87,9 +91,31 @@ class ServeOptions:
             raise InputError(f"--lora names must be distinct and not the served model's name, got {names}")
         if self.max_loras is not None and self.max_loras < len(self.loras):
             raise InputError(f"--max-loras {self.max_loras} is fewer than the {len(self.loras)} --lora adapters")
+        self._check_replicas()
         if self.tool_call_parser is not None and self.tool_call_parser not in [p.value for p in Parser]:
             raise InputError(f"--tool-call-parser must be one of {', '.join(p.value for p in Parser)}, got "
                              f"{self.tool_call_parser!r}")
+
+    def _check_replicas(self) -> None:
+        if self.data_parallel_size is None:
+            given = [name for name, value in (("--ray-address", self.ray_address), ("--min-replicas",
+                     self.min_replicas), ("--max-replicas", self.max_replicas)) if value is not None]
+            if given:
+                raise InputError(f"{given[0]} needs --data-parallel-size (the engine replicas run on Ray Serve)")
+            return
+        lowest, initial, highest = self.replica_bounds
+        if not 1 <= lowest <= initial <= highest:
+            raise InputError(f"replicas must satisfy 1 <= --min-replicas ({lowest}) <= --data-parallel-size "
+                             f"({initial}) <= --max-replicas ({highest})")
+        if self.ray_address == "":
+            raise InputError("--ray-address must not be empty (omit it for a local Ray instance)")
+
+    @property
+    def replica_bounds(self) -> tuple[int, int, int]:
+        """(min, initial, max) engine replicas."""
+        n = self.data_parallel_size or 1
+        return (n if self.min_replicas is None else self.min_replicas, n,
+                n if self.max_replicas is None else self.max_replicas)
 
     @property
     def model_name(self) -> str:
@@ -98,17 +124,13 @@ class ServeOptions:
 
 def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> None:
     """Serve `options.artifact` until SIGTERM/SIGINT; `on_ready(url)` once it answers requests."""
-    names = ("max_num_seqs", *PARALLEL_OPTIONS)
-    overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
-    overrides |= _lora_overrides(options)
-
-    def load() -> Engine:
-        engine = Engine.load(options.artifact, device=options.device, verify=options.verify,
-                             chat_template=options.chat_template, **overrides)
-        for name, folder in options.loras:  # a bad adapter fails the load: its AdapterError names it (exit 2)
-            engine.load_lora(name, folder)
-        return engine
-
+    engine_class, load = AsyncEngine, lambda: load_engine(options)
+    if options.data_parallel_size is not None:
+        try:
+            from optc.runtime.server.replicas import RemoteEngine, start_replicas
+        except ImportError as e:
+            raise UserError(f"--data-parallel-size needs the ray extra (pip install 'optc[ray]'): {e}") from None
+        engine_class, load = RemoteEngine, lambda: start_replicas(options)
     config = ServerConfig(options.model_name, options.api_key, options.max_waiting, options.allowed_origins,
                           options.log_requests, options.max_body_bytes, options.client_timeout, options.failure_window,
                           Parser(options.tool_call_parser) if options.tool_call_parser else None)
@@ -127,7 +149,7 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
         fatal_errors.append(error)
         server.should_exit = True
 
-    app = create_app(config, load, on_loaded, on_fatal)
+    app = create_app(config, load, on_loaded, on_fatal, engine_class)
     uvicorn_config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", access_log=options.log_requests,
         timeout_graceful_shutdown=options.shutdown_timeout, lifespan="on",
@@ -139,6 +161,18 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
         raise fatal_errors[0]
     if not server.started:
         raise UserError(f"could not listen on {options.host}:{options.port} (is the port in use?)")
+
+
+def load_engine(options: ServeOptions) -> Engine:
+    """The Engine `options` describe, with its --lora adapters (a bad adapter: its AdapterError, exit 2)."""
+    names = ("max_num_seqs", *PARALLEL_OPTIONS)
+    overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
+    overrides |= _lora_overrides(options)
+    engine = Engine.load(options.artifact, device=options.device, verify=options.verify,
+                         chat_template=options.chat_template, **overrides)
+    for name, folder in options.loras:  # a bad adapter fails the load: its AdapterError names it (exit 2)
+        engine.load_lora(name, folder)
+    return engine
 
 
 def _lora_overrides(options: ServeOptions) -> dict:

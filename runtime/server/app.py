@@ -141,15 +141,16 @@ class ServerState:
 
 def create_app(config: ServerConfig, load: Callable[[], Engine],
                on_loaded: Callable[[AsyncEngine], None] = lambda engine: None,
-               on_fatal: Callable[[BaseException], None] = lambda error: None) -> FastAPI:
+               on_fatal: Callable[[BaseException], None] = lambda error: None,
+               engine_class: Callable[..., AsyncEngine] = AsyncEngine) -> FastAPI:
     """The app; `load` builds the Engine on the engine thread, `on_loaded` runs on the event loop once
     loading ended (check `engine.load_error`), `on_fatal(error)` once the engine can step no more (a
-    tensor-parallel rank died)."""
+    tensor-parallel rank died). `engine_class`: AsyncEngine, or replicas.py's RemoteEngine (`load` starts replicas)."""
     state = ServerState(config, load, on_loaded, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.engine = AsyncEngine(load, asyncio.get_running_loop(), state.metrics, on_fatal, config.failure_window_s)
+        state.engine = engine_class(load, asyncio.get_running_loop(), state.metrics, on_fatal, config.failure_window_s)
         state.engine.start()
         waiter = asyncio.create_task(_when_loaded(state))
         yield
@@ -184,7 +185,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await state.engine.render_metrics(), media_type=CONTENT_TYPE)
 
     @v1.get("/models")
     async def models() -> Response:

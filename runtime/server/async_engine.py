@@ -190,15 +190,12 @@ class AsyncEngine:
 
     def _prepare(self, tokenizer: Any, prompt: Prompt | ChatPrompt,
                  params: SamplingParams) -> tuple[list[int], Matcher | None]:
-        if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
-            shown = tool_prompt(tokenizer, prompt.messages, prompt.tools)
-            prompt_ids = chat_token_ids(tokenizer, shown.messages, **({"tools": shown.tools} if shown.tools else {}))
-        elif isinstance(prompt, ChatPrompt):
-            prompt_ids = chat_token_ids(tokenizer, prompt.messages)
-        else:
-            prompt_ids = prompt_token_ids(tokenizer, prompt)
         matcher = self.engine.grammars.matcher(params.grammar) if params.grammar is not None else None
-        return prompt_ids, matcher
+        return prompt_ids_of(tokenizer, prompt), matcher
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of /metrics."""
+        return self.metrics.render()
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -343,6 +340,17 @@ class AsyncEngine:
 
     def _put(self, results: asyncio.Queue, item: Any) -> None:
         self._loop.call_soon_threadsafe(results.put_nowait, item)
+
+
+def prompt_ids_of(tokenizer: Any, prompt: Prompt | ChatPrompt) -> list[int]:
+    """A prompt's token ids: chat messages through the chat template (with the tools' prompt), text through the
+    tokenizer, ids as they are."""
+    if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
+        shown = tool_prompt(tokenizer, prompt.messages, prompt.tools)
+        return chat_token_ids(tokenizer, shown.messages, **({"tools": shown.tools} if shown.tools else {}))
+    if isinstance(prompt, ChatPrompt):
+        return chat_token_ids(tokenizer, prompt.messages)
+    return prompt_token_ids(tokenizer, prompt)
 
 
 def token_text(engine: Engine, token_id: int) -> str:
