@@ -15,8 +15,8 @@ its rows of the fused output and its own rank columns (zero elsewhere), so each 
 `apply` is the linear's post-step: the deltas of the step's rows (`Step.lora_slots`) added to the linear's outputs,
 which stay the base kernel's (quantized or not): on the CPU by kernels/cpu_ext/lora.cpp's lora_add, the function
 the fused CPU step calls for the linears of its runs (kernels/cpu_ext/step.py `attach_lora`), so both paths agree
-bit for bit; elsewhere, or where it cannot be built, by optc/core/ops/lora.py's grouped matmuls over the step's
-`Step.lora_groups`.
+bit for bit; on CUDA by kernels/lora_bgmv.py's Triton kernel; where neither runs (lora.cpp not built), by
+optc/core/ops/lora.py's grouped matmuls over the step's `Step.lora_groups`.
 
 `LoraNames` is the engine's side: adapter name -> slot, with the requests using each, so that an unloaded adapter
 frees its slot only after its requests finish. Not here: reading and checking an adapter (optc/core/lora.py).
@@ -62,7 +62,8 @@ class LoraSlots:
         if max_loras < 1 or max_rank < 1:
             raise InputError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.graph = graph
-        self.kernel = cpu_ext.load_lora() if device.type == "cpu" else None  # lora.cpp's module, or None
+        # lora.cpp's module on the CPU (None where it cannot be built), the Triton kernel on CUDA
+        self.kernel = cpu_ext.load_lora() if device.type == "cpu" else TRITON if device.type == "cuda" else None
         self.max_loras, self.max_rank = max_loras, max_rank
         self.targets = linear_targets(graph)
         dtype = FACTOR_DTYPES.get(graph.config.dtype, torch.float32)
@@ -126,6 +127,19 @@ class LoraSlots:
         delta = lora_delta_grouped(x, groups, table.a, table.b, table.ranks)  # (T, N) float32
         return [(y.float() + delta[:, o:o + n]).to(y.dtype)
                 for y, o, n in zip(outputs, table.offsets, table.sizes, strict=True)]
+
+
+class _Triton:
+    """kernels/lora_bgmv.py behind lora.cpp's call (it reads a slot's every column: no `parts`)."""
+
+    @staticmethod
+    def lora_add(x, outs, slots, a, bt, parts) -> None:
+        from optc.kernels.lora_bgmv import lora_add
+
+        lora_add(x, outs, slots, a, bt)
+
+
+TRITON = _Triton()
 
 
 class LoraNames:

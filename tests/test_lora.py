@@ -244,3 +244,38 @@ def test_unknown_and_unloaded_adapters(tiny_artifact, adapters):
     engine.load_lora("b", adapters["qv8"])  # the slot is free now
     assert engine.lora_names() == ["b"]
     assert_no_leaks(engine)
+
+
+def test_the_triton_kernel_adds_the_reference_deltas():
+    """kernels/lora_bgmv.py (under TRITON_INTERPRET=1 without a GPU) on a fused linear's three outputs: rows of
+    several slots, rows of none untouched, slot ids read from a tensor."""
+    from optc.kernels.lora_bgmv import lora_add
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    sizes, k, cap = [24, 8, 8], 40, 12
+    a, bt = torch.randn(3, cap, k), torch.randn(3, cap, sum(sizes))
+    a[1, 5:], bt[1, 5:] = 0, 0  # slot 1 uses 5 of its 12 columns
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])
+    x, base = torch.randn(len(slots), k), torch.randn(len(slots), sum(sizes))
+    outs = [p.clone().to(device) for p in base.split(sizes, dim=1)]
+    lora_add(x.to(device), outs, slots.to(device), a.to(device), bt.to(device))
+    got = torch.cat(outs, dim=1).cpu()
+    torch.testing.assert_close(got, base + lora_delta_ref(x, slots, a, bt.transpose(1, 2)), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[[1, 5]], base[[1, 5]])
+
+
+def test_the_triton_kernel_serves_mixed_requests(tiny_artifact, adapters):
+    """The runtime's CUDA path (kernels/lora_bgmv.py; here under TRITON_INTERPRET=1 on CPU tensors): peft's tokens."""
+    from optc.runtime.lora import TRITON
+
+    engine = Engine.load(tiny_artifact, max_loras=2, max_lora_rank=16)
+    engine.model.lora.kernel = TRITON
+    engine.load_lora("all4", adapters["all4"])
+    engine.load_lora("qv8", adapters["qv8"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    loras = [None, "all4", "qv8"]
+    done = engine.generate([PROMPTS[0]] * 3, params, loras=loras)
+    want = [hf_greedy((tiny_hf_model() if n is None else peft.PeftModel.from_pretrained(tiny_hf_model(), adapters[n]))
+                      .eval(), PROMPTS[0], 4) for n in loras]
+    assert [c.token_ids for c in done] == want
