@@ -2,23 +2,27 @@
 same batch on the base alone, one engine, in-process.
 
     python benchmarks/lora.py ARTIFACT [--batch 8] [--adapters 4] [--rank 16] [--input-len 32] [--output-len 64]
+        [--repeats 3] [--json benchmarks/results/lora-....json]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/lora.py ARTIFACT    # capped to AVX2
 
 The adapters are random (seeded), written in peft's format from the artifact's own linear shapes, each targeting
 q/k/v/o/gate/up/down at `--rank`, so no checkpoint is needed. Runs, each over the same prompts (random token ids):
 `base` (no request has an adapter: the fused CPU step where the artifact plans it), `lora` (request i under adapter
-i % adapters: every step runs node by node, each targeted linear adding two matmuls over every slot's factors
-and a mask, optc/core/ops/lora.py's lora_delta_masked), and `base-unfused` (the base, its fused runs dropped:
-what the node-by-node path costs without adapters).
-It prints decode tok/s = generated tokens / wall seconds of the decode steps (the prefill step excluded; each run warmed
-up first at its own batch), the best of `--repeats`, and lora / base.
+i % adapters: the same fused step, each targeted linear adding its rows' deltas, kernels/cpu_ext/lora.cpp's
+lora_add), and `lora-unfused` / `base-unfused` (both with the fused runs dropped: the node-by-node path).
+The runs alternate round by round (base, lora, base, lora, ...), so that a change of the machine's load falls on
+both. It prints decode tok/s = generated tokens / wall seconds of the decode steps (the prefill step excluded; each
+run warmed up first at its own batch), the best of `--repeats` rounds, and lora / base; `--json` writes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import platform
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +66,14 @@ def decode_tok_s(engine: Engine, prompts: list[list[int]], output_len: int, lora
     return (engine.stats().num_generated_tokens - before) / (time.perf_counter() - start)
 
 
+def _commit() -> str:
+    """This checkout's commit, '+' where its tracked files differ from it."""
+    here = Path(__file__).parent
+    run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=here, check=False)
+    sha = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+    return sha + ("+" if run(["git", "diff", "--quiet", "HEAD"]).returncode else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("artifact", type=Path)
@@ -71,7 +83,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, help="write the conditions and results here (benchmarks/results/...)")
     a = p.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_adapters(a.artifact, Path(tmp), a.adapters, a.rank)
         engine = Engine.load(a.artifact, max_loras=a.adapters, max_lora_rank=a.rank, max_num_seqs=a.batch,
@@ -83,20 +97,33 @@ def main() -> None:
     vocab = engine.vocab_size
     prompts = [torch.randint(3, vocab, (a.input_len,), generator=g).tolist() for _ in range(a.batch)]
     runs = {"base": [None] * a.batch, "lora": [names[i % a.adapters] for i in range(a.batch)]}
-    for loras in runs.values():  # warm-up at the run's batch: one-time preparation of its row counts is not timed
-        decode_tok_s(engine, prompts, 4, loras)
-    results = {name: max(decode_tok_s(engine, prompts, a.output_len, loras) for _ in range(a.repeats))
-               for name, loras in runs.items()}
+    results: dict[str, float] = {}
     fused = engine.model.fused_runs
-    engine.model.executor.unfuse()
-    results["base-unfused"] = max(decode_tok_s(engine, prompts, a.output_len, runs["base"]) for _ in range(a.repeats))
+    for mode in ("", "-unfused"):
+        if mode:
+            engine.model.executor.unfuse()
+        for loras in runs.values():  # warm-up at the run's batch: one-time preparation of its row counts is not timed
+            decode_tok_s(engine, prompts, 4, loras)
+        for _ in range(a.repeats):
+            for name, loras in runs.items():
+                tok_s = decode_tok_s(engine, prompts, a.output_len, loras)
+                results[name + mode] = max(results.get(name + mode, 0.0), tok_s)
+    load = os.getloadavg()[0]
+    conditions = {"artifact": str(a.artifact), "batch": a.batch, "adapters": a.adapters, "rank": a.rank,
+                  "input_len": a.input_len, "output_len": a.output_len, "threads": torch.get_num_threads(),
+                  "isa": torch.backends.cpu.get_cpu_capability(), "cpu": platform.processor() or platform.machine(),
+                  "fused_runs": fused, "repeats": a.repeats, "load_before": load_before, "load_after": load,
+                  "commit": _commit(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     print(f"{a.artifact.name}: batch {a.batch}, {a.adapters} adapters of rank {a.rank} on q/k/v/o/gate/up/down, "
-          f"{a.input_len} prompt + {a.output_len} output tokens, {torch.get_num_threads()} threads, "
-          f"{torch.backends.cpu.get_cpu_capability()}, {platform.processor() or platform.machine()}, "
-          f"fused runs {fused}, best of {a.repeats}")
+          f"{a.input_len} prompt + {a.output_len} output tokens, {conditions['threads']} threads, {conditions['isa']}, "
+          f"{conditions['cpu']}, fused runs {fused}, best of {a.repeats}, load {load_before:.1f} -> {load:.1f}")
     for name, tok_s in results.items():
-        print(f"  {name:<13} {tok_s:8.1f} decode tok/s   {tok_s / results['base']:5.2f}x base")
-
+        base = results["base" + name[name.index("-"):] if "-" in name else "base"]
+        print(f"  {name:<13} {tok_s:8.1f} decode tok/s   {tok_s / results['base']:5.2f}x base   "
+              f"{tok_s / base:5.2f}x its base")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"conditions": conditions, "decode_tok_s": results}, indent=1) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -324,10 +324,11 @@ def greedy_token_ids_in(path: str, artifact: Path, prompts: list[str], max_token
 
 
 def cpu_extension(name: str):
-    """The C++ CPU extension `name` (qdot, bf16dot, ops or step: kernels/cpu_ext's EXTENSIONS), built, for the tests
-    that cover it. The test is skipped, saying so, only where this machine cannot build or run it (no C++ compiler,
-    no ninja, a CPU torch runs without AVX2 for ops and step); a build that fails where it can is a test failure
-    with the compiler's error, so a kernel that stops compiling turns CI red instead of skipping its tests."""
+    """The C++ CPU extension `name` (qdot, bf16dot, ops, lora or step: kernels/cpu_ext's EXTENSIONS), built, for the
+    tests that cover it. The test is skipped, saying so, only where this machine cannot build or run it (no C++
+    compiler, no ninja, a CPU torch runs without AVX2 for ops, lora and step); a build that fails where it can is a
+    test failure with the compiler's error, so a kernel that stops compiling turns CI red instead of skipping its
+    tests."""
     import pytest
 
     from optc.kernels import cpu_ext
@@ -339,7 +340,8 @@ def cpu_extension(name: str):
         pytest.skip(f"C++ CPU kernel {name} NOT TESTED: {missing}")
     if ext.needs_avx2 and cpu_ext.lacks_avx2():
         pytest.skip(f"C++ CPU kernel {name} NOT TESTED: torch runs this CPU without AVX2 (its only path)")
-    loaders = {"qdot": cpu_ext.load, "bf16dot": cpu_ext.load_bf16dot, "ops": cpu_ext.load_ops, "step": step.load_step}
+    loaders = {"qdot": cpu_ext.load, "bf16dot": cpu_ext.load_bf16dot, "ops": cpu_ext.load_ops,
+               "lora": cpu_ext.load_lora, "step": step.load_step}
     module = loaders[name]()
     if module is None:  # once more in a fresh process, for the error (in this one cpp_extension would not rerun it)
         code = ("import sys; from optc.kernels import cpu_ext; cpu_ext.compile_extension("

@@ -9,9 +9,9 @@ KV-cache groups (optc/core/kv_cache.py): a model with sliding-window layers has 
 own block table; its KV-touching nodes get their group as a `kv_group` attr here (once, at load), and
 its batches carry a block table and slot mapping per group (`BatchBuilder(device, num_groups)`).
 
-LoRA (runtime/lora.py): `enable_lora` allocates the adapter slots and wraps every targetable linear so that it
-adds its rows' deltas. A step whose batch has adapter rows runs every node one by one (the fused CPU step knows
-nothing of adapters; `num_unfused_lora_steps` counts these steps); a step without stays fused.
+LoRA (runtime/lora.py): `enable_lora` allocates the adapter slots, wraps every targetable linear so that it adds
+its rows' deltas, and hands the fused CPU step's runs the same slot tables (kernels/cpu_ext/step.py `attach_lora`),
+so that a step with adapter rows stays fused and gives the node-by-node step's bits.
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ class Model:
             n.op == "attention" and not n.attrs.get("window") and (use_references or _takes_tree_mask(n.kernel))
             for n in graph.nodes if OPS[n.op].touches_kv_cache and n.op != "rope_kv_store")
         self.lora: LoraSlots | None = None
-        self.num_unfused_lora_steps = 0  # steps with adapter rows, run node by node instead of fused
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraSlots:
         """Allocate `max_loras` adapter slots of rank <= max_rank and add their deltas to the targetable linears."""
@@ -92,6 +91,10 @@ class Model:
             for i, node in enumerate(self.executor.graph.nodes):
                 if node.name in self.lora.tables:
                     self.executor.wrap(i, lambda impl, name=node.name: _with_lora(impl, name, self.lora))
+            if self.fused_runs:
+                from optc.kernels.cpu_ext.step import attach_lora
+
+                attach_lora(self.executor, self.lora)
         return self.lora
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -114,11 +117,9 @@ class Model:
                              f"{len(self.kv_groups)}: build it with num_groups={len(self.kv_groups)}")
         step = Step(batch.positions, batch, self.cos_sin, batch.logits_indices, kv_caches, group=self.group)
         if batch.lora_slots is not None and self.lora is not None:
-            step.lora_groups = slot_groups(batch.lora_slots)
-            step.lora_masks = self.lora.masks(batch.lora_slots) if len(step.lora_groups) > 1 else None
-        if step.lora_groups and self.fused_runs:
-            self.num_unfused_lora_steps += 1
-        out = self.executor.run(batch.input_ids, step, fused=not step.lora_groups)
+            step.lora_slots = batch.lora_slots
+            step.lora_groups = slot_groups(batch.lora_slots) if self.lora.kernel is None else None
+        out = self.executor.run(batch.input_ids, step)
         return (out["logits"], out[self.feature_name]) if with_features else out["logits"]
 
     @torch.inference_mode()
@@ -136,9 +137,9 @@ def _with_lora(impl: Impl, name: str, lora: LoraSlots) -> Impl:
     """A linear's implementation followed by its LoRA deltas on steps with adapter rows."""
     def run(node, inputs, params, step):
         outputs = impl(node, inputs, params, step)
-        if step is None or not step.lora_groups:
+        if step is None or step.lora_slots is None:
             return outputs
-        return lora.apply(name, inputs[0], outputs, step.lora_groups, step.lora_masks)
+        return lora.apply(name, inputs[0], outputs, step.lora_slots, step.lora_groups)
     return run
 
 

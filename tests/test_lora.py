@@ -1,8 +1,8 @@
 """LoRA adapters (optc/core/lora.py, optc/core/ops/lora.py, runtime/lora.py) on random:tiny in float32: bad adapters
-refused by name, the grouped deltas against the op reference, concurrent mixed requests for the base and three
-adapters of different ranks and targets equal to transformers + peft token for token (on a fused qkv / gate_up
-artifact), prefix blocks keyed by adapter, the fused CPU step declined for adapter steps only, unloading after the
-requests in flight."""
+refused by name, the grouped deltas and lora.cpp's kernel against the op reference, concurrent mixed requests for
+the base and three adapters of different ranks and targets equal to transformers + peft token for token (on a fused
+qkv / gate_up artifact), prefix blocks keyed by adapter, adapter steps kept in the fused CPU step with the
+node-by-node logits bit for bit, unloading after the requests in flight."""
 
 import json
 import shutil
@@ -12,10 +12,10 @@ import torch
 
 from optc.core.artifact import read
 from optc.core.lora import AdapterError, load_adapter
-from optc.core.ops.lora import lora_delta_grouped, lora_delta_masked, lora_delta_ref, slot_groups, slot_mask
+from optc.core.ops.lora import lora_delta_grouped, lora_delta_ref, slot_groups
 from optc.runtime import Engine, SamplingParams
 from optc.runtime.lora import UnknownAdapterError
-from optc.testing import assert_no_leaks, build_artifact, hf_greedy, random_peft_adapter, tiny_hf_model
+from optc.testing import assert_no_leaks, build_artifact, cpu_extension, hf_greedy, random_peft_adapter, tiny_hf_model
 
 peft = pytest.importorskip("peft")
 
@@ -58,13 +58,43 @@ def test_grouped_deltas_equal_the_reference():
     got = lora_delta_grouped(x, slot_groups(slots), a, b, [8, 5, 8])
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got[1].abs().max() == 0 and got[5].abs().max() == 0  # rows without an adapter: no delta
-    b_cat = b.permute(1, 0, 2).reshape(n, slots_count * rank)
-    masked = lora_delta_masked(x, slot_mask(slots, slots_count, rank), a, b_cat)
-    torch.testing.assert_close(masked, ref, rtol=1e-5, atol=1e-5)
-    assert masked[1].abs().max() == 0 and masked[5].abs().max() == 0
     whole = torch.tensor([1] * 7)
     torch.testing.assert_close(lora_delta_grouped(x, slot_groups(whole), a, b, [8, 5, 8]),
                                lora_delta_ref(x, whole, a, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_adds_the_reference_deltas(dtype):
+    """lora.cpp's lora_add on a fused linear's three outputs: slots of different ranks and projections (one without
+    k), rows of no adapter left as they were, a slot of 40 rows (past GEMM_ROWS: its GEMM path), factors of x's
+    dtype kind (float32, or bfloat16 beside bfloat16 activations)."""
+    ext = cpu_extension("lora")
+    torch.manual_seed(0)
+    sizes, k, max_rank = [24, 8, 8], 40, 8
+    cap, n = max_rank * len(sizes), sum(sizes)
+    a, bt = torch.zeros(3, cap, k), torch.zeros(3, cap, n)
+    parts = torch.zeros(3, len(sizes), 2, dtype=torch.int64)
+    for slot, ranks in enumerate(([8, 8, 8], [5, 0, 3], [1, 2, 7])):
+        col = 0
+        for p, r in enumerate(ranks):
+            offset = sum(sizes[:p])
+            a[slot, col:col + r] = torch.randn(r, k)
+            bt[slot, col:col + r, offset:offset + sizes[p]] = torch.randn(r, sizes[p])
+            parts[slot, p] = torch.tensor([col, r] if r else [0, 0])
+            col += r
+    factors = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    a, bt = a.to(factors), bt.to(factors)
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0] + [1] * 40)
+    x = torch.randn(len(slots), k).to(dtype)
+    base = torch.randn(len(slots), n).to(dtype)
+    outs = [p.clone() for p in base.split(sizes, dim=1)]
+    ext.lora_add(x, outs, slots, a, bt, parts)
+    got = torch.cat(outs, dim=1)
+    want = (base.float() + lora_delta_ref(x, slots, a, bt.transpose(1, 2))).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[[1, 5]], base[[1, 5]])  # rows without an adapter: untouched
+    assert not torch.equal(got[7:], base[7:])  # the GEMM path added its deltas
 
 
 def test_bad_adapters_are_refused_by_name(tiny_artifact, adapters, tmp_path):
@@ -148,21 +178,48 @@ def test_prefix_blocks_are_keyed_by_adapter(tiny_artifact, adapters):
     assert_no_leaks(engine)
 
 
-def test_adapter_steps_run_node_by_node_base_steps_stay_fused(tmp_path, adapters):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adapter_steps_stay_fused_bit_for_bit(tmp_path, adapters, dtype):
+    """Base and adapter rows in one decode step run the planned fused CPU step (its linears add lora.cpp's deltas)
+    and give the node-by-node step's logits bit for bit; in float32 the tokens are peft's."""
+    cpu_extension("step")
     recipe = tmp_path / "step.yaml"
-    recipe.write_text("model: random:tiny\ndtype: float32\ntarget: cpu\npasses: [fuse_qkv, fuse_gate_up, "
+    recipe.write_text(f"model: random:tiny\ndtype: {dtype}\ntarget: cpu\npasses: [fuse_qkv, fuse_gate_up, "
                       "fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select_kernels: {measure: false}}, plan_cpu_step]\n")
-    engine = Engine.load(build_artifact(tmp_path / "a", recipe), max_loras=1, max_lora_rank=8)
-    if not engine.model.fused_runs:
-        pytest.skip("the fused CPU step is not built on this machine (no compiler or no AVX2)")
-    engine.load_lora("a", adapters["all4"])
+    engine = Engine.load(build_artifact(tmp_path / "a", recipe), max_loras=3, max_lora_rank=16,
+                         enable_prefix_caching=False)
+    for name, path in adapters.items():
+        engine.load_lora(name, path)
+    model = engine.model
+    (start, (stop, names, outs, fn, dead)), = model.executor._fused.items()
+    taken = []
+
+    def counted(values, step):
+        out = fn(values, step)
+        taken.append(out is not None and step.lora_slots is not None)
+        return out
+
+    loras = [None, *ADAPTERS]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    base = engine.generate([PROMPTS[0]], params)[0].token_ids
-    assert engine.model.num_unfused_lora_steps == 0
-    assert base == peft_greedy(None, PROMPTS[0])
-    lora = engine.generate([PROMPTS[0]], params, loras=["a"])[0].token_ids
-    assert engine.model.num_unfused_lora_steps == MAX_TOKENS  # every step of the adapter's request
-    assert lora == peft_greedy(adapters["all4"], PROMPTS[0])
+
+    def run(fused: dict) -> tuple[list, list[torch.Tensor]]:
+        model.executor._fused = fused
+        seen, forward = [], model.forward
+        model.forward = lambda *args, **kwargs: seen.append(forward(*args, **kwargs).clone()) or seen[-1]
+        try:
+            done = engine.generate([PROMPTS[0]] * len(loras), params, loras=loras)
+        finally:
+            del model.forward
+        return [c.token_ids for c in done], seen
+
+    tokens, fused_logits = run({start: (stop, names, outs, counted, dead)})
+    _, nodes_logits = run({})
+    # every step, adapter rows and all, ran as the fused call: the prefill (5 rows a request) and each decode step
+    assert taken == [True] * MAX_TOKENS
+    assert len(fused_logits) == len(nodes_logits) and all(
+        torch.equal(f, n) for f, n in zip(fused_logits, nodes_logits, strict=True))
+    if dtype == "float32":
+        assert tokens == [peft_greedy(None if n is None else adapters[n], PROMPTS[0]) for n in loras]
 
 
 def test_unknown_and_unloaded_adapters(tiny_artifact, adapters):
@@ -187,3 +244,38 @@ def test_unknown_and_unloaded_adapters(tiny_artifact, adapters):
     engine.load_lora("b", adapters["qv8"])  # the slot is free now
     assert engine.lora_names() == ["b"]
     assert_no_leaks(engine)
+
+
+def test_the_triton_kernel_adds_the_reference_deltas():
+    """kernels/lora_bgmv.py (under TRITON_INTERPRET=1 without a GPU) on a fused linear's three outputs: rows of
+    several slots, rows of none untouched, slot ids read from a tensor."""
+    from optc.kernels.lora_bgmv import lora_add
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    sizes, k, cap = [24, 8, 8], 40, 12
+    a, bt = torch.randn(3, cap, k), torch.randn(3, cap, sum(sizes))
+    a[1, 5:], bt[1, 5:] = 0, 0  # slot 1 uses 5 of its 12 columns
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])
+    x, base = torch.randn(len(slots), k), torch.randn(len(slots), sum(sizes))
+    outs = [p.clone().to(device) for p in base.split(sizes, dim=1)]
+    lora_add(x.to(device), outs, slots.to(device), a.to(device), bt.to(device))
+    got = torch.cat(outs, dim=1).cpu()
+    torch.testing.assert_close(got, base + lora_delta_ref(x, slots, a, bt.transpose(1, 2)), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[[1, 5]], base[[1, 5]])
+
+
+def test_the_triton_kernel_serves_mixed_requests(tiny_artifact, adapters):
+    """The runtime's CUDA path (kernels/lora_bgmv.py; here under TRITON_INTERPRET=1 on CPU tensors): peft's tokens."""
+    from optc.runtime.lora import TRITON
+
+    engine = Engine.load(tiny_artifact, max_loras=2, max_lora_rank=16)
+    engine.model.lora.kernel = TRITON
+    engine.load_lora("all4", adapters["all4"])
+    engine.load_lora("qv8", adapters["qv8"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    loras = [None, "all4", "qv8"]
+    done = engine.generate([PROMPTS[0]] * 3, params, loras=loras)
+    want = [hf_greedy((tiny_hf_model() if n is None else peft.PeftModel.from_pretrained(tiny_hf_model(), adapters[n]))
+                      .eval(), PROMPTS[0], 4) for n in loras]
+    assert [c.token_ids for c in done] == want

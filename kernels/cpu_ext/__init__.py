@@ -2,8 +2,9 @@
 `extension` loaders), by `optc warmup`, or on first use, and cached on disk: qdot.cpp
 (grouped int4 / int8 code linears with integer activations per block of 32), bf16dot.cpp (dense bfloat16
 linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py), ops.cpp (a decode
-step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py)
-and step.cpp (a decode step's decoder layers as one call: kernels/cpu_ext/step.py). EXTENSIONS lists them.
+step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py),
+lora.cpp (a targeted linear's LoRA deltas: runtime/lora.py) and step.cpp (a decode step's decoder layers as one
+call: kernels/cpu_ext/step.py). EXTENSIONS lists them.
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns
 the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile): the failure is
@@ -84,9 +85,10 @@ AVX2_FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mf16c")  # -ffp-contract=o
 QDOT = Extension("qdot", ("qdot.cpp", "qdot_body.h"), ("-O3",), "torch's packed kernels")
 BF16DOT = Extension("bf16dot", ("bf16dot.cpp",), ("-O3",), "torch's bfloat16 matmul")
 OPS = Extension("ops", ("ops.cpp",), AVX2_FLAGS, "the op references", needs_avx2=True)
-STEP = Extension("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp"), AVX2_FLAGS,
+LORA = Extension("lora", ("lora.cpp",), AVX2_FLAGS, "the LoRA deltas' grouped matmuls", needs_avx2=True)
+STEP = Extension("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp", "lora.cpp"), AVX2_FLAGS,
                  "the node-by-node step", compile_only=("step.cpp",), needs_avx2=True)  # kernels/cpu_ext/step.py
-EXTENSIONS = (QDOT, BF16DOT, OPS, STEP)
+EXTENSIONS = (QDOT, BF16DOT, OPS, LORA, STEP)
 
 
 def cache_root() -> Path:
@@ -111,6 +113,15 @@ def load_ops() -> ModuleType | None:
     if lacks_avx2():
         return None
     return build(OPS, cache_root())
+
+
+@functools.cache
+def load_lora() -> ModuleType | None:
+    """lora.cpp's extension (runtime/lora.py's deltas), or None (logged) where it cannot be built or the CPU lacks
+    AVX2 (its only path)."""
+    if lacks_avx2():
+        return None
+    return build(LORA, cache_root())
 
 
 def build(ext: Extension, root: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> ModuleType | None:

@@ -8,7 +8,10 @@
 // at batch 1 on SmolLM2 about a third of the step (docs/PERF.md, "the decode step's time, node by node"). Which
 // attributes each op reads is declared in kernels/cpu_ext/step_takes.py, which the plan asks.
 //
-// ops.cpp, qdot.cpp and bf16dot.cpp are compiled into this file (each its own extension too): their module
+// A linear that LoRA adapters target carries its slot tables (Run::set_lora): on a step with adapter rows, lora.cpp's
+// lora_add adds their deltas to its output, the function runtime/lora.py calls after the node's own kernel.
+//
+// ops.cpp, qdot.cpp, bf16dot.cpp and lora.cpp are compiled into this file (each its own extension too): their module
 // definitions are renamed to unused functions around the includes, so this extension defines only its own.
 #include <torch/extension.h>
 
@@ -22,6 +25,9 @@
 #undef PYBIND11_MODULE
 #define PYBIND11_MODULE(name, m) [[maybe_unused]] static void bf16dot_module_unused(pybind11::module_& m)
 #include "bf16dot.cpp"
+#undef PYBIND11_MODULE
+#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void lora_module_unused(pybind11::module_& m)
+#include "lora.cpp"
 #undef PYBIND11_MODULE
 #pragma pop_macro("PYBIND11_MODULE")
 
@@ -53,6 +59,7 @@ using ChoiceArgs = std::tuple<int64_t, int64_t, std::vector<at::Tensor>, int64_t
 struct Linear {
   std::vector<Choice> choices;
   std::vector<int64_t> split;  // output features of each part ({N}: no split)
+  std::vector<at::Tensor> lora;  // {a, bt, parts}: lora.cpp's lora_add's slot tables, where adapters target it
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t m = x.size(0);
@@ -246,6 +253,12 @@ at::Tensor mla(const Node& n, const at::Tensor& q_in, const at::Tensor& kv_a, co
   return out.index({request, row}).flatten(1).to(q.scalar_type());
 }
 
+// y (the linear's whole output) += the LoRA deltas of x's rows under `slots`, through y's split parts' views
+void add_lora(const Linear& linear, const at::Tensor& x, const at::Tensor& y, const at::Tensor& slots) {
+  const auto parts = linear.split.size() == 1 ? std::vector<at::Tensor>{y} : y.split_with_sizes(linear.split, -1);
+  lora::lora_add(x, parts, slots, linear.lora[0], linear.lora[1], linear.lora[2]);
+}
+
 class Run {
  public:
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
@@ -269,15 +282,23 @@ class Run {
     nodes_.push_back(std::move(node));
   }
 
+  // node `index`, a linear, adds the LoRA deltas of lora_add's tables a, bt and parts on steps with adapter rows
+  void set_lora(int64_t index, at::Tensor a, at::Tensor b, at::Tensor parts) {
+    TORCH_CHECK(index >= 0 && index < size() && nodes_[index].op == LINEAR, "node ", index, " is not a linear");
+    nodes_[index].linear.lora = {a, b, parts};
+  }
+
   // inputs: the run's input values in slot order; num_values: every slot; outputs: the slots returned.
   // positions (T,) int64; cos_sin: the rope tables by index; tables, slots: the block tables and slot mappings by
   // KV group (index 0: the batch's own); starts (B + 1,) int32: each request's first row; tree_mask: draft trees'
-  // row bits (row_attention's), or none; caches: per layer; max_rows: row_attention's rows per request.
+  // row bits (row_attention's), or none; caches: per layer; max_rows: row_attention's rows per request;
+  // lora_slots (T,) int64: each row's LoRA adapter slot (-1: none), or none on a step without adapter rows.
   std::vector<at::Tensor> forward(std::vector<at::Tensor> inputs, int64_t num_values, std::vector<int64_t> outputs,
                                   at::Tensor positions, std::vector<at::Tensor> cos_sin,
                                   std::vector<at::Tensor> tables, std::vector<at::Tensor> slots,
                                   at::Tensor seq_lens, at::Tensor starts, c10::optional<at::Tensor> tree_mask,
-                                  std::vector<at::Tensor> caches, int64_t max_rows) {
+                                  std::vector<at::Tensor> caches, int64_t max_rows,
+                                  c10::optional<at::Tensor> lora_slots) {
     std::vector<at::Tensor> v(num_values);
     for (size_t i = 0; i < inputs.size(); ++i) v[i] = inputs[i];
     const int64_t t = inputs.at(0).size(0);
@@ -286,6 +307,7 @@ class Run {
       switch (n.op) {
         case LINEAR: {
           auto y = n.linear(x);
+          if (lora_slots && !n.linear.lora.empty()) add_lora(n.linear, x, y, *lora_slots);
           if (n.out.size() == 1) {
             v[n.out[0]] = y;
           } else {
@@ -363,6 +385,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<>())
       .def("add", &Run::add, "append a planned node other than a linear")
       .def("add_linear", &Run::add_linear, "append a planned linear node")
+      .def("set_lora", &Run::set_lora, "a linear node's LoRA slot tables")
       // without the GIL: a step's other threads (the grammar masks of structured outputs) run beside it
       .def("forward", &Run::forward, "the run's nodes over one decode or verification step",
            pybind11::call_guard<pybind11::gil_scoped_release>())

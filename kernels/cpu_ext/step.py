@@ -52,7 +52,7 @@ class StepRun:
     """The executor's fused run of planned nodes: the run's input values in, the values read after it out."""
 
     def __init__(self, run, num_values: int, outputs: list[int], layers: list[int], tables: list[str],
-                 dtype: torch.dtype, max_rows: int | None, windowed: bool):
+                 dtype: torch.dtype, max_rows: int | None, windowed: bool, linears: dict[str, int]):
         self.run = run
         self.num_values = num_values
         self.outputs = outputs
@@ -61,6 +61,7 @@ class StepRun:
         self.dtype = dtype
         self.max_rows = max_rows  # steps of more rows decline (a linear's kernel for them is not step.cpp's)
         self.windowed = windowed  # draft trees decline (the attention launcher runs the reference for them)
+        self.linears = linears  # linear node name -> its index in the run (where `attach_lora` finds them)
         self._caches: tuple[object, list[torch.Tensor] | None] = (None, None)
 
     def __call__(self, inputs: list[torch.Tensor], step) -> list[torch.Tensor] | None:
@@ -83,7 +84,7 @@ class StepRun:
                                 [s.long().contiguous() for _, s in groups], b.seq_lens.int().contiguous(),
                                 b.query_start_loc.int().contiguous(),
                                 None if tree_mask is None else tree_mask.long().contiguous(), caches,
-                                MAX_ROWS if tree_mask is None else MAX_TREE_NODES)
+                                MAX_ROWS if tree_mask is None else MAX_TREE_NODES, step.lora_slots)
 
     def _cache_data(self, kv_caches) -> list[torch.Tensor] | None:
         """The layers' cache tensors when every one the run touches is a contiguous float cache of the activations'
@@ -114,6 +115,20 @@ def fuse_planned(graph: Graph, executor) -> int:
         inputs, outputs, fn = built
         fused += executor.fuse(start, stop, inputs, outputs, fn)
     return fused
+
+
+def attach_lora(executor, lora) -> int:
+    """Give every fused run's linears that adapters target their LoRA slot tables (runtime/lora.py's LoraSlots:
+    lora.cpp's a, bt and parts, written in place as adapters load), so that a step with adapter rows stays one call;
+    the number of linears given them."""
+    attached = 0
+    for fn in executor.fused_fns():
+        for name, index in getattr(fn, "linears", {}).items():
+            table = lora.tables.get(name)
+            if table is not None:
+                fn.run.set_lora(index, table.a, table.bt, table.parts)
+                attached += 1
+    return attached
 
 
 def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, tuple, StepRun] | None:
@@ -147,7 +162,8 @@ def _build(ext, graph: Graph, executor, start: int, stop: int) -> tuple[tuple, t
         run.add(OPS.index(node.op), ins, outs, release, ints, floats, tensors)
     windowed = any(n.attrs.get("window") for n in nodes)
     fn = StepRun(run, len(slot), [slot[v] for v in outputs], sorted(set(layers)), tables,
-                 DTYPES[graph.config.dtype], max_rows, windowed)
+                 DTYPES[graph.config.dtype], max_rows, windowed,
+                 {n.name: i for i, n in enumerate(nodes) if n.op == "linear"})
     return inputs, outputs, fn
 
 

@@ -34,9 +34,10 @@ class Step:
     kv_caches: list[KVCache] | None = None  # per layer; None = transient (see kv_cache)
     new_transient_cache: Callable[[], KVCache] | None = None  # one layer's empty cache, when transient
     group: object = None  # the tensor-parallel process group the collective ops run over; None: one rank
-    # LoRA: (adapter slot, its rows (n,) int64) per slot the step's rows use (optc/core/ops/lora.py's slot_groups)
+    # LoRA: each row's adapter slot (T,) int64 (-1: none), on a step with adapter rows; and where the deltas run as
+    # torch matmuls (no lora.cpp), (slot, its rows (n,) int64) per slot the rows use (ops/lora.py's slot_groups)
+    lora_slots: torch.Tensor | None = None
     lora_groups: list[tuple[int, torch.Tensor]] | None = None
-    lora_masks: dict[int, torch.Tensor] | None = None  # rank capacity -> (T, S * R) slot mask (ops/lora.py's slot_mask)
     _transient: dict[int, KVCache] = field(default_factory=dict)
 
     def kv_cache(self, layer: int) -> KVCache:
@@ -110,6 +111,10 @@ class Executor:
         dead = [v for v in inputs if v not in read_later]
         self._fused[start] = (stop, inputs, outputs, fn, dead)
         return True
+
+    def fused_fns(self) -> list[Callable[[list, Step], list | None]]:
+        """The fns of the runs of nodes `fuse` set up, in node order."""
+        return [run[3] for _, run in sorted(self._fused.items())]
 
     def unfuse(self) -> None:
         """Run every node one by one again (what `fuse` set up is dropped)."""
