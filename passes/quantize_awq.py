@@ -114,7 +114,7 @@ class QuantizeAwq(Pass):
         prev_name = target.tensor
         prev = target.fold(params[prev_name].parts["weight"], s)  # in fp32, then rounded once
         # round to the stored dtype now, so later calibration sees the artifact's values
-        prev = prev.to(graph.tensors[prev_name].format.torch_dtype).float()
+        prev = prev.to(graph.tensors[prev_name].format.torch_dtype)
         params[prev_name] = dense_param(prev)
-        folded[prev_name] = prev.cpu()
+        folded[prev_name] = prev
         return found

@@ -9,12 +9,15 @@ time) asks for it. That is how an 8B build avoids holding two copies of the weig
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 _ST_DTYPES = {
     "F32": torch.float32,
@@ -91,6 +94,29 @@ class TensorStore:
                         tuple(sl.get_shape()), _ST_DTYPES[sl.get_dtype()], (lambda p=str(path), k=key: _read(p, k))
                     )
         return TensorStore(entries)
+
+
+class Spill:
+    """Tensors written to a temporary folder as they are produced and read back lazily, so a pass whose results
+    grow with the model (a calibrated quantization's, block after block) holds entries, not tensors. Each
+    entry's `load` holds the Spill, so the folder lives as long as an entry that reads from it; it is removed
+    with the last one (or at exit)."""
+
+    def __init__(self, prefix: str = "optc-spill-"):
+        self._dir = tempfile.TemporaryDirectory(prefix=prefix)
+        self._files = 0
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Entry]:
+        """Write `tensors` (on any device) to one new file -> an entry for each that reads it back."""
+        path = str(Path(self._dir.name) / f"{self._files:06d}.safetensors")
+        self._files += 1
+        # own contiguous host copies: safetensors refuses views and tensors sharing memory
+        host = {k: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format) for k, t in tensors.items()}
+        save_file(host, path)
+        return {k: Entry(tuple(t.shape), t.dtype, partial(self._read, path, k)) for k, t in host.items()}
+
+    def _read(self, path: str, key: str) -> torch.Tensor:
+        return _read(path, key)
 
 
 def transformed(src: Entry, fn: Callable[[torch.Tensor], torch.Tensor], shape=None, dtype=None) -> Entry:

@@ -24,7 +24,7 @@ from optc.core.execute import dense_step
 from optc.core.formats import DENSE_F32, Format, part_name
 from optc.core.ir import Graph, Node, TensorInfo
 from optc.core.ops import OPS, Param
-from optc.core.store import Entry, TensorStore
+from optc.core.store import Entry, TensorStore, transformed
 from optc.frontend.quant.awq import fold_into_linear, fold_into_norm
 
 NORMS = ("rms_norm", "add_rms_norm")
@@ -90,7 +90,8 @@ def dense_param(t: torch.Tensor) -> Param:
 class BlockRunner:
     """Calibration activations flowing through the graph, one block at a time (fp32), on `device`:
     the activations that cross block boundaries and the weights of the block being loaded live
-    there; the store and the results (`to_host`) stay on the host, so a GPU holds one block at a time."""
+    there; the store stays on the host (and a block's results are spilled from there), so a GPU holds one block at
+    a time."""
 
     def __init__(self, graph: Graph, store: TensorStore, tokens: torch.Tensor, device: torch.device | str = "cpu"):
         self.graph = graph
@@ -184,9 +185,10 @@ def _linear_rows(producers: dict[str, Node], value: str) -> FoldTarget | None:
     return FoldTarget(lin.params["weight"], slice(sum(split[:j]), sum(split[:j + 1])))
 
 
-def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, dict[str, torch.Tensor]]],
-          dense: dict[str, torch.Tensor]) -> tuple[Graph, TensorStore]:
-    """New graph and store with `quantized` tensors in their formats and `dense` tensors replaced."""
+def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, dict[str, torch.Tensor | Entry]]],
+          dense: dict[str, torch.Tensor | Entry]) -> tuple[Graph, TensorStore]:
+    """New graph and store with `quantized` tensors in their formats and `dense` tensors replaced (each given as a
+    tensor or as a store entry: a spilled one)."""
     graph = graph.copy()
     entries: dict[str, Entry] = {}
     remove = []
@@ -194,22 +196,24 @@ def apply(graph: Graph, store: TensorStore, quantized: dict[str, tuple[Format, d
         old = graph.tensors[name]
         remove += [part_name(name, r, old.format) for r in old.format.part_shapes(old.shape)]
         graph.tensors[name] = TensorInfo(old.shape, fmt)
-        entries.update({part_name(name, r, fmt): tensor_entry(t) for r, t in parts.items()})
+        entries.update({part_name(name, r, fmt): _entry(t) for r, t in parts.items()})
     for name, t in dense.items():
         info = graph.tensors[name]
-        entries[part_name(name, "weight", info.format)] = tensor_entry(t.to(info.format.torch_dtype))
+        entries[part_name(name, "weight", info.format)] = _entry(t, info.format.torch_dtype)
     return graph, store.with_entries(entries, remove=[k for k in remove if k not in entries])
+
+
+def _entry(t: torch.Tensor | Entry, dtype: torch.dtype | None = None) -> Entry:
+    """A store entry for a tensor or an entry, in `dtype` (default: its own)."""
+    if isinstance(t, torch.Tensor):
+        return tensor_entry(t if dtype is None else t.to(dtype))
+    return t if dtype in (None, t.dtype) else transformed(t, lambda x: x.to(dtype), dtype=dtype)
 
 
 def tensor_entry(t: torch.Tensor) -> Entry:
     """A store entry holding `t` (moved to the host)."""
     t = t.cpu()  # the same tensor when it is on the CPU already
     return Entry(tuple(t.shape), t.dtype, lambda t=t: t)
-
-
-def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A block's results moved off the calibration device (the same tensors on the CPU)."""
-    return {r: t.cpu() for r, t in parts.items()}
 
 
 def start_calibration(graph: Graph, store: TensorStore, ctx, pass_name: str) -> tuple[BlockRunner, list[Block]]:
