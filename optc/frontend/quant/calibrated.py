@@ -7,8 +7,8 @@ weights, folded scales), so each block is calibrated on the error of the blocks 
 end of each block the tensors it quantized or folded are spilled to a temporary file (optc.core.store.Spill) and
 the pass keeps entries that read them back, so its memory does not grow with the model's depth; the artifact
 writer reads them. At the end it checks that every dense linear was quantized, puts the quantized and folded
-tensors into the store, and returns the pass result with the manifest's `quantization` section. Which linears a method takes
-together and how it rounds them is the method's (passes/quantize_awq.py; GPTQ's step,
+tensors into the store, and returns the pass result with the manifest's `quantization` section. Which linears a
+method takes together and how it rounds them is the method's (passes/quantize_awq.py; GPTQ's step,
 optc/frontend/quant/gptq.py, serves quantize_gptq and quantize_fp8's `method: gptq`).
 """
 
@@ -52,7 +52,8 @@ class Calibration:
 
     def end_block(self) -> None:
         """Spill the block's quantized and folded tensors and keep entries that read them back."""
-        tensors = {part_name(n, r, fmt): t for n, (fmt, parts) in self.block_quantized.items() for r, t in parts.items()}
+        tensors = {part_name(n, r, fmt): t
+                   for n, (fmt, parts) in self.block_quantized.items() for r, t in parts.items()}
         entries = self.spill.write({**tensors, **self.folded})
         for n, (fmt, parts) in self.block_quantized.items():
             self.quantized[n] = (fmt, {r: entries[part_name(n, r, fmt)] for r in parts})
