@@ -51,7 +51,7 @@ def test_without_a_compiler_every_extension_is_skipped_saying_why(tmp_path):
     out = _warmup(cache=tmp_path, CXX=str(tmp_path / "no-such-c++"))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = _lines(out)
-    assert list(lines) == ["qdot", "bf16dot", "ops", "step"]
+    assert list(lines) == ["qdot", "bf16dot", "ops", "lora", "step"]
     for words in lines.values():
         assert words[:4] == ["skipped", "0.0", "s", "no"] and "C++ compiler" in " ".join(words)
 
@@ -72,7 +72,7 @@ def test_an_unknown_extension_is_a_user_error(tmp_path):
     out = _warmup("--only", "qdot", "--only", "nope", cache=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == ("error: --only nope: not a C++ CPU kernel extension (known: qdot, bf16dot, ops, "
-                                  "step)")
+                                  "lora, step)")
 
 
 def test_help_explains_every_option():

@@ -94,7 +94,7 @@ struct Linear {
 // a node's op kind: kernels/cpu_ext/step.py's OPS, in this order
 enum Op : int64_t {
   LINEAR = 0, RMS_NORM = 1, ADD_RMS_NORM = 2, GATED_ACT = 3, ROPE_KV_STORE = 4, ATTENTION = 5, ADD = 6, MOE = 7,
-  MLA = 8
+  MLA_ATTENTION = 8
 };
 enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 
@@ -112,7 +112,7 @@ enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
 //                  gate_up (E, 2I, H), down (E, H, I); INT8PACK / INT4PACK_EXPERTS each expert's gate_up parts,
 //                  then each one's down parts, two a matmul}: moe_ref's ATen ops (optc/core/ops/moe.py) with the
 //                  per-expert matmuls of the node's kernel (kernels/moe_cpu.py's moe_packed)
-//   MLA            ints {H, Dn, Dv, layer, rope table, KV group}, floats {scale, eps}, tensors {kv_norm, kv_b};
+//   MLA_ATTENTION  ints {H, Dn, Dv, layer, rope table, KV group}, floats {scale, eps}, tensors {kv_norm, kv_b};
 //                  reads (q, kv_a): mla_attention_ref's ATen ops (optc/core/ops/mla.py), absorbed at one query row
 struct Node {
   int64_t op;
@@ -263,7 +263,7 @@ class Run {
  public:
   void add(int64_t op, std::vector<int64_t> in, std::vector<int64_t> out, std::vector<int64_t> release,
            std::vector<int64_t> ints, std::vector<double> floats, std::vector<at::Tensor> tensors) {
-    TORCH_CHECK(op > LINEAR && op <= MLA, "unknown op kind ", op);
+    TORCH_CHECK(op > LINEAR && op <= MLA_ATTENTION, "unknown op kind ", op);
     static const size_t num_ints[] = {0, 1, 0, 2, 6, 5, 0, 9, 6};
     TORCH_CHECK(ints.size() == num_ints[op], "op kind ", op, " takes ", num_ints[op], " ints");
     nodes_.push_back({op, in, out, release, ints, floats, tensors, {}});
@@ -359,7 +359,7 @@ class Run {
         case MOE:
           v[n.out[0]] = moe(n, x);
           break;
-        case MLA:
+        case MLA_ATTENTION:
           v[n.out[0]] = mla(n, x, v[n.in[1]], positions, cos_sin.at(n.ints[4]), caches.at(n.ints[3]),
                             tables.at(n.ints[5]), slots.at(n.ints[5]), seq_lens, starts);
           break;

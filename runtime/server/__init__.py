@@ -28,12 +28,10 @@ from pathlib import Path
 import uvicorn
 
 from optc.core.errors import InputError, UserError
-from optc.core.lora import DEFAULT_MAX_RANK, adapter_rank
-from optc.runtime.config import PARALLEL_OPTIONS
-from optc.runtime.engine import Engine
 from optc.runtime.server.app import ServerConfig, create_app
 from optc.runtime.server.async_engine import FAILURE_WINDOW_S, AsyncEngine
 from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, header_timeout_protocol
+from optc.runtime.server.loading import load_engine
 from optc.runtime.server.tool_parsers import Parser
 
 
@@ -161,27 +159,6 @@ def serve(options: ServeOptions, on_ready: Callable[[str], None] = print) -> Non
         raise fatal_errors[0]
     if not server.started:
         raise UserError(f"could not listen on {options.host}:{options.port} (is the port in use?)")
-
-
-def load_engine(options: ServeOptions) -> Engine:
-    """The Engine `options` describe, with its --lora adapters (a bad adapter: its AdapterError, exit 2)."""
-    names = ("max_num_seqs", *PARALLEL_OPTIONS)
-    overrides = {n: getattr(options, n) for n in names if getattr(options, n) is not None}
-    overrides |= _lora_overrides(options)
-    engine = Engine.load(options.artifact, device=options.device, verify=options.verify,
-                         chat_template=options.chat_template, **overrides)
-    for name, folder in options.loras:  # a bad adapter fails the load: its AdapterError names it (exit 2)
-        engine.load_lora(name, folder)
-    return engine
-
-
-def _lora_overrides(options: ServeOptions) -> dict:
-    """The engine's max_loras and max_lora_rank: slots for every --lora, of their largest rank, unless given."""
-    max_loras = len(options.loras) if options.max_loras is None else options.max_loras
-    if not max_loras:
-        return {}
-    rank = options.max_lora_rank or max((adapter_rank(folder) for _, folder in options.loras), default=DEFAULT_MAX_RANK)
-    return {"max_loras": max_loras, "max_lora_rank": rank}
 
 
 class _Server(uvicorn.Server):

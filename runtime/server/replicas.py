@@ -53,7 +53,7 @@ class EngineReplica:
     routes to it. Its health check fails once its engine can step no more, so Ray replaces it."""
 
     async def __init__(self, options) -> None:
-        from optc.runtime.server import load_engine
+        from optc.runtime.server.loading import load_engine
 
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.fatal: BaseException | None = None
