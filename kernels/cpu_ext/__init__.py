@@ -59,12 +59,14 @@ log = logging.getLogger("optc.kernels.cpu_ext")
 @dataclass(frozen=True)
 class Extension:
     """One C++ extension: the files of `folder` hashed into its build folder's name (`sources`; its .cpp files are
-    the translation units compiled), the compiler flags, and what runs `instead` where it cannot be built."""
+    the translation units compiled), the compiler flags, what runs `instead` where it cannot be built, and the
+    units that compile slowest (started first, then the others by size, largest first)."""
 
     name: str
     sources: tuple[str, ...]
     flags: tuple[str, ...]
     instead: str
+    slowest: tuple[str, ...] = ()
     folder: Path = HERE
 
     def tag(self) -> str:
@@ -84,7 +86,8 @@ class Extension:
 FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mf16c")
 # every .cpp and header of this folder: a header's change builds afresh too
 CPU = Extension("cpu", tuple(sorted(p.name for p in HERE.iterdir() if p.suffix in (".cpp", ".h"))), FLAGS,
-                "torch's packed and bfloat16 kernels, the op references and the node-by-node step")
+                "torch's packed and bfloat16 kernels, the op references and the node-by-node step",
+                slowest=("step.cpp", "bindings.cpp"))  # the two that parse torch's pybind header
 
 
 def cache_root() -> Path:
@@ -127,8 +130,9 @@ def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAI
         if not any(where.glob("*.so")):
             print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: about a minute; cached in {where}",
                   file=sys.stderr, flush=True)
-        # the translation units, largest first: ninja starts them in this order, so the longest is not started last
-        units = sorted((ext.folder / s for s in ext.sources if s.endswith(".cpp")), key=lambda p: -p.stat().st_size)
+        # the translation units in the order ninja starts them: the slowest first, so that none is the build's tail
+        units = sorted((ext.folder / s for s in ext.sources if s.endswith(".cpp")),
+                       key=lambda p: (p.name not in ext.slowest, -p.stat().st_size))
         # -fopenmp: at::parallel_for is a header that splits work only where the including code is compiled with
         # OpenMP (else it runs its whole range on the calling thread); libgomp.so.1 resolves to torch's own copy
         return cpp_extension.load(f"optc_{ext.name}_{ext.tag()}", [str(p) for p in units],
