@@ -128,7 +128,7 @@ def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAI
             log.warning("optc: removing %s, left by a C++ kernel build that did not finish", stale)
             stale.unlink(missing_ok=True)
         if not any(where.glob("*.so")):
-            print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: about a minute; cached in {where}",
+            print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: under a minute; cached in {where}",
                   file=sys.stderr, flush=True)
         # the translation units in the order ninja starts them: the slowest first, so that none is the build's tail
         units = sorted((ext.folder / s for s in ext.sources if s.endswith(".cpp")),

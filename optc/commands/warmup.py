@@ -1,6 +1,6 @@
 """`optc warmup`: compile optc's C++ CPU kernels (kernels/cpu_ext: one extension of several translation units,
 compiled in parallel) into $OPTC_CACHE/cpu_ext, so that a first `optc serve` or `optc run` finds them there
-instead of compiling them while it loads (about 40 s on 2 cores).
+instead of compiling them while it loads (about 30 s on 2 cores).
 
 It is skipped, with the reason, where this machine cannot build or run it (no C++ compiler, no ninja, a CPU torch
 runs without AVX2); a build that fails on a machine with a compiler is a failure (Status.FAILED: the CLI
