@@ -151,14 +151,13 @@ class Recorder:
 
 @contextmanager
 def recording(executor, recorder: Recorder):
-    """Route ops.cpp's and qdot.cpp's modules and torch's int4pack matmul through `recorder`; a node whose
-    implementation made no such call is recorded whole."""
-    ops, qdot = cpu_ext.load_ops(), cpu_ext.load()
-    proxies = {
-        "load_ops": SimpleNamespace(**{f: recorder.wrap(getattr(ops, f)) for f in
-                                       ("rms_norm", "silu_mul", "rope_kv_store", "row_attention")}) if ops else None,
-        "load": SimpleNamespace(qlinear=recorder.wrap(qdot.qlinear), best_isa=qdot.best_isa) if qdot else None,
-    }
+    """Route the C++ extension's ops.cpp and qdot.cpp functions and torch's int4pack matmul through `recorder`; a
+    node whose implementation made no such call is recorded whole."""
+    ext = cpu_ext.load()
+    wrapped = {f: recorder.wrap(getattr(ext, f)) for f in ("rms_norm", "silu_mul", "rope_kv_store", "row_attention",
+                                                           "qlinear")} if ext else {}
+    # the other functions (bf16dot, lora_add, Run, best_isa) as they are
+    proxies = {"load": SimpleNamespace(**{**vars(ext), **wrapped}) if ext else None}
     saved = {name: getattr(cpu_ext, name) for name in proxies}
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     impls = list(executor._impls)

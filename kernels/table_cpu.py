@@ -122,9 +122,9 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
     # dense bfloat16: a row's sums independent of the call's rows (a decode row = its verification row), one pass
     # over the weight for every row; torch's GEMM above ROWS rows (prefills)
     KernelSpec("cpu.bf16dot", "linear", _bf16dot_ok, "cpu_ext.bf16dot:bf16dot_linear", target="cpu",
-               rows_independent=True, extension="cpu_ext:load_bf16dot"),
+               rows_independent=True, extension="cpu_ext:load"),
     KernelSpec("cpu.bf16dot_logits", "lm_head", _bf16dot_ok, "cpu_ext.bf16dot:bf16dot_logits", target="cpu",
-               rows_independent=True, extension="cpu_ext:load_bf16dot"),
+               rows_independent=True, extension="cpu_ext:load"),
     # x rounded to int8 per row, torch._int_mm, then the exact recompute: faster than int8pack, but its logits
     # outside each row's best move (SmolLM2 AWQ: +0.0027 KL, docs/PERF.md), so only where a recipe enables it
     KernelSpec("cpu.int_mm_logits", "lm_head", _int_mm_logits_cpu_ok, "int8_cpu:int_mm_logits", target="cpu",
@@ -136,13 +136,13 @@ CPU_KERNELS: tuple[KernelSpec, ...] = (
     # a decode step's non-matmul ops as one C++ call each (kernels/cpu_ext/ops.cpp), the references' math; where
     # the extension cannot be built, or for what it does not take (prefill attention), the reference runs
     KernelSpec("cpu.cpp_rms_norm", "rms_norm", _cpp_ok, "cpu_ext.ops:rms_norm", target="cpu",
-               extension="cpu_ext:load_ops"),
+               extension="cpu_ext:load"),
     KernelSpec("cpu.cpp_add_rms_norm", "add_rms_norm", _cpp_ok, "cpu_ext.ops:add_rms_norm", target="cpu",
-               extension="cpu_ext:load_ops"),
+               extension="cpu_ext:load"),
     KernelSpec("cpu.cpp_gated_act", "gated_act", _cpp_gated_act_ok, "cpu_ext.ops:gated_act", target="cpu",
-               extension="cpu_ext:load_ops"),
+               extension="cpu_ext:load"),
     KernelSpec("cpu.cpp_rope_kv_store", "rope_kv_store", _cpp_kv_ok, "cpu_ext.ops:rope_kv_store", target="cpu",
-               extension="cpu_ext:load_ops"),
+               extension="cpu_ext:load"),
     KernelSpec("cpu.cpp_attention", "attention", _cpp_kv_ok, "cpu_ext.ops:attention", target="cpu",
-               takes_tree_mask=True, extension="cpu_ext:load_ops"),
+               takes_tree_mask=True, extension="cpu_ext:load"),
 )

@@ -516,26 +516,20 @@ def export(
 
 @app.command()
 def warmup(
-    only: list[str] = typer.Option([], "--only", help="Compile just this extension: qdot (quantized matmuls), "
-                                   "bf16dot (dense bfloat16 matmuls), ops (a decode step's other nodes) or step (a "
-                                   "decode step's decoder layers as one call); repeat it for several. Default: all "
-                                   "four."),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON list of {name, status, seconds, detail} "
-                                 "instead of one line per extension."),
+    as_json: bool = typer.Option(False, "--json", help="Print {name, status, seconds, detail} as JSON instead of "
+                                 "one line."),
 ) -> None:
-    """Compile optc's C++ CPU kernels into $OPTC_CACHE/cpu_ext (default ~/.cache/optc), so that a first `optc
-    serve` or `optc run` does not compile them while it loads. One line per extension: built, cached, failed (the
+    """Compile optc's C++ CPU kernels (one extension) into $OPTC_CACHE/cpu_ext (default ~/.cache/optc), so that a
+    first `optc serve` or `optc run` does not compile them while it loads. One line: built, cached, failed (the
     compiler's error) or skipped (no C++ compiler or ninja, or a CPU without AVX2: those models run torch's kernels
-    and the op references instead), and the seconds it took. Exit 1 if a build failed on a machine with a
+    and the op references instead), and the seconds it took. Exit 1 if the build failed on a machine with a
     compiler."""
-    from optc.commands.warmup import WarmupOptions, failed
+    from optc.commands.warmup import Status
     from optc.commands.warmup import warmup as run_warmup
 
-    with _user_errors():
-        outcomes = run_warmup(WarmupOptions(tuple(only)))
-    typer.echo(json.dumps([o.to_json() for o in outcomes], indent=1) if as_json
-               else "\n".join(o.line() for o in outcomes))
-    if failed(outcomes):
+    outcome = run_warmup()
+    typer.echo(json.dumps(outcome.to_json(), indent=1) if as_json else outcome.line())
+    if outcome.status is Status.FAILED:
         raise typer.Exit(1)
 
 

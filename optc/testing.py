@@ -323,34 +323,28 @@ def greedy_token_ids_in(path: str, artifact: Path, prompts: list[str], max_token
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cpu_extension(name: str):
-    """The C++ CPU extension `name` (qdot, bf16dot, ops, lora or step: kernels/cpu_ext's EXTENSIONS), built, for the
-    tests that cover it. The test is skipped, saying so, only where this machine cannot build or run it (no C++
-    compiler, no ninja, a CPU torch runs without AVX2 for ops, lora and step); a build that fails where it can is a
-    test failure with the compiler's error, so a kernel that stops compiling turns CI red instead of skipping its
-    tests."""
+def cpu_extension():
+    """optc's C++ CPU extension (kernels/cpu_ext), built, for the tests that cover its kernels. The test is skipped,
+    saying so, only where this machine cannot build or run it (no C++ compiler, no ninja, a CPU torch runs without
+    AVX2); a build that fails where it can is a test failure with the compiler's error, so a kernel that stops
+    compiling turns CI red instead of skipping its tests."""
     import pytest
 
     from optc.kernels import cpu_ext
-    from optc.kernels.cpu_ext import step
 
-    ext = {e.name: e for e in cpu_ext.EXTENSIONS}[name]
     missing = cpu_ext.missing_toolchain()
     if missing is not None:
-        pytest.skip(f"C++ CPU kernel {name} NOT TESTED: {missing}")
-    if ext.needs_avx2 and cpu_ext.lacks_avx2():
-        pytest.skip(f"C++ CPU kernel {name} NOT TESTED: torch runs this CPU without AVX2 (its only path)")
-    loaders = {"qdot": cpu_ext.load, "bf16dot": cpu_ext.load_bf16dot, "ops": cpu_ext.load_ops,
-               "lora": cpu_ext.load_lora, "step": step.load_step}
-    module = loaders[name]()
+        pytest.skip(f"optc's C++ CPU kernels NOT TESTED: {missing}")
+    if cpu_ext.lacks_avx2():
+        pytest.skip("optc's C++ CPU kernels NOT TESTED: torch runs this CPU without AVX2 (their only path)")
+    module = cpu_ext.load()
     if module is None:  # once more in a fresh process, for the error (in this one cpp_extension would not rerun it)
-        code = ("import sys; from optc.kernels import cpu_ext; cpu_ext.compile_extension("
-                "next(e for e in cpu_ext.EXTENSIONS if e.name == sys.argv[1]), cpu_ext.cache_root())")
-        again = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, check=False)
+        code = "from optc.kernels import cpu_ext; cpu_ext.compile_extension(cpu_ext.CPU, cpu_ext.cache_root())"
+        again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
         why = (cpu_ext.failure(RuntimeError(again.stderr)) if again.returncode
                else "it built on a second try (the warning logged above says why the first failed)")
-        pytest.fail(f"C++ CPU kernel {name} ({', '.join(ext.sources)}) did not build on a machine with a C++ "
-                    f"compiler and ninja: {why}", pytrace=False)
+        pytest.fail(f"optc's C++ CPU kernels ({', '.join(cpu_ext.CPU.sources)}) did not build on a machine with a "
+                    f"C++ compiler and ninja: {why}", pytrace=False)
     return module
 
 

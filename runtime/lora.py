@@ -62,8 +62,8 @@ class LoraSlots:
         if max_loras < 1 or max_rank < 1:
             raise InputError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         self.graph = graph
-        # lora.cpp's module on the CPU (None where it cannot be built), the Triton kernel on CUDA
-        self.kernel = cpu_ext.load_lora() if device.type == "cpu" else TRITON if device.type == "cuda" else None
+        # the C++ extension on the CPU (lora.cpp's lora_add; None where it cannot be built), the Triton kernel on CUDA
+        self.kernel = cpu_ext.load() if device.type == "cpu" else TRITON if device.type == "cuda" else None
         self.max_loras, self.max_rank = max_loras, max_rank
         self.targets = linear_targets(graph)
         dtype = FACTOR_DTYPES.get(graph.config.dtype, torch.float32)

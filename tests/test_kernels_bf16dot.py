@@ -18,14 +18,14 @@ DENSE = Format(dtype="bfloat16")
 
 @pytest.fixture(scope="module")
 def ext():
-    module = cpu_extension("bf16dot")
+    module = cpu_extension()
     if cpu_ext.bf16_isa() is None:
         pytest.skip("bf16dot.cpp NOT TESTED: built, but this CPU has no AVX2 with FMA to run it")
     return module
 
 
 def _isas(ext) -> list[int]:
-    return [cpu_ext.AVX2] + ([cpu_ext.AVX512_BF16] if ext.best_isa() == cpu_ext.AVX512_BF16 else [])
+    return [cpu_ext.AVX2] + ([cpu_ext.AVX512_BF16] if ext.best_isa()["bf16dot"] == cpu_ext.AVX512_BF16 else [])
 
 
 def _operands(m: int, n: int, k: int, seed: int = 0):

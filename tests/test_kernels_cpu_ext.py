@@ -38,7 +38,7 @@ CASES = {  # name: (kind, bits, group size, zero point, K)
 
 @pytest.fixture(scope="module")
 def ext():
-    return cpu_extension("qdot")  # without a compiler, the fallback test below covers this machine
+    return cpu_extension()  # without a compiler, the fallback test below covers this machine
 
 
 def _weight(name: str, seed: int = 0) -> Param:
@@ -105,7 +105,7 @@ def _quantized_ref(x: torch.Tensor, w: Param) -> torch.Tensor:
 def _isas(ext) -> list[int]:
     from optc.kernels import cpu_ext
 
-    return [cpu_ext.AVX2] + ([cpu_ext.AVX512_VNNI] if ext.best_isa() == cpu_ext.AVX512_VNNI else [])
+    return [cpu_ext.AVX2] + ([cpu_ext.AVX512_VNNI] if ext.best_isa()["qdot"] == cpu_ext.AVX512_VNNI else [])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -218,7 +218,7 @@ def test_qdot_logits_recomputes_each_rows_best_exactly(ext, name):
 
 def test_the_kernels_split_their_work_over_torchs_threads(ext):
     """at::parallel_for divides a range only in code compiled with OpenMP (it is a header): the extensions
-    are (cpu_ext.build's flags, the same for ops.cpp and step.cpp), so a 2-thread decode step runs their rows
+    are (cpu_ext.build's flags, the same for every translation unit), so a 2-thread decode step runs their rows
     on both threads."""
     saved = torch.get_num_threads()
     try:

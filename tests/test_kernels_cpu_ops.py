@@ -21,7 +21,7 @@ from optc.testing import cpu_extension
 @pytest.fixture(scope="module", autouse=True)
 def _ops_built():
     """ops.cpp built: a failed build fails these tests (no compiler or no AVX2: skipped, saying so)."""
-    cpu_extension("ops")
+    cpu_extension()
 
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -222,11 +222,11 @@ def test_a_failed_build_is_logged_and_gives_none(tmp_path, monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     def broken(*args, **kwargs):
-        raise RuntimeError("Error building extension 'optc_ops': g++ not found")
+        raise RuntimeError("Error building extension 'optc_cpu': g++ not found")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     with caplog.at_level(logging.WARNING, logger="optc.kernels.cpu_ext"):
-        assert cpu_ext.build(cpu_ext.OPS, tmp_path) is None
+        assert cpu_ext.build(cpu_ext.CPU, tmp_path) is None
     assert "could not be built" in caplog.text and "g++ not found" in caplog.text and "op references" in caplog.text
 
 

@@ -21,7 +21,7 @@ from optc.testing import build_artifact, cpu_extension
 @pytest.fixture(scope="module")
 def _step_built():
     """step.cpp built: a failed build fails the tests that need it (no compiler or no AVX2: skipped, saying so)."""
-    cpu_extension("step")
+    cpu_extension()
 
 
 needs_ext = pytest.mark.usefixtures("_step_built")
@@ -159,7 +159,8 @@ def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
 @needs_ext
 def test_without_the_extension_the_model_runs_node_by_node(tmp_path, monkeypatch):
     art = _artifact(tmp_path, "bf16")
-    monkeypatch.setattr(cpu_step, "load_step", lambda: None)
+    for name in ("load", "isa", "bf16_isa"):  # as where it cannot be built: every launcher falls back too
+        monkeypatch.setattr(cpu_step.cpu_ext, name, lambda: None)
     engine = Engine.load(art, enable_prefix_caching=False)
     assert not engine.model.fused_runs and not engine.model.executor._fused
     out = engine.generate([[5, 9, 13]], SamplingParams(max_tokens=4, ignore_eos=True))

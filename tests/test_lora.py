@@ -68,7 +68,7 @@ def test_the_cpu_kernel_adds_the_reference_deltas(dtype):
     """lora.cpp's lora_add on a fused linear's three outputs: slots of different ranks and projections (one without
     k), rows of no adapter left as they were, a slot of 40 rows (past GEMM_ROWS: its GEMM path), factors of x's
     dtype kind (float32, or bfloat16 beside bfloat16 activations)."""
-    ext = cpu_extension("lora")
+    ext = cpu_extension()
     torch.manual_seed(0)
     sizes, k, max_rank = [24, 8, 8], 40, 8
     cap, n = max_rank * len(sizes), sum(sizes)
@@ -182,7 +182,7 @@ def test_prefix_blocks_are_keyed_by_adapter(tiny_artifact, adapters):
 def test_adapter_steps_stay_fused_bit_for_bit(tmp_path, adapters, dtype):
     """Base and adapter rows in one decode step run the planned fused CPU step (its linears add lora.cpp's deltas)
     and give the node-by-node step's logits bit for bit; in float32 the tokens are peft's."""
-    cpu_extension("step")
+    cpu_extension()
     recipe = tmp_path / "step.yaml"
     recipe.write_text(f"model: random:tiny\ndtype: {dtype}\ntarget: cpu\npasses: [fuse_qkv, fuse_gate_up, "
                       "fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select_kernels: {measure: false}}, plan_cpu_step]\n")

@@ -27,7 +27,7 @@ from optc.testing import assert_no_leaks, build_artifact, cpu_extension
 @pytest.fixture(scope="module", autouse=True)
 def _ops_built():
     """ops.cpp built: a failed build fails these tests (no compiler or no AVX2: skipped, saying so)."""
-    cpu_extension("ops")
+    cpu_extension()
 
 
 PASSES = ("passes=[fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, fuse_rope_kv, {kv_layout: {block_size: 16}}, "

@@ -88,7 +88,7 @@ def test_smollm2_batch_one(smollm2_f32_artifact, plain, method, request):
 def test_smollm2_bf16_greedy_identical(smollm2_bf16_artifact):
     """bfloat16 on the CPU's C++ ops (recipes/smollm2-bf16.yaml): verification rows are decode's bits
     (docs/ARCHITECTURE.md), so n-gram speculation keeps every greedy token, batched and at batch 1."""
-    cpu_extension("ops")  # bfloat16 identity is not guaranteed on the references
+    cpu_extension()  # bfloat16 identity is not guaranteed on the references
     artifact = smollm2_bf16_artifact
     plain = [c.token_ids for c in Engine.load(artifact).generate(PROMPTS, GREEDY, chat=True)]
     engine = Engine.load(artifact, speculative=SpeculativeConfig("ngram", 4, disable_above_num_requests=64))

@@ -1,18 +1,20 @@
-"""optc's own C++ CPU kernels, compiled with torch's cpp_extension when a model using them loads (the kernel table's
-`extension` loaders), by `optc warmup`, or on first use, and cached on disk: qdot.cpp
-(grouped int4 / int8 code linears with integer activations per block of 32), bf16dot.cpp (dense bfloat16
-linears whose rows do not depend on the call's row count: kernels/cpu_ext/bf16dot.py), ops.cpp (a decode
-step's norms, gated activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py),
-lora.cpp (a targeted linear's LoRA deltas: runtime/lora.py) and step.cpp (a decode step's decoder layers as one
-call: kernels/cpu_ext/step.py). EXTENSIONS lists them.
+"""optc's own C++ CPU kernels, one extension compiled with torch's cpp_extension when a model using them loads
+(the kernel table's `extension` loader), by `optc warmup`, or on first use, and cached on disk. Its translation
+units, compiled in parallel by ninja and linked into one module: qdot.cpp (grouped int4 / int8 code linears with
+integer activations per block of 32: kernels/cpu_ext/qdot.py), bf16dot.cpp (dense bfloat16 linears whose rows do
+not depend on the call's row count: kernels/cpu_ext/bf16dot.py), ops.cpp (a decode step's norms, gated
+activation, rotary + KV store and decode attention, one call each: kernels/cpu_ext/ops.py), lora.cpp (a targeted
+linear's LoRA deltas: runtime/lora.py), step.cpp (a decode step's decoder layers as one call, calling the others'
+functions through their headers: kernels/cpu_ext/step.py) and bindings.cpp (the module definition). cpu_ext.h is
+what they share: the ISA paths and their probe, the horizontal sum, at::parallel_for's grain sizes.
 
 `load()` builds (or reuses) the extension under $OPTC_CACHE/cpu_ext/<torch version>-<source hash> and returns
-the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile): the failure is
-logged once and every launcher bound to these kernels runs torch's packed kernel instead (kernels/cpu_ext/qdot.py),
-so an install without a compiler still runs every artifact. `load_ops()` is ops.cpp's module the same way (None:
-its launchers run the op references). `isa()` is the path qdot runs on this CPU: AVX-512
-VNNI where the CPU has it, else AVX2, capped to AVX2 when ATEN_CPU_CAPABILITY=avx2 (the cap that makes torch's
-own kernels take their AVX2 paths, so that a capped measurement compares like with like); `bf16_isa()` is
+the module, or None where it cannot be built (no C++ compiler, no ninja, a failed compile) or where torch runs this
+CPU without AVX2 (the extension's flags assume it): a failure is logged once and every launcher bound to these
+kernels runs what it runs without them (torch's packed and bfloat16 kernels, the op references, the node-by-node
+step), so an install without a compiler still runs every artifact. `isa()` is the path qdot runs on this CPU:
+AVX-512 VNNI where the CPU has it, else AVX2, capped to AVX2 when ATEN_CPU_CAPABILITY=avx2 (the cap that makes
+torch's own kernels take their AVX2 paths, so that a capped measurement compares like with like); `bf16_isa()` is
 bf16dot's the same way (AVX-512 BF16 or AVX2).
 
 One process builds a folder at a time: a build holds an OS lock (flock) on the folder's LOCK_FILE, which the kernel
@@ -41,12 +43,12 @@ from types import ModuleType
 
 import torch
 
-AVX2, AVX512_VNNI, AVX512_BF16 = 2, 3, 4  # qdot.cpp's and bf16dot.cpp's `isa` argument (their `enum Isa`)
+AVX2, AVX512_VNNI, AVX512_BF16 = 2, 3, 4  # the kernels' `isa` argument: cpu_ext.h's `enum Isa`
 ISA_NAMES = {AVX2: "avx2", AVX512_VNNI: "avx512_vnni", AVX512_BF16: "avx512_bf16"}
 HERE = Path(__file__).parent
 LOCK_FILE = "optc-build.lock"  # in the build folder: the holder's pid and start time, flocked while it builds
 TORCH_LOCK_FILE = "lock"  # cpp_extension's own lock, a file whose mere existence makes every other build wait
-LOCK_WAIT_SECONDS = 300.0  # the slowest extension (step) builds in about 40 s on a loaded 2-core machine
+LOCK_WAIT_SECONDS = 300.0  # the extension builds in about a minute on a loaded 2-core machine
 LOCK_POLL_SECONDS = 0.2
 # what a failed compile, a missing toolchain or a lock wait past its bound raise (TimeoutError is an OSError)
 BUILD_ERRORS = (OSError, RuntimeError, ImportError, subprocess.CalledProcessError)
@@ -56,16 +58,15 @@ log = logging.getLogger("optc.kernels.cpu_ext")
 
 @dataclass(frozen=True)
 class Extension:
-    """One C++ extension: the files of `folder` hashed into its build folder's name (`sources`), the .cpp files
-    compiled (`compile_only`, those that #include the others; default every .cpp of `sources`), the compiler
-    flags, what runs `instead` where it cannot be built, and whether its code needs AVX2 to run."""
+    """One C++ extension: the files of `folder` hashed into its build folder's name (`sources`; its .cpp files are
+    the translation units compiled), the compiler flags, what runs `instead` where it cannot be built, and the
+    units that compile slowest (started first, then the others by size, largest first)."""
 
     name: str
     sources: tuple[str, ...]
     flags: tuple[str, ...]
     instead: str
-    compile_only: tuple[str, ...] | None = None
-    needs_avx2: bool = False
+    slowest: tuple[str, ...] = ()
     folder: Path = HERE
 
     def tag(self) -> str:
@@ -80,15 +81,13 @@ class Extension:
         return any(self.build_dir(root).glob("*.so"))
 
 
-AVX2_FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mf16c")  # -ffp-contract=off: products and sums round
-# separately, as the references' do
-QDOT = Extension("qdot", ("qdot.cpp", "qdot_body.h"), ("-O3",), "torch's packed kernels")
-BF16DOT = Extension("bf16dot", ("bf16dot.cpp",), ("-O3",), "torch's bfloat16 matmul")
-OPS = Extension("ops", ("ops.cpp",), AVX2_FLAGS, "the op references", needs_avx2=True)
-LORA = Extension("lora", ("lora.cpp",), AVX2_FLAGS, "the LoRA deltas' grouped matmuls", needs_avx2=True)
-STEP = Extension("step", ("step.cpp", "ops.cpp", "qdot.cpp", "qdot_body.h", "bf16dot.cpp", "lora.cpp"), AVX2_FLAGS,
-                 "the node-by-node step", compile_only=("step.cpp",), needs_avx2=True)  # kernels/cpu_ext/step.py
-EXTENSIONS = (QDOT, BF16DOT, OPS, LORA, STEP)
+# -ffp-contract=off: products and sums round separately, as the references' do. AVX-512 code adds its own targets
+# (`#pragma GCC target`), run only where the ISA probe finds them.
+FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mf16c")
+# every .cpp and header of this folder: a header's change builds afresh too
+CPU = Extension("cpu", tuple(sorted(p.name for p in HERE.iterdir() if p.suffix in (".cpp", ".h"))), FLAGS,
+                "torch's packed and bfloat16 kernels, the op references and the node-by-node step",
+                slowest=("step.cpp", "bindings.cpp"))  # the two that parse torch's pybind header
 
 
 def cache_root() -> Path:
@@ -97,31 +96,10 @@ def cache_root() -> Path:
 
 @functools.cache
 def load() -> ModuleType | None:
-    """qdot's extension, or None (logged) where it cannot be built on this machine."""
-    return build(QDOT, cache_root())
-
-
-@functools.cache
-def load_bf16dot() -> ModuleType | None:
-    """bf16dot's extension, or None (logged) where it cannot be built on this machine."""
-    return build(BF16DOT, cache_root())
-
-
-@functools.cache
-def load_ops() -> ModuleType | None:
-    """ops.cpp's extension, or None (logged) where it cannot be built or the CPU lacks AVX2 (its only path)."""
+    """The extension's module, or None (logged) where it cannot be built or torch runs this CPU without AVX2."""
     if lacks_avx2():
         return None
-    return build(OPS, cache_root())
-
-
-@functools.cache
-def load_lora() -> ModuleType | None:
-    """lora.cpp's extension (runtime/lora.py's deltas), or None (logged) where it cannot be built or the CPU lacks
-    AVX2 (its only path)."""
-    if lacks_avx2():
-        return None
-    return build(LORA, cache_root())
+    return build(CPU, cache_root())
 
 
 def build(ext: Extension, root: Path, wait_seconds: float = LOCK_WAIT_SECONDS) -> ModuleType | None:
@@ -150,12 +128,14 @@ def compile_extension(ext: Extension, root: Path, wait_seconds: float = LOCK_WAI
             log.warning("optc: removing %s, left by a C++ kernel build that did not finish", stale)
             stale.unlink(missing_ok=True)
         if not any(where.glob("*.so")):
-            print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: about a minute; cached in {where}",
+            print(f"optc: compiling its C++ CPU kernels ({ext.name}), once: under a minute; cached in {where}",
                   file=sys.stderr, flush=True)
-        compiled = [str(ext.folder / s) for s in ext.compile_only or ext.sources if s.endswith(".cpp")]
+        # the translation units in the order ninja starts them: the slowest first, so that none is the build's tail
+        units = sorted((ext.folder / s for s in ext.sources if s.endswith(".cpp")),
+                       key=lambda p: (p.name not in ext.slowest, -p.stat().st_size))
         # -fopenmp: at::parallel_for is a header that splits work only where the including code is compiled with
         # OpenMP (else it runs its whole range on the calling thread); libgomp.so.1 resolves to torch's own copy
-        return cpp_extension.load(f"optc_{ext.name}_{ext.tag()}", compiled,
+        return cpp_extension.load(f"optc_{ext.name}_{ext.tag()}", [str(p) for p in units],
                                   extra_cflags=[*ext.flags, "-fopenmp"], extra_ldflags=["-fopenmp"],
                                   build_directory=str(where), extra_include_paths=[str(ext.folder)])
 
@@ -227,24 +207,21 @@ def failure(e: BaseException) -> str:
 
 @functools.cache
 def isa() -> int | None:
-    """qdot's ISA path on this CPU (AVX2 or AVX512_VNNI), None where the extension is absent or the CPU has
-    no AVX2 (or ATEN_CPU_CAPABILITY caps torch below it)."""
-    return _capped(load())
+    """qdot's ISA path on this CPU (AVX2 or AVX512_VNNI), None where the extension is absent."""
+    return _capped("qdot")
 
 
 @functools.cache
 def bf16_isa() -> int | None:
-    """bf16dot's ISA path on this CPU (AVX512_BF16 or AVX2), None where the extension is absent or the CPU has no
-    AVX2 with FMA (or ATEN_CPU_CAPABILITY caps torch below it)."""
-    return _capped(load_bf16dot())
+    """bf16dot's ISA path on this CPU (AVX512_BF16 or AVX2), None where the extension is absent."""
+    return _capped("bf16dot")
 
 
-def _capped(ext: ModuleType | None) -> int | None:
-    """The extension's best path on this CPU under ATEN_CPU_CAPABILITY's cap."""
-    if ext is None:
+def _capped(family: str) -> int | None:
+    """The best path of kernel family `family` (the ISA probe's key) on this CPU under ATEN_CPU_CAPABILITY's cap
+    (load() is None under the `default` cap)."""
+    ext = load()
+    best = ext.best_isa()[family] if ext is not None else 0
+    if best == 0:
         return None
-    best = ext.best_isa()
-    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    if cap == "default" or best == 0:
-        return None
-    return AVX2 if cap == "avx2" else best
+    return AVX2 if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" else best

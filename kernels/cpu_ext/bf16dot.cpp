@@ -13,28 +13,18 @@
 // same lanes with FMAs on the pairs' halves, so both paths give equal results (except where vdpbf16ps flushes a
 // subnormal input or sum to zero). Threads split the output features (at::parallel_for) and walk their weight
 // rows in memory order (`Path`: the passes over them).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
 #include <algorithm>
 
-namespace bf16dot {
+#include "bf16dot.h"
+#include "cpu_ext.h"
+
+namespace optc::bf16dot {
 
 constexpr int64_t CHUNK = 32;  // elements of K per step: 16 lanes of pairs
-enum Isa : int64_t { NONE = 0, AVX2 = 2, AVX512_BF16 = 4 };
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-// the 16 lanes' sum (lanes 0-7 in lo, 8-15 in hi), in one order on every path:
-// s_i = v_i + v_{i+8}, then s_i + s_{i+4}, then (s_0 + s_2) + (s_1 + s_3)
-inline float lane_sum(__m256 lo, __m256 hi) {
-  const __m256 a = _mm256_add_ps(lo, hi);
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-#pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
@@ -54,8 +44,8 @@ void rows_avx512(const uint16_t* w, const uint16_t* x, int64_t k, float* out, in
   }
   for (int j = 0; j < NR; ++j)
     for (int m = 0; m < MR; ++m)
-      out[m * ldo + j] = lane_sum(_mm512_castps512_ps256(acc[j][m]),
-                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][m]), 1)));
+      out[m * ldo + j] = hsum(_mm256_add_ps(
+          _mm512_castps512_ps256(acc[j][m]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j][m]), 1))));
 }
 #pragma GCC pop_options
 
@@ -82,7 +72,7 @@ void rows_avx2(const uint16_t* w, const uint16_t* x, int64_t k, float* out, int6
       }
     }
   }
-  for (int m = 0; m < MR; ++m) out[m * ldo] = lane_sum(acc[m][0], acc[m][1]);
+  for (int m = 0; m < MR; ++m) out[m * ldo] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 #pragma GCC pop_options
 
@@ -125,7 +115,7 @@ at::Tensor bf16dot(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const bool tiled = p.tile_from > 0 && m >= p.tile_from;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, GRAIN_BF16DOT_ROWS, [&](int64_t begin, int64_t end) {
     int64_t r = begin;
     for (; tiled && r + p.nr <= end; r += p.nr)
       for (int64_t m0 = 0; m0 < m; m0 += p.mr_tile)
@@ -137,19 +127,4 @@ at::Tensor bf16dot(const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   return out;
 }
 
-// the fastest path this CPU runs: AVX512_BF16, AVX2 (with FMA) or NONE
-int64_t best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return AVX512_BF16;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
-  return NONE;
-}
-
-}  // namespace bf16dot
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16dot", &bf16dot::bf16dot, "x (M, K) @ w (N, K)^T in bfloat16 with float32 sums -> (M, N) float32");
-  m.def("best_isa", &bf16dot::best_isa, "the fastest path this CPU runs: 4 AVX-512 BF16, 2 AVX2, 0 none");
-}
+}  // namespace optc::bf16dot

@@ -39,7 +39,7 @@ def bf16dot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format)
     w = parts["weight"]
     if not _takes(x, w):
         return logits_ref(x, parts, fmt)
-    return exact_top_logits(cpu_ext.load_bf16dot().bf16dot(x, w, cpu_ext.bf16_isa()), x, parts, fmt)
+    return exact_top_logits(cpu_ext.load().bf16dot(x, w, cpu_ext.bf16_isa()), x, parts, fmt)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +48,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not _takes(x, weight):
         return torch.nn.functional.linear(x, weight, bias)
     k = x.shape[-1]
-    y = cpu_ext.load_bf16dot().bf16dot(x.reshape(-1, k), weight, cpu_ext.bf16_isa()).to(x.dtype)
+    y = cpu_ext.load().bf16dot(x.reshape(-1, k), weight, cpu_ext.bf16_isa()).to(x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])

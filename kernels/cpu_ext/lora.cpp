@@ -14,8 +14,8 @@
 // fused linear's padded columns are skipped): the shrink runs ROW_BLOCK rows against one row of A at a time, the
 // expand walks B transposed (bt, (S, R, N)) so that each output feature sums its rank terms in one vector lane,
 // with no horizontal sums. A slot with more than GEMM_ROWS rows (a prefill) runs its two products as ATen GEMMs.
-// Built with -ffp-contract=off (the flags of ops.cpp, which step.cpp compiles with it).
-#include <torch/extension.h>
+// Built with -ffp-contract=off, as the whole extension is (kernels/cpu_ext/__init__.py's FLAGS).
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -23,24 +23,14 @@
 
 #include <vector>
 
-namespace lora {
+#include "cpu_ext.h"
+#include "lora.h"
+
+namespace optc::lora {
 
 constexpr int64_t GEMM_ROWS = 32;  // a slot's rows above which its products run as ATen matmuls
 constexpr int ROW_BLOCK = 4;  // rows of x whose products with one row of A run together (one load of A serves them)
 constexpr int64_t CHUNK = 64;  // output features per task of the expand: 8 vectors of 8
-
-// 8 factors from p as float32 lanes: float32 as they are, bfloat16 widened (its bits are a float32's high half)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hsum(__m256 v) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, v);
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
 
 // h[rows[i] * ldh] = a_row . x[rows[i]] (float32, K = k) for M rows: per row two 8-lane partial sums over
 // alternate blocks of 8 in K order (independent chains, so that M rows keep 2 M adds in flight), their lanes added
@@ -119,7 +109,7 @@ void add_rows(const std::vector<at::Tensor>& outs, const std::vector<int64_t>& o
     for (int64_t p = 0; p < num_parts; ++p)
       for (int64_t j = part(s, p)[0]; j < part(s, p)[0] + part(s, p)[1]; ++j) tasks.emplace_back(s, j);
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 8, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), GRAIN_LORA_COLUMNS, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const auto [s, j] = tasks[i];
       shrink(a + (s * r_cap + j) * k, xf, k, rows_of[s], h.data() + j, r_cap);
@@ -131,7 +121,7 @@ void add_rows(const std::vector<at::Tensor>& outs, const std::vector<int64_t>& o
     for (int64_t s = 0; s < num_slots; ++s)
       if (small(s) && part(s, p)[1] > 0)
         for (int64_t f = 0; f < outs[p].size(1); f += CHUNK) chunks.emplace_back(p, s, f);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), GRAIN_ITEM, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const auto [p, s, f] = chunks[i];
       const int64_t col = part(s, p)[0], rank = part(s, p)[1];
@@ -216,8 +206,4 @@ void lora_add(const at::Tensor& x, std::vector<at::Tensor> outs, const at::Tenso
   });
 }
 
-}  // namespace lora
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("lora_add", &lora::lora_add, "a linear's output parts += their rows' LoRA deltas, in place");
-}
+}  // namespace optc::lora

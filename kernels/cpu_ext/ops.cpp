@@ -8,7 +8,7 @@
 // results can differ from the reference by the last bit of a sum (tests/test_kernels_cpu_ops.py bounds them).
 // Built with -ffp-contract=off: a fused multiply-add would round differently from the reference's separate
 // product and sum.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -19,7 +19,10 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+#include "cpu_ext.h"
+#include "ops.h"
+
+namespace optc::ops {
 
 template <typename T>
 inline float f32(T v) { return static_cast<float>(v); }
@@ -35,7 +38,7 @@ void check_cpu(const at::Tensor& t, const char* name) {
 template <typename T>
 void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* summed, int64_t rows, int64_t width,
                float eps, float offset) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, GRAIN_NORM_ROWS, [&](int64_t begin, int64_t end) {
     std::vector<float> row(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * width;
@@ -100,7 +103,7 @@ void rope_store(const T* q, const T* k, const T* v, const int64_t* positions, co
     }
     for (int64_t j = r; j < d; ++j) dst[j] = src[j];
   };
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, GRAIN_ITEM, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cs = cos_sin + positions[t] * r;
       for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * d, q_out + (t * hq + h) * d, cs);
@@ -137,20 +140,6 @@ at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor po
   return out;
 }
 
-// 8 values as fp32 lanes (AVX2): a bfloat16 is the high half of its float32
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// the lanes' sum in one fixed order: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-
 // row attention: each query row on its own, as a decode step computes its one query, for decode (one row per
 // request) and speculative verification (k + 1 rows), so that a row's result does not depend on how many rows
 // its request or its batch has. q (T, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype,
@@ -173,7 +162,7 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
   const int64_t num_items = static_cast<int64_t>(short_requests.size()) * hkv;
   // one item: a request's rows on one KV head; each key and value is read once for all its rows, and each
   // (row, query head) is computed alone, in the same order whatever the number of rows
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_items, GRAIN_ITEM, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc, query, keys, values, totals;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = short_requests[item / hkv], h = item % hkv, t0 = query_start[b];
@@ -210,10 +199,10 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
         widen(row(pos, 0), keys.data() + (pos - lo) * d);
         widen(row(pos, 1), values.data() + (pos - lo) * d);
       }
-      // a score: q . k per lane over [0, vec), the lanes summed (sum8), then the tail dims in order, scaled,
+      // a score: q . k per lane over [0, vec), the lanes summed (hsum), then the tail dims in order, scaled,
       // soft-capped; four positions at a time where a row sees all four (each score's sums are the same)
       auto finish = [&](__m256 lanes, const float* qc, const float* k) {
-        float s = sum8(lanes);
+        float s = hsum(lanes);
         for (int64_t j = vec; j < d; ++j) s += qc[j] * k[j];
         s *= scale;
         return softcap > 0.f ? std::tanh(s / softcap) * softcap : s;
@@ -351,7 +340,7 @@ at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables
 template <typename T>
 void silu_mul_rows(const T* gate, const T* up, T* out, int64_t rows, int64_t inter, int64_t gate_stride,
                    int64_t up_stride) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, GRAIN_ITEM, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g_row = gate + r * gate_stride;
       const T* u_row = up + r * up_stride;
@@ -376,11 +365,4 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "rms_norm / add_rms_norm");
-  m.def("rope_kv_store", &rope_kv_store, "rotary on q and k, k and v into the paged cache");
-  m.def("row_attention", &row_attention, "each query row on its own over the paged cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-}
+}  // namespace optc::ops

@@ -30,8 +30,8 @@ MAX_TREE_NODES = 64  # tree_attention's rows per request: a bit each in an int64
 
 
 def _ext(x: torch.Tensor):
-    """ops.cpp's module for CPU tensors (a CPU artifact loaded on another device runs the references)."""
-    return cpu_ext.load_ops() if x.device.type == "cpu" else None
+    """The extension for CPU tensors (a CPU artifact loaded on another device runs the references)."""
+    return cpu_ext.load() if x.device.type == "cpu" else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

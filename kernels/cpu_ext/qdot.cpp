@@ -22,13 +22,18 @@
 // Two ISA paths over 256-bit vectors (qdot_body.h, compiled once per ISA), chosen by the caller (`isa`): AVX2
 // (vpmaddubsw / vpmaddwd) and AVX-512 VNNI (vpdpbusd / vpdpwssd on 256-bit registers, AVX512VL).
 // Rows of W are split across threads (at::parallel_for); a pass over a weight row serves up to 4 rows of x.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "cpu_ext.h"
+#include "qdot.h"
+
+namespace optc::qdot {
 
 namespace {
 
@@ -38,8 +43,6 @@ constexpr int64_t PREFETCH_ROWS = 6;  // weight rows ahead that rows_dot prefetc
 constexpr float QMAX8 = 32767.f;  // int8 codes: int16 activations
 constexpr float QMAX4 = 127.f * 128.f;  // int4 codes: 128 * q + r, q in [-127, 127], r in [-64, 64]
 constexpr int PAIR_BYTES = 4 * BLOCK;  // int4 codes: a pair of blocks' activations, q then r (quantize's layout)
-
-enum Isa : int64_t { AVX2 = 2, AVX512_VNNI = 3 };
 
 struct Acts {  // x quantized per block: xq (M, K) int16 (int8 codes) or pairs (M, pairs * PAIR_BYTES) int8 (int4
               // codes; quantize's layouts), and per row, padded with zeros to whole chunks of 8 blocks: dx,
@@ -129,7 +132,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
                   static_cast<float>(offset), group_size / BLOCK, num_groups, static_cast<int>(bits)};
   torch::Tensor y = torch::empty({m, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n, GRAIN_QDOT_ROWS, [&](int64_t lo, int64_t hi) {
     if (isa == AVX512_VNNI) {
       avx512::rows_dot(a, w, m, lo, hi, yp, n);
     } else {
@@ -139,26 +142,14 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// which ISA paths this CPU runs: 2 (AVX2), 3 (AVX-512 VNNI with VL), 0 (neither)
-int64_t best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) return AVX512_VNNI;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
-  return 0;
-}
-
 // how many threads an at::parallel_for of `items` ran on: more than one only where this file was compiled with
 // OpenMP (at::parallel_for is a header; without it the whole range runs on the calling thread)
 int64_t threads_used(int64_t items) {
   std::vector<int> used(at::get_num_threads(), 0);
-  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
+  at::parallel_for(0, items, GRAIN_ITEM, [&](int64_t, int64_t) { used[at::get_thread_num()] = 1; });
   int64_t n = 0;
   for (int u : used) n += u;
   return n;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("threads_used", &threads_used, "threads an at::parallel_for of `items` ran on");
-  m.def("qlinear", &qlinear, "grouped integer-code linear with integer activations per block of 32");
-  m.def("best_isa", &best_isa, "the best ISA path this CPU runs");
-}
+}  // namespace optc::qdot

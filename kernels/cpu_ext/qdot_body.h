@@ -9,13 +9,6 @@
 // lanes (group_vector). int4 codes are read two blocks (32 bytes) at a time, so a dot product gives 4 lanes a
 // block and the tree is 3 vphaddd a chunk; int8 codes, one block at a time, 8 lanes a block and 7 vphaddd.
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 int32 lanes (4 vectors, elements 0..31, each within int8) -> 32 int8 in element order
 inline __m256i pack_bytes(const __m256i* v) {
   const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);

@@ -10,31 +10,26 @@
 //
 // A linear that LoRA adapters target carries its slot tables (Run::set_lora): on a step with adapter rows, lora.cpp's
 // lora_add adds their deltas to its output, the function runtime/lora.py calls after the node's own kernel.
-//
-// ops.cpp, qdot.cpp, bf16dot.cpp and lora.cpp are compiled into this file (each its own extension too): their module
-// definitions are renamed to unused functions around the includes, so this extension defines only its own.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
-#pragma push_macro("PYBIND11_MODULE")
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void ops_module_unused(pybind11::module_& m)
-#include "ops.cpp"
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void qdot_module_unused(pybind11::module_& m)
-#include "qdot.cpp"
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void bf16dot_module_unused(pybind11::module_& m)
-#include "bf16dot.cpp"
-#undef PYBIND11_MODULE
-#define PYBIND11_MODULE(name, m) [[maybe_unused]] static void lora_module_unused(pybind11::module_& m)
-#include "lora.cpp"
-#undef PYBIND11_MODULE
-#pragma pop_macro("PYBIND11_MODULE")
-
+#include <cmath>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
-namespace {
+#include "bf16dot.h"
+#include "lora.h"
+#include "ops.h"
+#include "qdot.h"
+#include "step.h"
+
+namespace optc::step {
+
+using ops::rms_norm;
+using ops::rope_kv_store;
+using ops::row_attention;
+using ops::silu_mul;
+using qdot::qlinear;
 
 // DENSE_ROWS2: a dense bfloat16 weight whose one-row product runs as two rows, as the linear node's does (torch's
 // one-row gemv sums in another order than the GEMM of more rows; optc/core/ops/linear.py)
@@ -378,9 +373,7 @@ class Run {
   std::vector<Node> nodes_;
 };
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void bind(pybind11::module_& m) {
   pybind11::class_<Run>(m, "Run")
       .def(pybind11::init<>())
       .def("add", &Run::add, "append a planned node other than a linear")
@@ -391,3 +384,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("__len__", &Run::size);
 }
+
+}  // namespace optc::step

@@ -40,14 +40,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 log = logging.getLogger("optc.kernels.cpu_ext")
 
 
-def load_step():
-    """step.cpp's module (it compiles ops.cpp, qdot.cpp and bf16dot.cpp in), or None where it cannot be built or
-    the CPU lacks AVX2."""
-    if cpu_ext.load_ops() is None or cpu_ext.isa() is None:
-        return None
-    return cpu_ext.build(cpu_ext.STEP, cpu_ext.cache_root())
-
-
 class StepRun:
     """The executor's fused run of planned nodes: the run's input values in, the values read after it out."""
 
@@ -104,7 +96,7 @@ def fuse_planned(graph: Graph, executor) -> int:
     planned = runs(graph)
     if not planned or graph.config.dtype not in DTYPES:
         return 0
-    ext = load_step()
+    ext = cpu_ext.load()
     if ext is None:
         return 0
     fused = 0

@@ -1,10 +1,10 @@
-"""`optc warmup`: compile every C++ CPU kernel extension this machine can build (kernels/cpu_ext's EXTENSIONS:
-qdot, bf16dot, ops, step) into $OPTC_CACHE/cpu_ext, so that a first `optc serve` or `optc run` finds them there
-instead of compiling them while it loads (tens of seconds each on 2 cores).
+"""`optc warmup`: compile optc's C++ CPU kernels (kernels/cpu_ext: one extension of several translation units,
+compiled in parallel) into $OPTC_CACHE/cpu_ext, so that a first `optc serve` or `optc run` finds them there
+instead of compiling them while it loads (about 30 s on 2 cores).
 
-An extension is skipped, with the reason, where this machine cannot build or run it (no C++ compiler, no ninja, a
-CPU torch runs without AVX2 for ops and step); a build that fails on a machine with a compiler is a failure, and
-`failed` says so (the CLI exits 1). It compiles nothing else: no Triton kernel, no artifact.
+It is skipped, with the reason, where this machine cannot build or run it (no C++ compiler, no ninja, a CPU torch
+runs without AVX2); a build that fails on a machine with a compiler is a failure (Status.FAILED: the CLI
+exits 1). It compiles nothing else: no Triton kernel, no artifact.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from optc.core.errors import UserError
 from optc.kernels import cpu_ext
 
 
@@ -23,11 +22,6 @@ class Status(StrEnum):
     CACHED = "cached"  # found built in the cache
     FAILED = "failed"  # a compiler and ninja exist, and the build failed
     SKIPPED = "skipped"  # this machine cannot build or run it
-
-
-@dataclass(frozen=True)
-class WarmupOptions:
-    only: tuple[str, ...] = ()  # extension names (kernels/cpu_ext EXTENSIONS); empty: all of them
 
 
 @dataclass(frozen=True)
@@ -45,26 +39,13 @@ class Outcome:
                 "detail": self.detail}
 
 
-def warmup(options: WarmupOptions) -> list[Outcome]:
-    """Build (or find built) each selected extension under cpu_ext.cache_root(), in EXTENSIONS' order; a
-    UserError for a name that is not an extension."""
-    names = [ext.name for ext in cpu_ext.EXTENSIONS]
-    unknown = sorted(set(options.only) - set(names))
-    if unknown:
-        raise UserError(f"--only {', '.join(unknown)}: not a C++ CPU kernel extension (known: {', '.join(names)})")
-    root = cpu_ext.cache_root()
-    return [_warm(ext, root) for ext in cpu_ext.EXTENSIONS if not options.only or ext.name in options.only]
-
-
-def failed(outcomes: list[Outcome]) -> bool:
-    return any(o.status is Status.FAILED for o in outcomes)
-
-
-def _warm(ext: cpu_ext.Extension, root: Path) -> Outcome:
+def warmup() -> Outcome:
+    """Build (or find built) the extension under cpu_ext.cache_root()."""
+    ext, root = cpu_ext.CPU, cpu_ext.cache_root()
     missing = cpu_ext.missing_toolchain()
     if missing is not None:
         return Outcome(ext.name, Status.SKIPPED, 0.0, missing)
-    if ext.needs_avx2 and cpu_ext.lacks_avx2():
+    if cpu_ext.lacks_avx2():
         return Outcome(ext.name, Status.SKIPPED, 0.0, "torch runs this CPU without AVX2, its only path")
     where = ext.build_dir(root)
     before = _libraries(where)
