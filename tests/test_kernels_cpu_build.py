@@ -34,8 +34,9 @@ PyMODINIT_FUNC OPTC_INIT(TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&m
 """
 HANGING_CXX = """\
 #!/bin/sh
-# a compiler that marks that a compile began and then hangs in it; anything else runs the real one
-case " $* " in *" -c "*) touch "$0.started"; sleep 600;; esac
+# a compiler that marks that a compile began and then hangs in it until the mark is removed (ninja starts it in a
+# process group of its own, which killing the build's group does not reach); anything else runs the real one
+case " $* " in *" -c "*) touch "$0.started"; while [ -e "$0.started" ]; do sleep 0.2; done; exit 1;; esac
 exec c++ "$@"
 """
 BUILD = textwrap.dedent("""
@@ -88,8 +89,9 @@ def test_a_build_killed_mid_compile_holds_up_no_later_build(tmp_path):
     try:
         _wait_for(Path(f"{hanging}.started"), NORMAL_BUILD_SECONDS)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # python, ninja and the compiler: a killed `optc serve`'s group
+        os.killpg(first.pid, signal.SIGKILL)  # python and ninja: a killed `optc serve`'s group
         first.wait()
+        Path(f"{hanging}.started").unlink(missing_ok=True)  # and the hung compiler ends itself
     where = ext.build_dir(root)
     assert (where / cpu_ext.TORCH_LOCK_FILE).exists() and not ext.is_built(root)
 
