@@ -52,3 +52,11 @@ def test_relative_links_resolve(doc):
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+README_LIMIT = 12_000  # characters: what a newcomer reads in five minutes; lab notes belong in docs/PERF.md
+
+
+def test_the_readme_stays_short():
+    size = len((ROOT / "README.md").read_text())
+    assert size <= README_LIMIT, f"README.md is {size} characters, over {README_LIMIT}: move detail into docs/"
