@@ -178,3 +178,39 @@ def test_compile_only_reports_what_the_interpreter_accepts(tmp_path):
     compiled = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=300)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     assert "refused: Unsupported function referenced" in compiled.stdout
+
+
+def test_lora_bgmv_compiles_for_sm90_without_spills(tmp_path):
+    # the runtime's LoRA launches on CUDA (runtime/lora.py): bfloat16 and float32 factors, ranks whose BLOCK_R
+    # runs from 8 to the largest allowed (64), at Llama-3-8B's q/k/v split of a fused qkv output
+    script = tmp_path / "bgmv.py"
+    script.write_text(textwrap.dedent('''
+        import json
+        import torch
+        from optc.kernels.compile_only import compile_only
+        from optc.kernels.lora_bgmv import lora_add
+
+        t, k, slots = 4, 4096, 4
+        rows = []
+        for dtype in (torch.bfloat16, torch.float32):
+            for r in (8, 16, 64):
+                x = torch.randn(t, k, dtype=dtype)
+                out = torch.zeros(t, 4096 + 2 * 1024, dtype=dtype)
+                outs = list(out.split([4096, 1024, 1024], dim=1))
+                a = torch.randn(slots, r, k, dtype=dtype)
+                bt = torch.randn(slots, r, out.shape[1], dtype=dtype)
+                with compile_only(90) as launches:
+                    lora_add(x, outs, torch.tensor([0, -1, 2, 3]), a, bt)
+                for launch in launches:
+                    for c in launch.configs:
+                        rows.append({"dtype": str(dtype), "rank": r, "kernel": c.name, "fits": c.fits,
+                                     "registers": c.registers, "spill_bytes": c.spill_bytes})
+        print(json.dumps(rows))
+    '''))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["dtype"], r["rank"]) for r in rows} == {(d, r) for d in ("torch.bfloat16", "torch.float32")
+                                                       for r in (8, 16, 64)}
+    assert {r["kernel"] for r in rows} == {"_shrink", "_expand"}
+    assert all(r["fits"] and 0 < r["registers"] <= 255 and r["spill_bytes"] == 0 for r in rows), rows
