@@ -32,6 +32,10 @@ How a capture stays valid for every replay:
 - One private memory pool serves every graph, captured largest bucket first so smaller graphs
   reuse its blocks. The logits a replay returns are a view of the graph's output: valid until the
   next replay of any bucket (the model runner samples from them before the next step).
+- A model with LoRA slots (runtime/lora.py) captures its adapter kernels: each row's slot is one more
+  static buffer (-1 on padding rows and rows without an adapter: the kernel adds nothing there), and
+  the adapters' factors live in tables allocated once for every slot, which loading an adapter
+  overwrites in place, so a graph captured before an adapter was loaded replays it.
 """
 
 from __future__ import annotations
@@ -98,22 +102,26 @@ def capture_blockers(graph: Graph) -> list[str]:
 
 
 class StaticBatch:
-    """The input buffers every graph reads, sized for the largest bucket; padding rows by default."""
+    """The input buffers every graph reads, sized for the largest bucket; padding rows by default. `with_lora`:
+    also each row's LoRA adapter slot (-1: none, and every padding row), read by the captured adapter kernels."""
 
-    def __init__(self, config: GraphConfig, device: torch.device | str = "cpu", num_groups: int = 1) -> None:
+    def __init__(self, config: GraphConfig, device: torch.device | str = "cpu", num_groups: int = 1,
+                 with_lora: bool = False) -> None:
         rows, width = config.max_capture_size, config.max_blocks_per_request
         i32, i64 = torch.int32, torch.int64
         device = torch.device(device)
         groups = (num_groups,) if num_groups > 1 else ()  # KV-cache groups: a table and slot mapping each
         # the buffers a step changes: views of one device buffer, written from one host mirror
+        lora = {"lora_slots": (i64, (rows,))} if with_lora else {}
         layout = Packed({"input_ids": (i64, (rows,)), "positions": (i64, (rows,)),
                          "slot_mapping": (i64, (*groups, rows)), "seq_lens": (i32, (rows,)),
-                         "block_tables": (i32, (*groups, rows, width))})
+                         "block_tables": (i32, (*groups, rows, width)), **lora})
         self._device_bytes = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         self._host_bytes = host_buffer(layout.nbytes, device)
         self._host = layout.arrays(self._host_bytes.numpy())
         views = layout.views(self._device_bytes)
         self.input_ids, self.positions, self.seq_lens = views["input_ids"], views["positions"], views["seq_lens"]
+        self.lora_slots: torch.Tensor | None = views.get("lora_slots")
         self.num_groups = num_groups
         # per group (block_tables (rows, width), slot_mapping (rows,)); the fields are group 0's
         self._groups = (list(zip(views["block_tables"].unbind(), views["slot_mapping"].unbind(), strict=True))
@@ -142,6 +150,7 @@ class StaticBatch:
             self.input_ids[:n], self.positions[:n], self.query_start_loc[: n + 1], self.seq_lens[:n],
             self.block_tables[:n], self.slot_mapping[:n], self.logits_indices[:n], max_query_len=1,
             max_seq_len=self.max_seq_len, group_tables=groups,
+            lora_slots=None if self.lora_slots is None else self.lora_slots[:n],
         )
 
     def holds(self, batch: ForwardBatch) -> bool:
@@ -149,9 +158,10 @@ class StaticBatch:
         return batch.input_ids.data_ptr() == self.input_ids.data_ptr()
 
     def write(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
-              block_size: int, bucket: int) -> ForwardBatch:
+              block_size: int, bucket: int, lora_slots: list[int] | None = None) -> ForwardBatch:
         """A pure-decode step (one new token per request) written into rows [0, n), with rows
-        [n, bucket) padding, in one host->device copy; the batch of its n rows, a view of the buffers."""
+        [n, bucket) padding, in one host->device copy; the batch of its n rows, a view of the buffers.
+        `lora_slots[b]`: request b's adapter slot (None: no adapters; needs `with_lora` otherwise)."""
         n, lens = len(token_ids), [len(b) // self.num_groups for b in block_ids]
         if not n <= bucket <= self.input_ids.shape[0] or max(lens, default=0) > self.block_tables.shape[1]:
             raise ValueError(f"a batch of {n} requests x {max(lens, default=0)} blocks does not fit bucket "
@@ -162,6 +172,10 @@ class StaticBatch:
         host["input_ids"][:n] = [t[0] for t in token_ids]
         host["positions"][:n] = num_computed
         host["seq_lens"][:n] = [p + 1 for p in num_computed]
+        if self.lora_slots is not None:
+            host["lora_slots"][:n] = -1 if lora_slots is None else lora_slots
+        elif lora_slots is not None:
+            raise ValueError("LoRA slots for static buffers built without them (with_lora=False)")
         if self.num_groups == 1:
             host["slot_mapping"][:n] = [blocks[p // block_size] * block_size + p % block_size
                                         for p, blocks in zip(num_computed, block_ids, strict=True)]
@@ -185,6 +199,8 @@ class StaticBatch:
         host["seq_lens"][start:stop] = 1
         host["slot_mapping"][..., start:stop] = -1
         host["block_tables"][..., start:stop, :] = 0
+        if self.lora_slots is not None:
+            host["lora_slots"][start:stop] = -1
 
     def fill(self, batch: ForwardBatch, bucket: int) -> None:
         """Copy a pure-decode batch into rows [0, n) and make rows [n, bucket) padding again."""
@@ -195,6 +211,13 @@ class StaticBatch:
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        if self.lora_slots is not None:
+            if batch.lora_slots is None:
+                self.lora_slots[:n].fill_(-1)
+            else:
+                self.lora_slots[:n].copy_(batch.lora_slots, non_blocking=True)
+        elif batch.lora_slots is not None:
+            raise ValueError("a batch with LoRA slots for static buffers built without them (with_lora=False)")
         for (tables, slots), (new_tables, new_slots) in zip(
                 self._groups, batch.group_tables or [(batch.block_tables, batch.slot_mapping)], strict=True):
             slots[:n].copy_(new_slots, non_blocking=True)
@@ -205,6 +228,8 @@ class StaticBatch:
             self.input_ids[n:stale].zero_()
             self.positions[n:stale].zero_()
             self.seq_lens[n:stale].fill_(1)
+            if self.lora_slots is not None:
+                self.lora_slots[n:stale].fill_(-1)
             for tables, slots in self._groups:
                 slots[n:stale].fill_(-1)
                 tables[n:stale].zero_()
@@ -226,7 +251,9 @@ class CudaGraphRunner:
         self.model, self.kv_caches, self.config = model, kv_caches, config
         device = torch.device(model.device)
         num_groups = len(kv_windows(model))
-        self.static = StaticBatch(config, device, num_groups)
+        # a model with adapter slots captures its LoRA kernels, reading each row's slot from the static buffer
+        self.with_lora = getattr(model, "lora", None) is not None
+        self.static = StaticBatch(config, device, num_groups, self.with_lora)
         self.builder = BatchBuilder(device, num_groups)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
         self._capture(device)
@@ -240,17 +267,20 @@ class CudaGraphRunner:
         return bucket_for(self.config.batch_sizes, batch.num_requests)
 
     def build(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
-              block_size: int, logits_per_request: list[int] | None = None) -> ForwardBatch:
+              block_size: int, logits_per_request: list[int] | None = None,
+              lora_slots: list[int] | None = None) -> ForwardBatch:
         """BatchBuilder.build's batch; a pure-decode step that fits a bucket is written straight into the
-        static buffers (one host->device copy) and `forward` replays it as it is."""
+        static buffers (one host->device copy) and `forward` replays it as it is. `lora_slots` as BatchBuilder's
+        (a runner `with_lora` only)."""
         n, config = len(token_ids), self.config
         bucket = bucket_for(config.batch_sizes, n)
         if (bucket is not None and block_size == config.block_size and all(len(t) == 1 for t in token_ids)
                 and (logits_per_request is None or all(k == 1 for k in logits_per_request))
                 and max(num_computed) < config.max_seq_len
                 and max(len(b) for b in block_ids) // self.static.num_groups <= config.max_blocks_per_request):
-            return self.static.write(token_ids, num_computed, block_ids, block_size, bucket)
-        return self.builder.build(token_ids, num_computed, block_ids, block_size, logits_per_request)
+            return self.static.write(token_ids, num_computed, block_ids, block_size, bucket, lora_slots)
+        return self.builder.build(token_ids, num_computed, block_ids, block_size, logits_per_request,
+                                  lora_slots=lora_slots)
 
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """float32 logits (num_requests, vocab) for a pure-decode batch; Model.forward's otherwise."""
@@ -259,7 +289,7 @@ class CudaGraphRunner:
             graph.replay()
             return logits[: batch.num_requests]
         bucket = self.bucket(batch)
-        if bucket is None or kv_caches is not self.kv_caches:
+        if bucket is None or kv_caches is not self.kv_caches or (batch.lora_slots is not None and not self.with_lora):
             return self.model.forward(batch, kv_caches)
         self.static.fill(batch, bucket)
         graph, logits = self._graphs[bucket]

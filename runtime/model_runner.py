@@ -104,7 +104,7 @@ class ModelRunner:
         its last `num_rows[b]` (default 1) rows, after the block copies. A pure-decode step that fits a
         bucket replays a graph, built straight into the graph's buffers; the logits are valid until the
         next step. `tree_parents[b]`: request b's drafts are a tree (ForwardBatch's; one rank, eager only).
-        `lora_slots[b]`: request b's LoRA adapter slot, -1 for none (one rank, eager steps). `on_built` runs
+        `lora_slots[b]`: request b's LoRA adapter slot, -1 for none (one rank). `on_built` runs
         once the batch is built, just before the model: work started there on another thread (the grammar's
         masks) runs while the model's kernels have dropped the GIL, not while this thread builds the batch."""
         if self.group is None:
@@ -122,13 +122,16 @@ class ModelRunner:
             return self.pipeline.forward(token_ids, starts, block_ids, num_rows or [1] * len(token_ids),
                                          self.kv_caches)
         with_lora = lora_slots is not None and any(s >= 0 for s in lora_slots)
-        # eager where a captured graph cannot hold the step: draft trees, LoRA deltas
-        runner = None if tree_parents is not None or with_lora else self.graph_runner
+        # eager where a captured graph cannot hold the step: draft trees, LoRA deltas where none were captured
+        runner = self.graph_runner
+        if tree_parents is not None or (with_lora and runner is not None and not runner.with_lora):
+            runner = None
         if runner is None:
             batch = self.batch_builder.build(token_ids, starts, block_ids, self.block_size, num_rows, tree_parents,
                                              lora_slots if with_lora else None)
         else:
-            batch = runner.build(token_ids, starts, block_ids, self.block_size, num_rows)
+            batch = runner.build(token_ids, starts, block_ids, self.block_size, num_rows,
+                                 lora_slots if with_lora else None)
         if on_built is not None:
             on_built()
         if self._with_features:

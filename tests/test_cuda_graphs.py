@@ -342,3 +342,76 @@ def test_compare_hf_loads_an_hf_folder_source(artifacts, tmp_path):
     result = run_bench(BenchOptions(artifact, num_requests=2, input_len=5, output_len=2, compare_hf=True,
                                     show_progress=False))
     assert result.hf["model"] == str((tmp_path / "hf").resolve()) and result.hf["num_output_tokens"] == 4
+
+
+def test_static_batch_holds_each_rows_lora_slot():
+    static = StaticBatch(GraphConfig((1, 2, 4), max_seq_len=16, block_size=4), with_lora=True)
+    assert static.lora_slots.tolist() == [-1] * 4 and static.view(4).lora_slots.tolist() == [-1] * 4
+    batch = static.write([[7], [8], [9]], [5, 9, 2], [[11, 12], [21, 22, 23], [31]], 4, 4, lora_slots=[1, -1, 0])
+    assert batch.lora_slots.tolist() == [1, -1, 0] and static.lora_slots.tolist() == [1, -1, 0, -1]
+    static.write([[7]], [5], [[11, 12]], 4, 2)  # a step without adapters: every row -1 again
+    assert static.view(2).lora_slots.tolist() == [-1, -1]
+    decode = _decode_batch([5, 9])
+    decode.lora_slots = torch.tensor([2, 1])
+    static.fill(decode, 4)
+    assert static.lora_slots.tolist() == [2, 1, -1, -1]
+    static.fill(_decode_batch([1]), 4)  # stale rows back to padding, a batch without slots to -1
+    assert static.lora_slots.tolist() == [-1, -1, -1, -1]
+    plain = StaticBatch(GraphConfig((1, 2), max_seq_len=16, block_size=4))
+    assert plain.lora_slots is None and plain.view(2).lora_slots is None
+    with pytest.raises(ValueError, match="with_lora=False"):
+        plain.write([[7]], [5], [[11, 12]], 4, 1, lora_slots=[0])
+
+
+def test_adapter_steps_replay_from_the_static_slots(tiny_artifact, tmp_path):
+    # the captured path of a model with LoRA slots (EagerReplays on the CPU's C++ kernel; the gpu test below
+    # captures the Triton kernel for real): mixed adapter rows replay, padding rows add nothing, and an adapter
+    # loaded after the capture writes into the tables the graphs hold
+    from optc.testing import random_peft_adapter
+
+    a = random_peft_adapter(tmp_path / "a", 4, 8, ["q_proj", "v_proj", "down_proj"], seed=1)
+    b = random_peft_adapter(tmp_path / "b", 8, 16, ["o_proj", "gate_proj"], seed=2)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts, loras = [PROMPTS[1], PROMPTS[2], PROMPTS[0]], ["a", None, "b"]
+    eager = Engine.load(tiny_artifact, max_loras=2, max_lora_rank=8)
+    eager.load_lora("a", a)
+    eager.load_lora("b", b)
+    expected = [c.token_ids for c in eager.generate(prompts, greedy, loras=loras)]
+    assert expected != [c.token_ids for c in eager.generate(prompts, greedy)]  # the adapters change the tokens
+
+    graphed = Engine.load(tiny_artifact, max_loras=2, max_lora_rank=8)
+    graphed.load_lora("a", a)
+    model = graphed.model
+    stand_in = SimpleNamespace(graph=SimpleNamespace(nodes=[]), device=model.device, vocab_size=model.vocab_size,
+                               kv_windows=model.kv_windows, forward=model.forward, lora=model.lora)
+    config = GraphConfig((1, 2, 4), graphed.max_model_len, graphed.config.block_size)
+    graphed.runner.graph_runner = runner = EagerReplays(stand_in, graphed.runner.kv_caches, config)
+    assert runner.with_lora and runner.static.view(4).lora_slots.tolist() == [-1] * 4
+    graphed.load_lora("b", b)  # after the "capture"
+    assert [c.token_ids for c in graphed.generate(prompts, greedy, loras=loras)] == expected
+    assert runner.replays[4] >= 6  # the three requests decoded in bucket 4, adapters and all
+
+
+@pytest.mark.gpu
+def test_captured_adapter_steps_equal_eager_on_gpu(artifacts, tmp_path):
+    # the Triton LoRA kernels captured for real: mixed adapter rows replay as eager decodes them, with an adapter
+    # loaded after the capture
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("peft")
+    from optc.testing import random_peft_adapter
+
+    a = random_peft_adapter(tmp_path / "a", 4, 8, ["q_proj", "v_proj", "down_proj"], seed=1)
+    b = random_peft_adapter(tmp_path / "b", 8, 16, ["o_proj", "gate_proj"], seed=2)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts, loras = PROMPTS[:4], ["a", None, "b", "a"]
+    engines = {}
+    for name, eager in (("eager", True), ("graphed", False)):
+        engines[name] = engine = Engine.load(artifacts["cuda"], device="cuda", enforce_eager=eager, num_blocks=256,
+                                             max_loras=2, max_lora_rank=8)
+        engine.load_lora("a", a)
+        engine.load_lora("b", b)  # after the capture where graphed
+    assert engines["graphed"].runner.graph_runner.with_lora
+    expected = [c.token_ids for c in engines["eager"].generate(prompts, greedy, loras=loras)]
+    assert expected != [c.token_ids for c in engines["eager"].generate(prompts, greedy)]
+    assert [c.token_ids for c in engines["graphed"].generate(prompts, greedy, loras=loras)] == expected
