@@ -1,9 +1,8 @@
 // Grouped integer-code linears for batch-1 / few-row decode on the CPU: y (M, N) = x (M, K) @ W^T.
 //
-// W is the artifact's own parts: codes (int4 packed k8_lsb in int32 words, or int8 row-major), a float32 (or the
-// GGUF kinds' exact float16) scale per row and group of G inputs (G a multiple of 32), optionally a minimum per
-// group in the scale's dtype and an integer zero point z per group (held as the float32 product s * z) or a
-// constant code offset:
+// W is the artifact's own parts: codes (int4 packed k8_lsb in int32 words, or int8 row-major), a float32
+// scale per row and group of G inputs (G a multiple of 32), optionally a float32 minimum per group and an
+// integer zero point z per group (held as the float32 product s * z) or a constant code offset:
 //     w = s * (code - offset_or_z) + min
 // The activation row is quantized once per call in blocks of 32 to integers xq = round(x / dx), with the block's
 // integer sum and its exact float sum. A block's product is then one integer dot product (codes x xq, exact in
@@ -62,22 +61,20 @@ struct Acts {  // x quantized per block: xq (M, K) int16 (int8 codes) or pairs (
 struct Weights {
   const uint8_t* codes;  // row n: bytes [n * row_bytes, (n + 1) * row_bytes)
   int64_t row_bytes;
-  const char* scales;  // (N, K / G) of value_bytes each
-  const char* mins;  // (N, K / G) of value_bytes each, or null
+  const float* scales;  // (N, K / G)
+  const float* mins;  // (N, K / G) or null
   const float* soff;  // (N, K / G) scale * zero point, or null: then scale * `offset`
   float offset;
   int64_t blocks_per_group;  // G / 32: 1, 2, 4 or 8, or any when num_groups is 1
   int64_t num_groups;
   int bits;
-  bool half;  // scales and mins are IEEE float16 (GGUF's own fp16 values, exact), else float32
-  int64_t value_bytes;  // 2 or 4: a scale's or minimum's size
 };
 
 }  // namespace
 
 namespace avx2 {
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,fma")
 #define QDOT_VNNI 0
 #include "qdot_body.h"
 #undef QDOT_VNNI
@@ -86,7 +83,7 @@ namespace avx2 {
 
 namespace avx512 {
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 #define QDOT_VNNI 1
 #include "qdot_body.h"
 #undef QDOT_VNNI
@@ -94,8 +91,7 @@ namespace avx512 {
 }  // namespace avx512
 
 // x (M, K) float32 or bfloat16; qweight (N, K / 8) int32 (bits 4) or (N, K) int8 (bits 8); scales (N, K / G)
-// float32, or float16 (then mins too, where given); mins (N, K / G) in scales' dtype or empty; soff (scale * zero
-// point): (N, K / G) float32 or empty. Returns (M, N) in x's dtype.
+// float32; mins and soff (scale * zero point): (N, K / G) float32 or empty. Returns (M, N) in x's dtype.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int64_t group_size, torch::Tensor scales,
                       torch::Tensor mins, torch::Tensor soff, double offset, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2, "x and qweight must be 2-D");
@@ -108,11 +104,10 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
   TORCH_CHECK(bits == 4 ? qweight.scalar_type() == at::kInt : qweight.scalar_type() == at::kChar,
               "qweight must be int32 for bits 4, int8 for bits 8");
   const int64_t num_groups = k / group_size;
-  const bool half = scales.scalar_type() == at::kHalf;
-  TORCH_CHECK((half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
-              scales.numel() == n * num_groups, "scales must be contiguous float32 or float16 (N, K / G)");
-  TORCH_CHECK(!mins.numel() || (mins.scalar_type() == scales.scalar_type() && mins.is_contiguous() &&
-                                mins.numel() == n * num_groups), "mins must be contiguous (N, K / G) in scales' dtype");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n * num_groups,
+              "scales must be contiguous float32 (N, K / G)");
+  TORCH_CHECK(!mins.numel() || (mins.scalar_type() == at::kFloat && mins.is_contiguous() &&
+                                mins.numel() == n * num_groups), "mins must be contiguous float32 (N, K / G)");
   TORCH_CHECK(!soff.numel() || (soff.scalar_type() == at::kFloat && soff.is_contiguous() &&
                                 soff.numel() == n * num_groups), "soff must be contiguous float32 (N, K / G)");
   TORCH_CHECK(num_groups == 1 || 256 % group_size == 0, "G must divide 256 (or be K)");
@@ -132,11 +127,9 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor qweight, int64_t bits, int6
     avx2::quantize(xf.data_ptr<float>(), m, k, xq16, pairs, pair_row, dx, dxsum, fsum, padded);
   }
   const Acts a{xq16, pairs, pair_row, dx, dxsum, fsum, k, nb, padded};
-  const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8,
-                  static_cast<const char*>(scales.data_ptr()),
-                  mins.numel() ? static_cast<const char*>(mins.data_ptr()) : nullptr,
-                  soff.numel() ? soff.data_ptr<float>() : nullptr, static_cast<float>(offset), group_size / BLOCK,
-                  num_groups, static_cast<int>(bits), half, half ? 2 : 4};
+  const Weights w{static_cast<const uint8_t*>(qweight.data_ptr()), k * bits / 8, scales.data_ptr<float>(),
+                  mins.numel() ? mins.data_ptr<float>() : nullptr, soff.numel() ? soff.data_ptr<float>() : nullptr,
+                  static_cast<float>(offset), group_size / BLOCK, num_groups, static_cast<int>(bits)};
   torch::Tensor y = torch::empty({m, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, GRAIN_QDOT_ROWS, [&](int64_t lo, int64_t hi) {

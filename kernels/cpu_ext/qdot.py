@@ -5,16 +5,12 @@ activations; int4 codes meet an int8 pair per element (xq = 128 q + r: int8 inst
 largest |x|).
 
 `prepare_qdot` leaves the codes where the artifact has them (int4 packed k8_lsb, int8 row-major: qdot.cpp reads
-both as stored) and adds what the kernel reads beside them: `qdot_scales` (N, K / G) in float32 (int8_wo's per-
-channel scale as one group of K) and, for int4_g with zero points, `qdot_soff` = scale * zero point. The GGUF
-kinds' scales and minimums are float16 in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: float32 in the artifact,
-exactly): where every one of a weight's is exact in float16, `qdot_scales` (and `qdot_mins`) are float16, the same
-values in half the bytes, which a decode step reads from memory with the codes (a Q8_0 row of 32 codes has 4 bytes
-of scale beside 32 of codes, 2 in the file and in llama.cpp: Gemma 3's 262,144 x 640 lm_head is 189 MB with
-float32 scales, 178 MB with float16). K-quants' effective scales (d * sc) mostly are not, and stay float32. A
-format's constant code offset (8 for symmetric int4, 0 for int8) is an argument. Where the extension cannot be
-built (kernels/cpu_ext `load`), `prepare_qdot` returns torch's packed kernel's layout instead and the launcher
-runs that kernel: int4pack for the int4 kinds, int8pack for int8_wo, int8gf_int4x2 (or the widened weight) for
+both as stored) and adds what the kernel reads beside them in float32: `qdot_scales` (N, K / G) (int8_wo's
+per-channel scale as one group of K) and, for int4_g with zero points, `qdot_soff` = scale * zero point; the
+GGUF kinds' `mins` are float32 already. A format's constant code offset (8 for symmetric int4, 0 for int8) is
+an argument. Where the extension cannot be built
+(kernels/cpu_ext `load`), `prepare_qdot` returns torch's packed kernel's layout instead and the launcher runs
+that kernel: int4pack for the int4 kinds, int8pack for int8_wo, int8gf_int4x2 (or the widened weight) for
 int8_gf; the table offers qdot only where that fallback takes the shape too.
 
 Numerics: the reference multiplies x by the weight dequantized to x's dtype; here each block of 32 inputs is
@@ -35,7 +31,6 @@ from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
 from optc.kernels import cpu_ext, gf_cpu, int4_cpu, int8_cpu
 
-GGUF_KINDS = (FormatKind.INT4_GF, FormatKind.INT8_GF)
 BITS = {FormatKind.INT4_GF: 4, FormatKind.INT4_G: 4, FormatKind.INT8_GF: 8, FormatKind.INT8_WO: 8}
 PREPARED = "qdot_scales"  # the part that says the weight is prepared for qdot (not for a fallback)
 
@@ -54,24 +49,7 @@ def prepare_qdot(params: dict[str, Param]) -> dict[str, Param]:
     prepared = {PREPARED: scales.contiguous()}
     if "zeros" in parts:
         prepared["qdot_soff"] = (scales * parts["zeros"].float()).contiguous()
-    if fmt.kind in GGUF_KINDS:
-        values = {PREPARED: scales, "qdot_mins": parts["mins"].float()} if "mins" in parts else {PREPARED: scales}
-        if all(_exact_in_half(v) for v in values.values()):
-            prepared.update({r: v.half().contiguous() for r, v in values.items()})
     return {**params, "weight": Param({**parts, **prepared}, fmt)}
-
-
-def kernel_parts(parts: dict[str, torch.Tensor], fmt: Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         float]:
-    """What qdot.cpp's qlinear reads beside the codes of a weight prepared by `prepare_qdot`: (scales, mins, soff,
-    offset), an absent part as an empty tensor; the minimums in the scales' dtype."""
-    empty = torch.empty(0)
-    scales = parts[PREPARED]
-    mins = empty
-    if fmt.zero_point and "mins" in parts:
-        mins = parts["qdot_mins"] if scales.dtype == torch.float16 else parts["mins"]
-    offset = 8.0 if BITS[fmt.kind] == 4 and not fmt.zero_point else 0.0
-    return scales, mins, parts.get("qdot_soff", empty), offset
 
 
 def qdot_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
@@ -95,14 +73,15 @@ def qdot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) ->
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format, isa: int) -> torch.Tensor:
     """x (M, K) through qdot.cpp on the ISA path `isa` (cpu_ext.AVX2 or AVX512_VNNI): -> (M, N) in x's dtype."""
-    scales, mins, soff, offset = kernel_parts(parts, fmt)
-    group = x.shape[-1] // scales.shape[1]
-    return cpu_ext.load().qlinear(x, parts["qweight"], BITS[fmt.kind], group, scales, mins, soff, offset, isa)
-
-
-def _exact_in_half(t: torch.Tensor) -> bool:
-    """Whether float32 values `t` are float16 values (finite, in range, no bits lost)."""
-    return bool(torch.equal(t.half().float(), t))
+    k = x.shape[-1]
+    q = parts["qweight"]
+    scales = parts[PREPARED]
+    group = k // scales.shape[1]
+    empty = torch.empty(0)
+    mins = parts["mins"] if fmt.zero_point and "mins" in parts else empty
+    soff = parts.get("qdot_soff", empty)
+    offset = 8.0 if BITS[fmt.kind] == 4 and not fmt.zero_point else 0.0
+    return cpu_ext.load().qlinear(x, q, BITS[fmt.kind], group, scales, mins, soff, offset, isa)
 
 
 def _shape(parts: dict[str, torch.Tensor], fmt: Format) -> tuple[int, int]:

@@ -174,37 +174,13 @@ void chunk_sums(const Acts& a, const uint8_t* codes, int bits, int64_t c, int64_
   }
 }
 
-// lanes [0, valid) of a row's per-group values from group g0 on, as float32 (the rest zero): float32 values by a
-// masked load, float16 ones (F16C) by a load of exactly their bytes (never past the row): 16, 8 or 4 bytes, the
-// tails of rows of K % 256 in {0, 128, 64} (every real shape so far); other counts through a buffer, whose
-// narrow stores then a wide load cost a store-forwarding stall a row (measured: 10% of Gemma 3's decode)
-inline __m256 group_values(const void* row, bool half, int64_t g0, int valid) {
-  if (half) {
-    const uint16_t* h = static_cast<const uint16_t*>(row) + g0;
-    switch (valid) {
-      case 8: return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-      case 4: return _mm256_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
-      case 2: return _mm256_cvtph_ps(_mm_loadu_si32(h));
-      default: {
-        alignas(16) uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        std::copy(h, h + valid, buf);
-        return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
-      }
-    }
-  }
-  return _mm256_maskload_ps(static_cast<const float*>(row) + g0,
-                            _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-// a weight row's per-group values for the 8 blocks of chunk c, one lane a block (groups past the row: zero);
-// `half`: the row holds float16 values (w.half's scales and minimums), else float32
-inline __m256 group_vector(const void* row, bool half, const Weights& w, int64_t c) {
-  if (w.num_groups == 1) {
-    return _mm256_set1_ps(half ? _cvtsh_ss(*static_cast<const uint16_t*>(row)) : *static_cast<const float*>(row));
-  }
+// a weight row's per-group values for the 8 blocks of chunk c, one lane a block (groups past the row: zero)
+inline __m256 group_vector(const float* row, const Weights& w, int64_t c) {
+  if (w.num_groups == 1) return _mm256_set1_ps(row[0]);
   const int64_t bpg = w.blocks_per_group, g0 = c / bpg;
   const int valid = static_cast<int>(std::min<int64_t>(8 / bpg, w.num_groups - g0));
-  const __m256 v = group_values(row, half, g0, valid);
+  const __m256 v = _mm256_maskload_ps(row + g0, _mm256_cmpgt_epi32(_mm256_set1_epi32(valid),
+                                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
   if (bpg == 1) return v;
   const int shift = bpg == 2 ? 1 : bpg == 4 ? 2 : 3;  // lane j reads group j / bpg
   return _mm256_permutevar8x32_ps(v, _mm256_srli_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), shift));
@@ -220,15 +196,15 @@ void row_dot(const Acts& a, const Weights& w, int64_t n, int64_t r0, float* out)
   for (int64_t c = 0; c < nb; c += 8) {
     __m256i sums[ROWS];
     chunk_sums<ROWS>(a, codes, w.bits, c, r0, sums);
-    const __m256 s = group_vector(w.scales + at * w.value_bytes, w.half, w, c);
-    const __m256 soff = w.soff ? group_vector(w.soff + at, false, w, c) : _mm256_mul_ps(s, _mm256_set1_ps(w.offset));
+    const __m256 s = group_vector(w.scales + at, w, c);
+    const __m256 soff = w.soff ? group_vector(w.soff + at, w, c) : _mm256_mul_ps(s, _mm256_set1_ps(w.offset));
     for (int j = 0; j < ROWS; ++j) {  // the activation's per-block vectors are padded with zeros to whole chunks
       const int64_t ab = (r0 + j) * a.padded_blocks + c;
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[j]), _mm256_mul_ps(s, _mm256_loadu_ps(a.dx + ab)), acc[j]);
       acc[j] = _mm256_fnmadd_ps(soff, _mm256_loadu_ps(a.dxsum + ab), acc[j]);
     }
     if (w.mins) {
-      const __m256 mn = group_vector(w.mins + at * w.value_bytes, w.half, w, c);
+      const __m256 mn = group_vector(w.mins + at, w, c);
       for (int j = 0; j < ROWS; ++j) {
         acc[j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(a.fsum + (r0 + j) * a.padded_blocks + c), acc[j]);
       }
@@ -243,9 +219,9 @@ void row_dot(const Acts& a, const Weights& w, int64_t n, int64_t r0, float* out)
 __attribute__((always_inline)) inline void prefetch_row(const Weights& w, int64_t n) {
   const char* codes = reinterpret_cast<const char*>(w.codes + n * w.row_bytes);
   for (int64_t i = 0; i < w.row_bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
-  const int64_t at = n * w.num_groups, bytes = w.num_groups * w.value_bytes;
-  const char* scales = w.scales + at * w.value_bytes;
-  const char* mins = w.mins ? w.mins + at * w.value_bytes : w.soff ? reinterpret_cast<const char*>(w.soff + at) : scales;
+  const int64_t at = n * w.num_groups, bytes = w.num_groups * 4;
+  const char* scales = reinterpret_cast<const char*>(w.scales + at);
+  const char* mins = reinterpret_cast<const char*>((w.mins ? w.mins : w.soff ? w.soff : w.scales) + at);
   for (int64_t i = 0; i < bytes; i += 64) {  // int4_g's zero points or GGUF's minimums: one or neither
     _mm_prefetch(scales + i, _MM_HINT_T0);
     _mm_prefetch(mins + i, _MM_HINT_T0);

@@ -26,7 +26,7 @@ from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext import bf16dot
 from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES
-from optc.kernels.cpu_ext.qdot import BITS, PREPARED, kernel_parts
+from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
@@ -250,7 +250,11 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
         return (INT4X2, [parts["high"], parts["high_table"], parts["low"], parts["low_table"]], fmt.group_size, 0, 0,
                 0.0)
     if name == "cpu.qdot" and PREPARED in parts:
-        scales, mins, soff, offset = kernel_parts(parts, fmt)
-        return (QDOT, [parts["qweight"], scales, mins, soff], node.attrs["in_features"] // scales.shape[1],
+        scales = parts[PREPARED]
+        k = node.attrs["in_features"]
+        empty = torch.empty(0)
+        mins = parts["mins"] if fmt.zero_point and "mins" in parts else empty
+        offset = 8.0 if BITS[fmt.kind] == 4 and not fmt.zero_point else 0.0
+        return (QDOT, [parts["qweight"], scales, mins, parts.get("qdot_soff", empty)], k // scales.shape[1],
                 BITS[fmt.kind], cpu_ext.isa(), offset)
     return None
