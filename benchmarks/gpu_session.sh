@@ -70,7 +70,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-STAGES="first-look first-look-rest smoke kernel-tests families quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small kernels-gemma awq-8b
+STAGES="first-look first-look-rest lora smoke kernel-tests families quantized hf-b1 kernels-w4a16 kernels-w8a16 kernels-small kernels-gemma awq-8b
         profile-int4 profile-bf16 int4-b1 bf16-b1 int4tg-b1 int4-b64 bf16-b64 int4tg-b64 autotune-all hf-b64 tensorrt
         fake"
 GRACE=10            # seconds a step gets after SIGINT before SIGKILL
@@ -222,6 +222,15 @@ stage() {  # define (and, unless --dry-run, run) stage $1
       estimate 5 "measured 206 s up to transformers' failure (8B build 1.5, optc 1, transformers compile 1); its run 1"
       setup
       serving_stage 390 --configs bf16 --batch-sizes "${STAGE#hf-b}" --no-eager ;;
+    lora)
+      estimate 5 "setup 0.3; the captured-adapter GPU test ~1 (it skips where peft does not import: carry its wheel); the 8B bf16 build where no earlier stage left it ~1.5 and its batch-1 row 0.5 (the base's step time beside the deltas'); the BGMV deltas of one step at batch 1 and 8 ~0.5"
+      setup
+      pytest_stage 120 100 tests/test_cuda_graphs.py -k adapter_steps_equal
+      serving_stage 210 --configs bf16 --batch-sizes 1 --no-compare-hf --no-eager
+      for batch in 1 8; do
+        step 25 "$PY" benchmarks/lora_deltas.py build/bench-serving/llama-3-8b-bf16 --device cuda --batch "$batch" \
+          --rank 16 --slots 0,1,2,3 --repeats 20 --json "$OUT/lora-deltas-b$batch.json"
+      done ;;
     profile-int4 | profile-bf16)
       estimate 4 "measured 218 s for int4 (8B build 121 s, two loads, 2 x 45 decode steps, the profile)"
       setup
