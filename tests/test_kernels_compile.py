@@ -181,8 +181,9 @@ def test_compile_only_reports_what_the_interpreter_accepts(tmp_path):
 
 
 def test_lora_bgmv_compiles_for_sm90_without_spills(tmp_path):
-    # the runtime's LoRA launches on CUDA (runtime/lora.py): bfloat16 and float32 factors, ranks whose BLOCK_R
-    # runs from 8 to the largest allowed (64), at Llama-3-8B's q/k/v split of a fused qkv output
+    # the runtime's LoRA launches on CUDA (runtime/lora.py FACTOR_DTYPES: bfloat16 rows on bfloat16 factors, float16
+    # and float32 rows on float32 ones), ranks whose BLOCK_R runs from 8 to the largest allowed (64), at
+    # Llama-3-8B's q/k/v split of a fused qkv output
     script = tmp_path / "bgmv.py"
     script.write_text(textwrap.dedent('''
         import json
@@ -192,13 +193,14 @@ def test_lora_bgmv_compiles_for_sm90_without_spills(tmp_path):
 
         t, k, slots = 4, 4096, 4
         rows = []
-        for dtype in (torch.bfloat16, torch.float32):
+        pairs = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32), (torch.float32, torch.float32))
+        for dtype, factors in pairs:
             for r in (8, 16, 64):
                 x = torch.randn(t, k, dtype=dtype)
                 out = torch.zeros(t, 4096 + 2 * 1024, dtype=dtype)
                 outs = list(out.split([4096, 1024, 1024], dim=1))
-                a = torch.randn(slots, r, k, dtype=dtype)
-                bt = torch.randn(slots, r, out.shape[1], dtype=dtype)
+                a = torch.randn(slots, r, k, dtype=factors)
+                bt = torch.randn(slots, r, out.shape[1], dtype=factors)
                 with compile_only(90) as launches:
                     lora_add(x, outs, torch.tensor([0, -1, 2, 3]), a, bt)
                 for launch in launches:
@@ -210,7 +212,7 @@ def test_lora_bgmv_compiles_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {(r["dtype"], r["rank"]) for r in rows} == {(d, r) for d in ("torch.bfloat16", "torch.float32")
-                                                       for r in (8, 16, 64)}
+    assert {(r["dtype"], r["rank"]) for r in rows} == {(d, r) for d in ("torch.bfloat16", "torch.float16",
+                                                                       "torch.float32") for r in (8, 16, 64)}
     assert {r["kernel"] for r in rows} == {"_shrink", "_expand"}
     assert all(r["fits"] and 0 < r["registers"] <= 255 and r["spill_bytes"] == 0 for r in rows), rows
