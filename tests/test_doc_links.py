@@ -54,9 +54,9 @@ def test_relative_links_resolve(doc):
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
 
 
-README_LIMIT = 12_000  # characters: what a newcomer reads in five minutes; lab notes belong in docs/PERF.md
+README_LIMIT = 12_000  # bytes: what a newcomer reads in five minutes; lab notes belong in docs/PERF.md
 
 
 def test_the_readme_stays_short():
-    size = len((ROOT / "README.md").read_text())
-    assert size <= README_LIMIT, f"README.md is {size} characters, over {README_LIMIT}: move detail into docs/"
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size} bytes, over {README_LIMIT}: move detail into docs/"
