@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from optc.core.formats import Format, dequantize
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
+from optc.kernels.cpu_ext.ops import top_k
 
 INNER_K_TILES = 2  # as int4_cpu: the packing's K tile count
 STORED = ("qweight", "scales", "mins")  # the GGUF kinds' parts, kept beside a prepared lm_head's for the recompute
@@ -68,7 +69,7 @@ def int8gf_int4x2_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: F
 def int8gf_int4x2_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for an int8_gf lm_head prepared by `prepare_int8gf_int4x2`: x (M, K) -> (M, V) float32."""
     stored = {r: parts[r] for r in STORED if r in parts}
-    return exact_top_logits(int8gf_int4x2_linear(x, parts, fmt).float(), x, stored, fmt)
+    return exact_top_logits(int8gf_int4x2_linear(x, parts, fmt).float(), x, stored, fmt, top_k)
 
 
 def prepare_widened(params: dict[str, Param]) -> dict[str, Param]:
@@ -89,4 +90,4 @@ def widened_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
 def widened_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for a GGUF-kind lm_head prepared by `prepare_widened`: x (M, K) -> (M, V) float32."""
     stored = {r: parts[r] for r in STORED if r in parts}
-    return exact_top_logits(widened_linear(x, parts, fmt).float(), x, stored, fmt)
+    return exact_top_logits(widened_linear(x, parts, fmt).float(), x, stored, fmt, top_k)

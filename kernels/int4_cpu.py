@@ -23,6 +23,7 @@ import torch
 from optc.core.formats import Format, FormatKind, unpack_int4
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
+from optc.kernels.cpu_ext.ops import top_k
 
 INNER_K_TILES = 2  # the packing's K tile count: any of 1, 2, 4, 8 gives the same product on the CPU
 N_MULTIPLE = 16  # the packing needs whole tiles of 16 output rows
@@ -81,4 +82,4 @@ def prepare_int4pack_logits(params: dict[str, Param]) -> dict[str, Param]:
 def int4pack_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for an int4_g lm_head prepared by `prepare_int4pack_logits`: x (M, K) -> (M, V) float32."""
     stored = {r: parts[r] for r in STORED if r in parts}
-    return exact_top_logits(int4pack_linear(x, parts, fmt).float(), x, stored, fmt)
+    return exact_top_logits(int4pack_linear(x, parts, fmt).float(), x, stored, fmt, top_k)

@@ -24,6 +24,7 @@ from optc.core.formats import Format
 from optc.core.formats.activations import quantize_rows_int8
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
+from optc.kernels.cpu_ext.ops import top_k
 
 K_MULTIPLE = 16  # the kernel's K tiling: other K give wrong results or crash
 ALIGNMENT = 64  # bytes: where the kernel's operands must start
@@ -58,7 +59,7 @@ def int8pack_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format
 
 def int8pack_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for an int8_wo lm_head: x (M, K) -> (M, V) float32."""
-    return exact_top_logits(int8pack_linear(x, parts, fmt).float(), x, parts, fmt)
+    return exact_top_logits(int8pack_linear(x, parts, fmt).float(), x, parts, fmt, top_k)
 
 
 def int_mm_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
@@ -71,4 +72,4 @@ def int_mm_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) 
     assert x.dtype != torch.float32, "float32 x keeps every logit as computed: this kernel is for 16-bit x"
     xq, sx = quantize_rows_int8(x)  # (M, K) int8, (M, 1) fp32
     logits = torch._int_mm(xq, q.t()).float() * sx * s.float()
-    return exact_top_logits(logits, x, parts, fmt)
+    return exact_top_logits(logits, x, parts, fmt, top_k)

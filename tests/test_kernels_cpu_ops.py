@@ -267,3 +267,30 @@ def test_the_attention_op_takes_a_tree_mask_beside_causal_rows(dtype):
     for got, prefill in runs:
         _close(got[:rows], want)
         _close(got[rows:], prefill[rows:])
+
+
+def _ranked(logits: torch.Tensor) -> torch.Tensor:
+    """Every row's indices best first: descending, NaN first, ties to the smaller index (a stable sort)."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True).indices
+
+
+@pytest.mark.parametrize("width", [1, 7, 33, 100, 16384 * 2 + 5, 262144])
+@pytest.mark.parametrize("k", [1, 16])
+def test_top_k_is_a_stable_descending_sort_s_head(width, k):
+    k = min(k, width)
+    gen = torch.Generator().manual_seed(width + k)
+    logits = torch.randn(3, width, generator=gen)
+    logits[1] = torch.randint(-3, 3, (width,), generator=gen).float()  # ties everywhere, the best k among them
+    logits[2, ::3] = float("-inf")  # masked tokens (a grammar's), and a NaN that ranks above every number
+    logits[2, width // 2] = float("nan")
+    got = ops.top_k(logits, k)
+    assert got.dtype == torch.int64 and got.shape == (3, k)
+    assert torch.equal(got, _ranked(logits)[:, :k])
+    assert torch.equal(ops.top_k(logits, 1)[:, 0], logits.argmax(-1))
+
+
+def test_top_k_of_rows_all_masked_but_few():
+    logits = torch.full((2, 5000), float("-inf"))
+    logits[0, 4321] = 1.0
+    logits[1, [17, 4000]] = torch.tensor([2.0, 3.0])
+    assert torch.equal(ops.top_k(logits, 16), _ranked(logits)[:, :16])  # the -inf ties by index after the rest

@@ -23,6 +23,7 @@ from optc.core.formats import Format, linear_ref
 from optc.core.ops.linear import exact_top_logits, logits_ref
 from optc.kernels import cpu_ext
 from optc.kernels.choose import SPECULATIVE_ROWS
+from optc.kernels.cpu_ext.ops import top_k
 
 ROWS = SPECULATIVE_ROWS  # the most rows a call sums here (the rows the kernel choice keeps it for); more: torch
 
@@ -39,7 +40,7 @@ def bf16dot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format)
     w = parts["weight"]
     if not _takes(x, w):
         return logits_ref(x, parts, fmt)
-    return exact_top_logits(cpu_ext.load().bf16dot(x, w, cpu_ext.bf16_isa()), x, parts, fmt)
+    return exact_top_logits(cpu_ext.load().bf16dot(x, w, cpu_ext.bf16_isa()), x, parts, fmt, top_k)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_kv_store", &optc::ops::rope_kv_store, "rotary on q and k, k and v into the paged cache");
   m.def("row_attention", &optc::ops::row_attention, "each query row on its own over the paged cache");
   m.def("silu_mul", &optc::ops::silu_mul, "silu(gate) * up");
+  m.def("top_k", &optc::ops::top_k, "each row's k largest values' indices, largest first (k = 1: argmax)");
   m.def("lora_add", &optc::lora::lora_add, "a linear's output parts += their rows' LoRA deltas, in place");
   optc::step::bind(m);
 }

@@ -14,6 +14,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -362,6 +363,85 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
     silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                             gate.size(0), gate.size(1), gate.stride(0), up.stride(0));
   });
+  return out;
+}
+
+namespace {
+
+struct Candidate {
+  float value;
+  int64_t index;
+};
+
+// a ranks before b: the larger value, NaN above every number (as torch.topk and argmax rank it), the smaller index
+// on a tie (argmax's first occurrence)
+inline bool ranks_before(const Candidate& a, const Candidate& b) {
+  const bool a_nan = std::isnan(a.value), b_nan = std::isnan(b.value);
+  if (a_nan || b_nan) return a_nan && (!b_nan || a.index < b.index);
+  return a.value > b.value || (a.value == b.value && a.index < b.index);
+}
+
+// the k best of v[begin, end) into best[0 .. k), best first; k <= end - begin. Scanning in index order, a value
+// equal to the k-th best comes later and loses, so 8 values at a time are skipped unless one is above the k-th or
+// NaN (not <= it); at most k insertions a row are typical.
+void top_of_range(const float* v, int64_t begin, int64_t end, int64_t k, Candidate* best) {
+  int64_t n = 0;
+  auto offer = [&](int64_t i) {
+    const Candidate c{v[i], i};
+    if (n == k && !ranks_before(c, best[k - 1])) return;
+    int64_t j = n < k ? n++ : k - 1;
+    for (; j > 0 && ranks_before(c, best[j - 1]); --j) best[j] = best[j - 1];
+    best[j] = c;
+  };
+  int64_t i = begin;
+  for (; i < end && n < k; ++i) offer(i);
+  __m256 kth = _mm256_set1_ps(best[k - 1].value);
+  for (; i + 32 <= end; i += 32) {
+    const __m256 above = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), kth, _CMP_NLE_UQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(v + i + 8), kth, _CMP_NLE_UQ)),
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i + 16), kth, _CMP_NLE_UQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(v + i + 24), kth, _CMP_NLE_UQ)));
+    if (_mm256_movemask_ps(above) == 0) continue;
+    for (int64_t j = i; j < i + 32; ++j) offer(j);
+    kth = _mm256_set1_ps(best[k - 1].value);
+  }
+  for (; i < end; ++i) offer(i);
+}
+
+}  // namespace
+
+at::Tensor top_k(at::Tensor logits, int64_t k) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "logits (M, V) float32");
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= width, "k must be in [1, ", width, "], got ", k);
+  // a row split into chunks of at least CHUNK values (and k), one task each, merged in chunk order
+  constexpr int64_t CHUNK = 16384;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), width / std::max(CHUNK, k)));
+  const int64_t span = (width + chunks - 1) / chunks;
+  std::vector<Candidate> found(rows * chunks * k);
+  std::vector<int64_t> counts(rows * chunks);
+  const float* v = logits.data_ptr<float>();
+  at::parallel_for(0, rows * chunks, GRAIN_ITEM, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t r = t / chunks, begin = (t % chunks) * span, end = std::min(width, begin + span);
+      counts[t] = std::min(k, end - begin);
+      top_of_range(v + r * width, begin, end, counts[t], found.data() + t * k);
+    }
+  });
+  auto out = at::empty({rows, k}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<Candidate> merged;
+  for (int64_t r = 0; r < rows; ++r) {
+    merged.clear();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Candidate* f = found.data() + (r * chunks + c) * k;
+      merged.insert(merged.end(), f, f + counts[r * chunks + c]);
+    }
+    std::partial_sort(merged.begin(), merged.begin() + k, merged.end(), ranks_before);
+    for (int64_t j = 0; j < k; ++j) o[r * k + j] = merged[j].index;
+  }
   return out;
 }
 

@@ -25,4 +25,8 @@ at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables
 // silu(gate) * up
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 
+// each row's k largest logits' indices (M, k) int64, largest first: torch.topk's order with ties to the smaller
+// index, NaN above every number; k = 1 is argmax
+at::Tensor top_k(at::Tensor logits, int64_t k);
+
 }  // namespace optc::ops

@@ -30,6 +30,7 @@ from optc.core.formats import Format, FormatKind
 from optc.core.ops import Param
 from optc.core.ops.linear import exact_top_logits
 from optc.kernels import cpu_ext, gf_cpu, int4_cpu, int8_cpu
+from optc.kernels.cpu_ext.ops import top_k
 
 BITS = {FormatKind.INT4_GF: 4, FormatKind.INT4_G: 4, FormatKind.INT8_GF: 8, FormatKind.INT8_WO: 8}
 PREPARED = "qdot_scales"  # the part that says the weight is prepared for qdot (not for a fallback)
@@ -68,7 +69,7 @@ def qdot_linear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format,
 def qdot_logits(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> torch.Tensor:
     """logits_ref for an lm_head prepared by `prepare_qdot`: x (M, K) -> (M, V) float32."""
     stored = {r: parts[r] for r in fmt.part_shapes(_shape(parts, fmt))}
-    return exact_top_logits(qdot_linear(x, parts, fmt).float(), x, stored, fmt)
+    return exact_top_logits(qdot_linear(x, parts, fmt).float(), x, stored, fmt, top_k)
 
 
 def qlinear(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format, isa: int) -> torch.Tensor:

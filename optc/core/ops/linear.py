@@ -43,13 +43,15 @@ def logits_ref(x: torch.Tensor, parts: dict[str, torch.Tensor], fmt: Format) -> 
 
 
 def exact_top_logits(logits: torch.Tensor, x: torch.Tensor, parts: dict[str, torch.Tensor],
-                     fmt: Format) -> torch.Tensor:
+                     fmt: Format, top_k=None) -> torch.Tensor:
     """`logits` (M, V) float32, computed by any matmul in x's dtype, with each row's EXACT_TOP_LOGITS
     largest recomputed in fp32 from x and the weight's stored `parts` (the lm_head kernels share
-    logits_ref's rounding this way). float32 x: `logits` as they are."""
+    logits_ref's rounding this way). float32 x: `logits` as they are. `top_k(logits, k)` -> (M, k) indices
+    finds the largest (a kernel's faster pass; torch.topk's by default)."""
     if x.dtype == torch.float32:
         return logits
-    top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices  # (M, k)
+    k = min(EXACT_TOP_LOGITS, logits.shape[-1])
+    top = logits.topk(k, dim=-1).indices if top_k is None else top_k(logits, k)  # (M, k)
     ids = top.flatten()
     # every part but act_order's input permutation is indexed by output row
     rows = dequantize({r: p if r == "perm" else p.index_select(0, ids) for r, p in parts.items()}, fmt,
