@@ -63,11 +63,11 @@ def gated_act(x: torch.Tensor, up: torch.Tensor | None = None, act: str = "silu"
 def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Each row's k largest logits' indices, largest first: logits (M, V) -> (M, k) int64. ops.cpp's one SIMD pass
     for CPU float32 rows (torch.topk and argmax make several passes over a row: 0.26 and 0.15 ms for Gemma 3's
-    262,144 logits, a tenth of what its lm_head's matmul costs); torch.topk elsewhere. Ties go to the smaller index,
-    NaN ranks above every number, so k = 1 is argmax."""
+    262,144 logits, a tenth of what its lm_head's matmul costs), whose ties go to the smaller index and NaN ranks
+    above every number, so k = 1 is argmax; elsewhere torch's argmax (k = 1) or topk."""
     ext = _ext(logits)
     if ext is None or logits.dtype != torch.float32 or logits.dim() != 2 or not 1 <= k <= logits.shape[-1]:
-        return logits.topk(k, dim=-1).indices
+        return logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
     return ext.top_k(logits.contiguous(), k)
 
 
