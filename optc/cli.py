@@ -1,7 +1,9 @@
 """The `optc` command line: thin typer wrappers; each command parses options and calls one library
 function. A user error (`optc.core.errors.UserError`: bad recipe, source, artifact, option or prompt)
 prints one line and exits 2; any other exception is a bug and shows its traceback (exit 1).
-`--traceback` (or OPTC_TRACEBACK=1) shows the traceback of user errors too.
+`--traceback` (or OPTC_TRACEBACK=1) shows the traceback of user errors too. `run` and `serve`, whose
+options outgrew this file, are declared in optc/commands/run.py and serve.py and registered here, in the
+order `optc --help` lists the commands.
 """
 
 from __future__ import annotations
@@ -10,38 +12,23 @@ import json
 import math
 import os
 import sys
-import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import typer
 
 from optc.commands import parallel
+from optc.commands.cli_common import SPECULATIVE_HELP, user_errors
 from optc.commands.export import ExportFormat, Flavor
+from optc.commands.run import run
+from optc.commands.serve import serve
 from optc.core.errors import UserError
-from optc.core.lora import adapter_rank, parse_named_adapter
+from optc.core.lora import parse_named_adapter
 
 app = typer.Typer(
     help="optc: compile LLM checkpoints into optimized, self-describing inference artifacts.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-)
-
-
-DP_HELP = ("Serve N engine replicas (data parallelism) on Ray Serve behind this one endpoint (needs the ray "
-           "extra): a prompt goes to the replica that cached its first KV blocks, or the least loaded one.")
-
-SPECULATIVE_HELP = (
-    "Speculative decoding: ngram[:K] (prompt lookup), draft:PATH[:K] (a draft artifact with the same "
-    "tokenizer, e.g. an int4 build of the model), eagle[:K] (the artifact's own draft head, trained at build "
-    "time by the train_draft_head pass or imported from an EAGLE-1 checkpoint by import_draft_head) or "
-    "eagle-tree:D:TOPK:NODES (that head drafting a tree: each depth's TOPK most probable nodes get their TOPK "
-    "most probable children, down to depth D, and the NODES (1..63) most probable nodes are verified in one "
-    "target forward); K, D = draft tokens per step, 1..16, default 4. A step where a tree cannot run (a "
-    "tensor-parallel or CUDA-graph target, sliding-window or MLA attention, a kernel without the tree mask) "
-    "drafts a chain of D. Default: the artifact's runtime.speculative, else off."
 )
 
 
@@ -54,27 +41,6 @@ def _main(
     """optc: compile LLM checkpoints into optimized, self-describing inference artifacts."""
     if show_traceback:  # the flag lives in this process's environment: every command of the run sees it
         os.environ["OPTC_TRACEBACK"] = "1"
-
-
-def _read_text(path: Path, option: str) -> str:
-    """A text file an option names; a UserError naming the option when it cannot be read."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{option} {path}: cannot read it ({type(e).__name__}: {e})") from None
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """One line and exit 2 for a UserError (with its traceback under --traceback); bugs propagate."""
-    try:
-        yield
-    except UserError as e:
-        if os.environ.get("OPTC_TRACEBACK") == "1":
-            traceback.print_exc()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        typer.echo(f"error: {msg}", err=True)
-        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -112,7 +78,7 @@ def build(
     from optc.frontend.build import BuildOptions
     from optc.frontend.build import build as run_build
 
-    with _user_errors():
+    with user_errors():
         options = BuildOptions(recipe, out, model, tuple(set_), force, verify_each, dump_ir, quiet, device)
         path = run_build(options, evaluate=evaluate_build)
     typer.echo(str(path))
@@ -132,7 +98,7 @@ def inspect(
     """Show an artifact: source, recipe, passes and their stats, formats, sizes, per-node kernels."""
     from optc.commands.inspect import summarize
 
-    with _user_errors():
+    with user_errors():
         summary = summarize(artifact, tensor_parallel_size, pipeline_parallel_size)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, sort_keys=True))
@@ -142,79 +108,7 @@ def inspect(
         typer.echo(render(summary))
 
 
-@app.command()
-def run(
-    artifact: Path = typer.Argument(..., help="Artifact folder."),
-    prompt: str = typer.Option(..., "--prompt", help="Prompt text."),
-    chat: bool = typer.Option(False, "--chat", help="Format the prompt with the model's chat template (a base "
-                              "model has none: give one with --chat-template)."),
-    chat_template: Path | None = typer.Option(None, "--chat-template", help="A Jinja chat template file that "
-                                              "replaces the tokenizer's (or gives a base model one)."),
-    max_tokens: int = typer.Option(
-        64, "--max-tokens", min=1, help="Maximum new tokens; the prompt and these must fit in the context."
-    ),
-    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    seed: int | None = typer.Option(None, "--seed", help="Seed for sampling."),
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print text, token_ids, prompt_tokens, completion_tokens, seconds as JSON."
-    ),
-    speculative: str | None = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    tensor_parallel_size: int | None = parallel.TP,
-    pipeline_parallel_size: int | None = parallel.PP,
-    distributed_backend: str | None = parallel.BACKEND,
-    nnodes: int | None = parallel.NNODES,
-    node_rank: int | None = parallel.NODE_RANK,
-    master_addr: str | None = parallel.MASTER_ADDR,
-    master_port: int | None = parallel.MASTER_PORT,
-    lora: Path | None = typer.Option(None, "--lora", help="A peft LoRA adapter folder to generate under."),
-) -> None:
-    """Generate text from one prompt."""
-    import time
-
-    from optc.runtime import Engine, SamplingParams
-    from optc.runtime.speculative import SpeculativeConfig
-
-    with _user_errors():
-        params = SamplingParams(
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=tuple(stop)
-        )
-        spec = SpeculativeConfig.parse(speculative) if speculative else None
-        template = _read_text(chat_template, "--chat-template") if chat_template else None
-        if template is not None and not chat:
-            raise UserError("--chat-template formats chat prompts: add --chat")
-        loras = {"max_loras": 1, "max_lora_rank": adapter_rank(lora)} if lora else {}
-        parallel_options = parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend, nnodes,
-                                              node_rank, master_addr, master_port)
-        engine = Engine.load(artifact, device=device, verify=not no_verify, speculative=spec, chat_template=template,
-                             **parallel_options, **loras)
-        try:
-            if lora:
-                engine.load_lora("lora", lora)
-            t0 = time.perf_counter()
-            (completion,) = engine.generate([prompt], params, chat=chat, loras=["lora" if lora else None])
-            seconds = time.perf_counter() - t0
-        finally:
-            engine.close()
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "text": completion.text,
-                    "token_ids": completion.token_ids,
-                    "prompt_tokens": len(completion.prompt_token_ids),
-                    "completion_tokens": len(completion.token_ids),
-                    "finish_reason": completion.finish_reason,
-                    "seconds": round(seconds, 4),
-                }
-            )
-        )
-    else:
-        typer.echo(completion.text)
+app.command()(run)
 
 
 @app.command("eval")
@@ -247,7 +141,7 @@ def eval_(
     """Measure quality: perplexity on held-out text, and KL divergence / top-1 agreement against a reference."""
     from optc.commands.eval import evaluate
 
-    with _user_errors():
+    with user_errors():
         result = evaluate(
             artifact, reference, data, max_tokens, progress=lambda m: typer.echo(m, err=True) if not as_json else None,
             **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend),
@@ -306,7 +200,7 @@ def bench(
     if url is not None or artifact is None:
         from optc.commands.loadgen import LoadOptions, format_load, run_load
 
-        with _user_errors():
+        with user_errors():
             if (url is None) == (artifact is None):
                 raise UserError("give an ARTIFACT (in-process) or --url (a running server), not both or neither")
             in_process = {"--max-num-seqs": max_num_seqs is not None, "--device": device != "cpu", "--eager": eager,
@@ -321,7 +215,7 @@ def bench(
                                           dataset, seed, show_progress=not as_json))
         typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json else format_load(result))
         return
-    with _user_errors():
+    with user_errors():
         with_url = {"--request-rate": not math.isinf(request_rate), "--max-concurrency": max_concurrency is not None}
         if any(with_url.values()):
             raise UserError(f"{[k for k, v in with_url.items() if v][0]} is for load tests of a server (--url); "
@@ -380,7 +274,7 @@ def compare(
     time with intervals, mark the Pareto front, write compare.json, compare.md, PNG plots and report.html."""
     from optc.commands.compare import CompareOptions, Mode, SpeedSettings, run_compare
 
-    with _user_errors():
+    with user_errors():
         if leave_one_out + add_one + (variants is not None) > 1:
             raise UserError("give one of --leave-one-out, --add-one, --variants FILE")
         mode = Mode.ADD_ONE if add_one else Mode.FILE if variants is not None else Mode.LEAVE_ONE_OUT
@@ -401,86 +295,7 @@ def compare(
         raise typer.Exit(1)
 
 
-@app.command()
-def serve(
-    artifact: Path = typer.Argument(..., help="Artifact folder."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; 0.0.0.0 exposes "
-                             "the server to the network)."),
-    port: int = typer.Option(8000, "--port", help="Port to bind (0 = any free port; the URL is printed when ready)."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="OPTC_API_KEY", help="Require "
-                                       "'Authorization: Bearer KEY' on /v1/* (default: env OPTC_API_KEY; none = "
-                                       "no key)."),
-    served_model_name: str | None = typer.Option(None, "--served-model-name", help="The model name clients send "
-                                                 "and /v1/models lists (default: the artifact folder's name)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1, help="Requests batched together at "
-                                            "most (default: the artifact's runtime.max_num_seqs)."),
-    max_waiting: int = typer.Option(1024, "--max-waiting", min=0, help="Requests that may wait beyond the running "
-                                    "ones; more get 503."),
-    allowed_origin: list[str] = typer.Option([], "--allowed-origin", help="Allow browser requests (CORS) from "
-                                             "this origin, e.g. http://localhost:3000 (repeatable; none = no CORS)."),
-    log_requests: bool = typer.Option(False, "--log-requests", help="Log every request line and body (off: "
-                                      "bodies are never logged)."),
-    chat_template: Path | None = typer.Option(None, "--chat-template", help="A Jinja chat template file for "
-                                              "/v1/chat/completions, replacing the tokenizer's (a base model has "
-                                              "none: without one its chat requests get 400)."),
-    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests "
-                                           "get to finish after SIGTERM/SIGINT before they are cancelled."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the artifact's files."),
-    tensor_parallel_size: int | None = parallel.TP,
-    pipeline_parallel_size: int | None = parallel.PP,
-    distributed_backend: str | None = parallel.BACKEND,
-    nnodes: int | None = parallel.NNODES,
-    node_rank: int | None = parallel.NODE_RANK,
-    master_addr: str | None = parallel.MASTER_ADDR,
-    master_port: int | None = parallel.MASTER_PORT,
-    max_body_bytes: int = typer.Option(8 * 2**20, "--max-body-bytes", help="Largest request body; a larger one "
-                                       "is answered 413 before it is read."),
-    client_timeout: float = typer.Option(30.0, "--client-timeout", help="Seconds a client may take to send a "
-                                         "request's headers, and then its body; a slower one is answered 408."),
-    failure_window: float = typer.Option(60.0, "--failure-window", help="A failed engine step fails the requests "
-                                         "in flight (500) and the server serves on; a second failure within this "
-                                         "many seconds stops the server (exit 1)."),
-    tool_call_parser: str | None = typer.Option(None, "--tool-call-parser", help="How tool calls are read from "
-                                                "replies: hermes (<tool_call>{...}</tool_call>: Hermes, Qwen), "
-                                                "llama3_json (Llama 3.x) or mistral ([TOOL_CALLS][...]); default: "
-                                                "the model family's. A chat template without tools gets optc's "
-                                                "tool prompt, which asks for hermes (docs/SERVE.md)."),
-    lora: list[str] = typer.Option([], "--lora", help="NAME=DIR: serve the peft LoRA adapter in DIR as model NAME "
-                                   "(repeatable); a request's `model` picks it."),
-    max_loras: int | None = typer.Option(None, "--max-loras", min=0, help="Adapters loaded at once (slots; "
-                                         "default: one per --lora). Room for /v1/load_lora_adapter."),
-    max_lora_rank: int | None = typer.Option(None, "--max-lora-rank", min=1, help="Largest adapter rank the slots "
-                                             "hold (default: the largest --lora's, 64 without)."),
-    data_parallel_size: int | None = typer.Option(None, "--data-parallel-size", "-dp", min=1, help=DP_HELP),
-    ray_address: str | None = typer.Option(None, "--ray-address", help="A running Ray cluster (ray://HOST:PORT "
-                                           "or HOST:PORT) for the --data-parallel-size replicas; default: a local "
-                                           "Ray instance, stopped with the server."),
-    min_replicas: int | None = typer.Option(None, "--min-replicas", min=1, help="Autoscaling: fewest replicas "
-                                            "(default: --data-parallel-size); Ray Serve adds replicas under load."),
-    max_replicas: int | None = typer.Option(None, "--max-replicas", min=1, help="Autoscaling: most replicas "
-                                            "(default: --data-parallel-size)."),
-) -> None:
-    """Serve an artifact over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models),
-    plus /health, /metrics (Prometheus), /tokenize and /detokenize. Needs the `serve` extra."""
-    with _user_errors():
-        try:
-            from optc.runtime.server import ServeOptions
-            from optc.runtime.server import serve as run_server
-        except ImportError as e:
-            raise UserError(f"optc serve needs the serve extra (pip install 'optc[serve]'): {e}") from None
-        options = ServeOptions(artifact, host, port, api_key, served_model_name, device, max_num_seqs, max_waiting,
-                               tuple(allowed_origin), log_requests, shutdown_timeout, not no_verify,
-                               **parallel.overrides(tensor_parallel_size, pipeline_parallel_size, distributed_backend,
-                                                    nnodes, node_rank, master_addr, master_port),
-                               max_body_bytes=max_body_bytes, client_timeout=client_timeout,
-                               failure_window=failure_window,
-                               chat_template=_read_text(chat_template, "--chat-template") if chat_template else None,
-                               tool_call_parser=tool_call_parser,
-                               loras=tuple(parse_named_adapter(v) for v in lora), max_loras=max_loras,
-                               max_lora_rank=max_lora_rank, data_parallel_size=data_parallel_size,
-                               ray_address=ray_address, min_replicas=min_replicas, max_replicas=max_replicas)
-        run_server(options, on_ready=lambda url: typer.echo(f"optc serve: ready at {url}", err=True))
+app.command()(serve)
 
 
 @app.command()
@@ -508,7 +323,7 @@ def export(
     from optc.commands.export import ExportOptions
     from optc.commands.export import export as run_export
 
-    with _user_errors():
+    with user_errors():
         result = run_export(ExportOptions(artifact, out, format_, flavor, force, not no_verify, quiet=as_json))
     typer.echo(json.dumps(result.to_json(), indent=1, sort_keys=True) if as_json
                else "\n".join([str(result.out), *result.notes]))

@@ -18,9 +18,9 @@ each step's message and the agreement on the KV pool size; ranks wait on it with
 
 Step. Before each forward, rank 0's model runner sends the step: the block copies and the forward's
 arguments (new token ids, start positions, block ids, logits rows per request) flattened into one
-int64 tensor, broadcast as a 4-number header and a body. Every rank builds the same batch, copies the
-same blocks, runs the same forward and ends with the gathered logits; rank 0 samples. Block tables
-are the same on every rank; each rank's KV pool holds its own heads.
+int64 tensor, broadcast as a 4-number header and a body (runtime/step_message.py encodes them). Every
+rank builds the same batch, copies the same blocks, runs the same forward and ends with the gathered
+logits; rank 0 samples. Block tables are the same on every rank; each rank's KV pool holds its own heads.
 
 Query. Rank 0 can ask every rank for its counters (`rank_stats`: forwards run, KV pool size) with a
 header of its own on the control group, answered by an all_gather: how a test checks that the ranks
@@ -56,13 +56,11 @@ from optc.core.ops.sharding import plan_shards
 from optc.core.ops.stages import plan_stages, stage_graph
 from optc.runtime.config import EngineConfig
 from optc.runtime.rank_stats import RankStats
+from optc.runtime.step_message import QUERY, STOP, StepArgs, body_size, decode_step, encode_step
 
-STOP = -1  # a header's request count that tells workers to exit
-QUERY = -2  # a header's request count that asks every rank for its RankStats
 JOIN_TIMEOUT_S = 10.0  # how long close() waits for a worker before killing it
 WATCHDOG_INTERVAL_S = 1.0
 EXIT_GRACE_S = 2.0  # a collective fails as soon as a killed peer's socket closes, before its exit is seen
-StepArgs = tuple[list[tuple[int, int]], list[list[int]], list[int], list[list[int]], list[int]]
 
 
 class TensorParallelError(UserError, RuntimeError):
@@ -300,51 +298,6 @@ def run_worker(group: TensorParallelGroup, config: EngineConfig, path: str | Pat
             runner.forward(token_ids, starts, block_ids, num_rows, block_copies)
     finally:
         group.close()
-
-
-def encode_step(block_copies: Sequence[tuple[int, int]], token_ids: list[list[int]], starts: list[int],
-                block_ids: list[list[int]], num_rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step as (header, body) int64 tensors.
-
-    header: [B requests, C copies, T tokens, K block ids];
-    body: copies (2C) | starts (B) | logits rows (B) | tokens per request (B) | blocks per request (B) |
-    tokens (T) | block ids (K)."""
-    num_rows = num_rows or [1] * len(token_ids)
-    flat: list[int] = [x for pair in block_copies for x in pair]
-    flat += starts
-    flat += num_rows
-    flat += [len(t) for t in token_ids]
-    flat += [len(b) for b in block_ids]
-    for t in token_ids:
-        flat += t
-    for b in block_ids:
-        flat += b
-    num_tokens, num_blocks = sum(map(len, token_ids)), sum(map(len, block_ids))
-    header = torch.tensor([len(token_ids), len(block_copies), num_tokens, num_blocks], dtype=torch.int64)
-    return header, torch.tensor(flat, dtype=torch.int64)
-
-
-def body_size(header: torch.Tensor) -> int:
-    b, c, t, k = header.tolist()
-    return 2 * c + 4 * b + t + k
-
-
-def decode_step(header: torch.Tensor, body: torch.Tensor) -> StepArgs:
-    """The inverse of encode_step."""
-    b, c, _, _ = header.tolist()
-    flat = body.tolist()
-    copies = [(flat[2 * i], flat[2 * i + 1]) for i in range(c)]
-    at = 2 * c
-    starts, num_rows, token_lens, block_lens = (flat[at + i * b: at + (i + 1) * b] for i in range(4))
-    at += 4 * b
-    token_ids, block_ids = [], []
-    for n in token_lens:
-        token_ids.append(flat[at: at + n])
-        at += n
-    for n in block_lens:
-        block_ids.append(flat[at: at + n])
-        at += n
-    return copies, token_ids, starts, block_ids, num_rows
 
 
 # -- helpers ----------------------------------------------------------------------------------------

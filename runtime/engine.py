@@ -4,19 +4,18 @@ output (append tokens, detokenize, stop).
 `Engine.load(path)` loads an artifact (and a speculative draft artifact), sizes one KV budget for
 both, and builds the model runner; `generate` runs a list of prompts to completion through the
 scheduler (continuous batching) and returns them in input order; `stream` yields text deltas of one
-prompt; `add_request`/`step`/`abort` are the pieces a server drives. One step = (give decoding
-requests draft tokens) -> schedule -> `runner.execute` (block copies, one forward over all scheduled
-tokens, sampling or verification, logprobs: runtime/model_runner.py) -> advance computed counts ->
-append each request's new tokens, each checked for stops after incremental detokenization
-(runtime/text.py) -> roll a request's computed count back over the drafts verification rejected.
+prompt; `add_request`/`step`/`abort` are the pieces a server drives. A prompt becomes a validated
+Request in runtime/intake.py. One step = (give decoding requests draft tokens) -> schedule ->
+`runner.execute` (block copies, one forward over all scheduled tokens, sampling or verification,
+logprobs: runtime/model_runner.py) -> advance computed counts -> append each request's new tokens, each
+checked for stops after incremental detokenization (runtime/text.py) -> roll a request's computed count
+back over the drafts verification rejected.
 The scheduler and KV manager below see only block ids; the runner owns every tensor. No HTTP here.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,19 +28,19 @@ from optc.core.lora import LoraAdapter
 from optc.core.settings import SpeculativeConfig, SpeculativeMethod
 from optc.runtime.config import EngineConfig
 from optc.runtime.grammar import GrammarCompiler, Matcher
+from optc.runtime.intake import Intake, Prompt
 from optc.runtime.kv_cache_manager import KVCacheManager
 from optc.runtime.kv_sizing import num_kv_blocks
 from optc.runtime.lora import LoraNames, UnknownAdapterError
 from optc.runtime.model import kv_windows
 from optc.runtime.model_runner import ModelRunner
 from optc.runtime.outputs import Completion, EngineStats
-from optc.runtime.request import FinishReason, Request, RequestStatus, fit_max_tokens
+from optc.runtime.request import FinishReason, Request, RequestStatus
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.scheduler import Scheduler, SchedulerConfig
 from optc.runtime.speculative import Speculator, make_speculator
-from optc.runtime.text import IncrementalDetokenizer, find_stop, prompt_token_ids
+from optc.runtime.text import find_stop
 
-Prompt = str | Sequence[int]
 log = logging.getLogger("optc.engine")
 
 
@@ -85,25 +84,16 @@ class Engine:
         self.dtype = model.dtype
         self.cuda_graph_batch_sizes = self.runner.cuda_graph_batch_sizes
         self._eos_token_ids = frozenset(model.eos_token_ids)
-        self._seeds = random.Random(config.seed)
-        self._next_request_id = 0
+        self.intake = Intake(model, tokenizer, config, self.kv_manager, self.max_model_len, self.device)
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
         self._forks: dict[str, list[Request]] = {}  # a request's siblings (n > 1), queued once its prompt is computed
-        self._grammars: GrammarCompiler | None = None
-        self._grammars_lock = threading.Lock()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """Structured outputs' grammar compiler for this tokenizer (built on first use: about a second)."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self.tokenizer is None:
-                    raise InputError("this artifact has no tokenizer, so it cannot constrain output to a grammar",
-                                     "response_format")
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self._eos_token_ids))
-            return self._grammars
+        return self.intake.grammars
 
     @property
     def speculator(self) -> Speculator | None:
@@ -161,7 +151,7 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InputError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self._make_request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
+        requests = [self.intake.request(p, sp, chat) for p, sp in zip(prompts, params, strict=True)]
         for request, lora in zip(requests, loras or [None] * len(requests), strict=True):
             self._set_lora(request, lora)
         for request in requests:
@@ -179,7 +169,7 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False
     ) -> Iterator[str]:
         """Yield text deltas of one prompt as it generates; closing the iterator aborts it."""
-        request = self._make_request(prompt, params or SamplingParams(), chat)
+        request = self.intake.request(prompt, params or SamplingParams(), chat)
         self._add(request)
         try:
             while not request.is_finished:
@@ -198,7 +188,7 @@ class Engine:
         Unicode, outside the vocabulary, or it and max_tokens longer than the context, or a grammar that does
         not compile; UnknownAdapterError for a `lora` adapter name not loaded). `matcher`: params.grammar's,
         compiled already (the server compiles off this thread)."""
-        request = self._make_request(prompt, params or SamplingParams(), chat, request_id, matcher)
+        request = self.intake.request(prompt, params or SamplingParams(), chat, request_id, matcher)
         self._set_lora(request, lora)
         self._add(request)
         return request
@@ -229,7 +219,7 @@ class Engine:
         """Several completions of one prompt (OpenAI's `n`), one per params: the first is queued now, the others
         once its prompt's K/V is computed, so that they find its full blocks in the prefix cache instead of
         computing them again. All are validated before any is queued."""
-        requests = [self._make_request(prompt, p, False, i, matcher and matcher.copy())
+        requests = [self.intake.request(prompt, p, False, i, matcher and matcher.copy())
                     for p, i in zip(params, request_ids, strict=True)]
         for request in requests:
             self._set_lora(request, lora)
@@ -343,56 +333,6 @@ class Engine:
     def _queue_forks(self, request_id: str) -> None:
         for fork in self._forks.pop(request_id, ()):
             self._add(fork)
-
-    def _make_request(
-        self, prompt: Prompt, params: SamplingParams, chat: bool, request_id: str | None = None,
-        matcher: Matcher | None = None,
-    ) -> Request:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt_ids = prompt_token_ids(self.tokenizer, prompt, chat)
-        capacity = self.kv_manager.num_token_capacity
-        if not prompt_ids:
-            raise InputError("the prompt is empty (0 tokens)", "prompt")
-        if len(prompt_ids) > self.max_model_len:
-            raise InputError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self._context_limit}", "prompt"
-            )
-        if len(prompt_ids) > capacity:
-            raise InputError(
-                f"the prompt has {len(prompt_ids)} tokens but the KV pool holds at most {capacity} "
-                f"({self.kv_manager.num_blocks - 1} blocks of {self.config.block_size}); "
-                "raise kv_cache_memory", "prompt"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise InputError(
-                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {self.model.vocab_size})", "prompt"
-            )
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-            if bad:
-                raise InputError(f"{name} names token ids {bad[:8]} outside the vocabulary "
-                                 f"[0, {self.model.vocab_size})", name)
-        if params.grammar is not None and matcher is None:
-            matcher = self.grammars.matcher(params.grammar)
-        params = fit_max_tokens(params, len(prompt_ids), self.max_model_len, self._context_limit)
-        if request_id is None:
-            request_id, self._next_request_id = str(self._next_request_id), self._next_request_id + 1
-        generator = None
-        if not params.is_greedy:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        return Request(
-            request_id, prompt_ids, params, max_num_tokens=min(self.max_model_len, capacity),
-            generator=generator, arrival_time=time.perf_counter(),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), matcher=matcher,
-        )
-
-    @property
-    def _context_limit(self) -> str:
-        return (f"{self.max_model_len} (max_position_embeddings={self.model.max_position_embeddings}, "
-                f"max_seq_len={self.config.max_seq_len})")
 
     def _add(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -14,7 +14,7 @@ from optc.core.ir import TensorInfo
 from optc.core.ops import OPS
 from optc.core.ops.sharding import PARTITIONS, ShardError, allowed_sizes, plan_shards, rank_weight_bytes, shard
 from optc.frontend.sources import load_source
-from optc.runtime.distributed import decode_step, encode_step
+from optc.runtime.step_message import decode_step, encode_step
 
 
 @pytest.fixture(scope="module")

@@ -28,10 +28,11 @@ from pathlib import Path
 import uvicorn
 
 from optc.core.errors import InputError, UserError
-from optc.runtime.server.app import ServerConfig, create_app
+from optc.runtime.server.app import create_app
 from optc.runtime.server.async_engine import FAILURE_WINDOW_S, AsyncEngine
 from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, header_timeout_protocol
 from optc.runtime.server.loading import load_engine
+from optc.runtime.server.state import ServerConfig
 from optc.runtime.server.tool_parsers import Parser
 
 

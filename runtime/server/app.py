@@ -9,7 +9,8 @@ draining and when `max_num_seqs + max_waiting` requests are already in flight, 4
 `max_body_bytes` and 408 for a client too slow to send it (runtime/server/limits.py), a 500 naming the
 failure for the requests in flight when an engine step raises (EngineFailed), and a 500 that says nothing
 about the internals for anything else. A client that disconnects has its request aborted before the engine's
-next step; a streaming response is SSE ending with `data: [DONE]`.
+next step; a streaming response is SSE ending with `data: [DONE]`. What the routes share (the settings, the
+loaded engine, admission of a request) is runtime/server/state.py's.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import dataclasses
 import hmac
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -36,17 +35,9 @@ from optc.runtime.grammar import GrammarKind, GrammarSpec
 from optc.runtime.lora import UnknownAdapterError
 from optc.runtime.sampler import SamplingParams
 from optc.runtime.server import responses as r
-from optc.runtime.server.async_engine import (
-    FAILURE_WINDOW_S,
-    Accepted,
-    AsyncEngine,
-    ChatPrompt,
-    EngineFailed,
-    Output,
-    Prompt,
-)
-from optc.runtime.server.limits import CLIENT_TIMEOUT_S, MAX_BODY_BYTES, BodyLimits
-from optc.runtime.server.metrics import CONTENT_TYPE, Metrics
+from optc.runtime.server.async_engine import Accepted, AsyncEngine, ChatPrompt, EngineFailed
+from optc.runtime.server.limits import BodyLimits
+from optc.runtime.server.metrics import CONTENT_TYPE
 from optc.runtime.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -57,6 +48,7 @@ from optc.runtime.server.protocol import (
     UnloadLoraRequest,
     parse,
 )
+from optc.runtime.server.state import ServerConfig, ServerState
 from optc.runtime.server.streaming import collect, stream
 from optc.runtime.server.tool_parsers import Parser, parse_tool_calls
 from optc.runtime.server.tools import (
@@ -71,72 +63,6 @@ from optc.runtime.server.tools import (
 from optc.runtime.text import chat_token_ids
 
 log = logging.getLogger("optc.serve")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_name: str
-    api_key: str | None = None
-    max_waiting: int = 1024  # requests waiting beyond the running batch before 503
-    allowed_origins: tuple[str, ...] = ()  # CORS; none = same-origin only
-    log_requests: bool = False  # log request bodies (never by default)
-    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413, answered before it is read
-    client_timeout_s: float = CLIENT_TIMEOUT_S  # a body slower than this is a 408 (headers: header_timeout_protocol)
-    failure_window_s: float = FAILURE_WINDOW_S  # a second failed engine step within it stops the server
-    tool_call_parser: Parser | None = None  # None: the model family's (runtime/server/tools.py)
-
-
-class ServerState:
-    def __init__(self, config: ServerConfig, load: Callable[[], Engine], on_loaded: Callable[[AsyncEngine], None],
-                 on_fatal: Callable[[BaseException], None]):
-        self.config = config
-        self.load = load
-        self.on_loaded = on_loaded
-        self.on_fatal = on_fatal
-        self.metrics = Metrics(config.model_name)
-        self.engine: AsyncEngine | None = None
-        self.is_draining = False
-        self.num_requests = 0
-
-    @property
-    def is_ready(self) -> bool:
-        return self.engine is not None and self.engine.engine is not None and self.engine.ready.is_set()
-
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base, the served model name); 404 for another."""
-        if model is None or model == self.config.model_name:
-            return None
-        loras = self.engine.engine.lora_names() if self.is_ready else []
-        if model not in loras:
-            served = ", ".join(repr(n) for n in [self.config.model_name, *loras])
-            raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", "model",
-                           "model_not_found")
-        return model
-
-    async def start(self, prompt: Prompt | ChatPrompt, params: list[SamplingParams], is_streaming: bool,
-                    params_of: Mapping[str, str], lora: str | None = None) -> tuple[Accepted, AsyncIterator[Output]]:
-        """Queue a request (under adapter `lora`): its Accepted and the iterator of its outputs (a 400/404/503
-        ApiError instead). `params_of` maps the engine's field names (InputError.field; none = "prompt") to the
-        body's."""
-        if self.is_draining or not self.is_ready:
-            raise ApiError(503, "the server is shutting down" if self.is_draining else "the model is loading")
-        limit = self.engine.engine.config.max_num_seqs + self.config.max_waiting
-        if self.engine.num_in_flight >= limit:
-            raise ApiError(503, f"the server is full ({limit} requests in flight: max_num_seqs + max_waiting)")
-        self.num_requests += 1
-        outputs = self.engine.generate(prompt, params, is_streaming, time.perf_counter(), lora)
-        try:
-            accepted = await anext(outputs)
-        except UnknownAdapterError as e:  # unloaded since check_model
-            raise ApiError(404, str(e), "model", "model_not_found") from None
-        except (ValueError, UserError) as e:
-            field = getattr(e, "field", None) or "prompt"
-            param = params_of.get(field, field)
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if param != field and field != "prompt":  # the body's name, where it is not the engine's
-                message = message.replace(field, param)
-            raise ApiError(400, message, param) from None
-        return accepted, outputs
 
 
 def create_app(config: ServerConfig, load: Callable[[], Engine],
@@ -189,7 +115,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
 
     @v1.get("/models")
     async def models() -> Response:
-        engine = _engine(state)
+        engine = state.loaded_engine()
         base = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "optc",
                 "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab_size}
         adapters = await state.engine.call(lambda e: [(n, str(e.loras.adapters[n].path)) for n in e.lora_names()])
@@ -199,7 +125,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         body: LoadLoraRequest = parse(LoadLoraRequest, await _json(request, config))
-        _engine(state)
+        state.loaded_engine()
         if body.lora_name == config.model_name:
             raise ApiError(400, f"{body.lora_name!r} is the base model's name", "lora_name")
         try:
@@ -211,7 +137,7 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
         body: UnloadLoraRequest = parse(UnloadLoraRequest, await _json(request, config))
-        _engine(state)
+        state.loaded_engine()
         try:  # requests in flight under it finish first; new ones get 404 from now on
             await state.engine.call(lambda e: e.unload_lora(body.lora_name))
         except UnknownAdapterError as e:
@@ -291,19 +217,20 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages or []]
         special = body.add_special_tokens
-        tokens = await _tokenizer_call(state, lambda t: chat_token_ids(t, messages) if body.messages is not None
+        tokens = await state.tokenizer_call(lambda t: chat_token_ids(t, messages) if body.messages is not None
                                        else list(t(body.prompt, add_special_tokens=special)["input_ids"]))
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": _engine(state).max_model_len})
+        max_model_len = state.loaded_engine().max_model_len
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         body: DetokenizeRequest = parse(DetokenizeRequest, await _json(request, config))
         state.check_model(body.model)
-        vocab_size = _engine(state).model.vocab_size
+        vocab_size = state.loaded_engine().model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab_size]
         if bad:
             raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})", "tokens")
-        return JSONResponse({"prompt": await _tokenizer_call(state, lambda t: t.decode(body.tokens))})
+        return JSONResponse({"prompt": await state.tokenizer_call(lambda t: t.decode(body.tokens))})
 
     app.include_router(v1)
     return app
@@ -315,23 +242,6 @@ def create_app(config: ServerConfig, load: Callable[[], Engine],
 async def _when_loaded(state: ServerState) -> None:
     await state.engine.ready.wait()
     state.on_loaded(state.engine)
-
-
-def _engine(state: ServerState) -> Engine:
-    if not state.is_ready:
-        raise ApiError(503, "the model is loading")
-    return state.engine.engine
-
-
-async def _tokenizer_call(state: ServerState, fn: Callable[[Any], Any]) -> Any:
-    """fn(tokenizer) on the preparation thread (off the engine's); a template's refusal is a 400."""
-    engine = _engine(state)
-    if engine.tokenizer is None:
-        raise ApiError(400, "this artifact has no tokenizer")
-    try:
-        return await state.engine.prepare(fn)
-    except UserError as e:
-        raise ApiError(400, str(e).splitlines()[0], getattr(e, "field", None)) from None
 
 
 async def _json(request: Request, config: ServerConfig) -> Any:
@@ -353,8 +263,8 @@ _PARAMS_OF: dict[str, str] = {"grammar": "response_format"}  # the engine's fiel
 async def _tool_parser(state: ServerState, config: ServerConfig) -> Parser:
     """The format of this model's tool calls: --tool-call-parser, else its family's (hermes where its template
     shows no tools and optc's prompt does)."""
-    architecture = _engine(state).model.graph.config.architecture
-    takes_tools = await _tokenizer_call(state, template_takes_tools)
+    architecture = state.loaded_engine().model.graph.config.architecture
+    takes_tools = await state.tokenizer_call(template_takes_tools)
     return choose_parser(architecture, takes_tools, config.tool_call_parser)
 
 
@@ -362,7 +272,7 @@ async def _with_tool_grammar(state: ServerState, params: list[SamplingParams], t
                              parser: Parser) -> list[SamplingParams]:
     """`params` with the grammar that forces a call (tool_choice required or named; a 400 beside another
     grammar), and with special tokens kept in the text where the format is marked by one (mistral)."""
-    markers = await _tokenizer_call(state, marker_token_ids)
+    markers = await state.tokenizer_call(marker_token_ids)
     lark = forced_call_grammar(tools, parser, markers)
     if lark is not None and params[0].grammar is not None:
         raise ApiError(400, "a 'required' or named 'tool_choice' decides the reply's format: drop "
@@ -375,7 +285,7 @@ async def _with_tool_grammar(state: ServerState, params: list[SamplingParams], t
 async def _prompt_text(state: ServerState, prompt: str | list[int], accepted: Accepted) -> str:
     if isinstance(prompt, str):
         return prompt
-    return await _tokenizer_call(state, lambda t: t.decode(accepted.prompt_token_ids))
+    return await state.tokenizer_call(lambda t: t.decode(accepted.prompt_token_ids))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
