@@ -39,7 +39,8 @@ def test_every_enum_is_defined_once():
 
 
 def test_linear_kinds_equal_step_cpp():
-    kinds = {name: getattr(step, name) for name in ("DENSE", "INT4PACK", "QDOT", "DENSE_ROWS2", "BF16DOT", "INT4X2")}
+    kinds = {name: getattr(step, name) for name in ("DENSE", "INT4PACK", "QDOT", "DENSE_ROWS2", "BF16DOT", "INT4X2",
+                                                   "INT8PACK")}
     assert cpp_enum("step.cpp", "Kind") == kinds
     experts = {name: getattr(step, name) for name in ("DENSE_EXPERTS", "INT8PACK_EXPERTS", "INT4PACK_EXPERTS")}
     assert cpp_enum("step.cpp", "Experts") == experts

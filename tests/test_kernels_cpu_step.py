@@ -1,10 +1,10 @@
 """kernels/cpu_ext/step.cpp: a decode step's planned runs of nodes (passes/plan_cpu_step.py) as one C++ call each
 give the node-by-node step's logits bit for bit (Llama, Phi-3's partial rotary, Qwen3's q/k norms, Gemma 3's
 norm offsets, gelu_tanh, extra norms and sliding-window KV groups; dense bfloat16 weights on bf16dot and on torch,
-float32 weights, int4 on torch's int4pack and on qdot, int8_gf on two int4 packs), and so do a speculative
-verification's rows and a draft tree's under its mask; they decline what they do not take (a prefill of more than
-MAX_ROWS rows runs node by node), and leave a model whose extension cannot be built node by node; the executor's
-fused runs refuse a range whose values escape it."""
+float32 weights, int4 on torch's int4pack and on qdot, int8_wo on torch's int8pack, int8_gf on two int4 packs),
+and so do a speculative verification's rows and a draft tree's under its mask; they decline what they do not take
+(a prefill of more than MAX_ROWS rows runs node by node), and leave a model whose extension cannot be built node by
+node; the executor's fused runs refuse a range whose values escape it."""
 
 import pytest
 import torch
@@ -50,6 +50,8 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
                  "{select_kernels: {measure: false, disable: [cpu.qdot, cpu.qdot_logits]}}"),
     "qdot": ("bfloat16", "{quantize_rtn: {bits: 4, group_size: 32, zero_point: false}}, ",
              "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
+    "int8pack": ("bfloat16", "{quantize_rtn: {bits: 8}}, ", "{select_kernels: {measure: false}}"),  # int8_wo
+    "int8pack-f32": ("float32", "{quantize_rtn: {bits: 8}}, ", "{select_kernels: {measure: false}}"),
 }
 
 
@@ -92,7 +94,8 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
     kernels = {n.kernel for n in model.graph.nodes if n.op == "linear"}
     dense_bf16 = {"torch"} if name == "bf16-torch" or CONFIGS[name][0] == "float32" else {"cpu.bf16dot"}
     assert kernels == {"int4pack": {"cpu.int4pack"}, "qdot": {"cpu.qdot"}, "qwen3_moe-int8": {"cpu.qdot"},
-                       "qwen3_moe-int4": {"cpu.int4pack"}}.get(name, dense_bf16)
+                       "qwen3_moe-int4": {"cpu.int4pack"}, "int8pack": {"cpu.int8pack"},
+                       "int8pack-f32": {"cpu.int8pack"}}.get(name, dense_bf16)
     if name.startswith("qwen3_moe-int"):
         assert {n.kernel for n in model.graph.nodes if n.op == "moe"} == {"cpu.moe_packed"}
     fused = dict(model.executor._fused)

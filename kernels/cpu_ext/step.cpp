@@ -35,12 +35,22 @@ using qdot::qlinear;
 // one-row gemv sums in another order than the GEMM of more rows; optc/core/ops/linear.py)
 // BF16DOT: bf16dot.cpp's kernel (its launcher's: float32 sums rounded to bfloat16)
 // INT4X2: an int8_gf weight as two packed int4 matmuls summed (kernels/gf_cpu.py's int8gf_int4x2_linear)
-enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3, BF16DOT = 4, INT4X2 = 5 };
+// INT8PACK: an int8_wo weight on torch's int8 weight-only matmul (kernels/int8_cpu.py's int8pack_linear)
+enum Kind : int64_t { DENSE = 0, INT4PACK = 1, QDOT = 2, DENSE_ROWS2 = 3, BF16DOT = 4, INT4X2 = 5, INT8PACK = 6 };
+constexpr int64_t ALIGNMENT = 64;  // kernels/int8_cpu.py's: where _weight_int8pack_mm's operands start
+
+// _weight_int8pack_mm of x as int8pack_linear runs it: x 2-D and 64-byte aligned (a copy where it is not), the
+// scales in x's dtype
+at::Tensor int8pack_mm(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  auto x2 = x.reshape({-1, qweight.size(1)}).contiguous();
+  if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % ALIGNMENT) x2 = x2.clone();
+  return at::_weight_int8pack_mm(x2, qweight, scales.to(x.scalar_type()));
+}
 
 // one kernel of a linear, for calls of at most `max_rows` rows (< 0: any); tensors by kind:
 // DENSE, DENSE_ROWS2, BF16DOT {weight (N, K)} (BF16DOT: `isa` its path, `group` the most rows it sums, more
 // run at::linear as its launcher's do); INT4PACK {packed, scales_and_zeros}; QDOT {qweight, scales, mins, soff};
-// INT4X2 {high, high_table, low, low_table}
+// INT4X2 {high, high_table, low, low_table}; INT8PACK {qweight (aligned: prepare_int8pack's), scales}
 struct Choice {
   int64_t max_rows;
   int64_t kind;
@@ -80,6 +90,7 @@ struct Linear {
         return at::_weight_int4pack_mm_for_cpu(x2, c->t[0], c->group, c->t[1]) +
                at::_weight_int4pack_mm_for_cpu(x2, c->t[2], c->group, c->t[3]);
       }
+      case INT8PACK: return int8pack_mm(x, c->t[0], c->t[1]);
       default: return qlinear(x, c->t[0], c->bits, c->group, c->t[1], c->t[2], c->t[3], c->offset, c->isa);
     }
   }
@@ -120,18 +131,13 @@ struct Node {
 
 // a moe node's experts: dense (the reference's F.linear), or moe_packed's int8_wo / int4_g packed matmuls
 enum Experts : int64_t { DENSE_EXPERTS = 0, INT8PACK_EXPERTS = 1, INT4PACK_EXPERTS = 2 };
-constexpr int64_t ALIGNMENT = 64;  // kernels/int8_cpu.py's: where _weight_int8pack_mm's operands start
 
 // expert e's matmul `which` (0: gate_up, 1: down) of h (T_e, K), as the node's kernel runs it
 at::Tensor expert_linear(const Node& n, int64_t e, int64_t which, const at::Tensor& h) {
   if (n.ints[7] == DENSE_EXPERTS) return at::linear(h, n.tensors[1 + which][e]);
   const int64_t part = 1 + 2 * (which * n.tensors[0].size(0) + e);  // router (E, H) first, then two a matmul
   const at::Tensor &w = n.tensors[part], &table = n.tensors[part + 1];
-  if (n.ints[7] == INT8PACK_EXPERTS) {  // int8pack_linear: x aligned, the scales in x's dtype
-    auto x = h.reshape({-1, w.size(1)}).contiguous();
-    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % ALIGNMENT) x = x.clone();
-    return at::_weight_int8pack_mm(x, w, table.to(h.scalar_type()));
-  }
+  if (n.ints[7] == INT8PACK_EXPERTS) return int8pack_mm(h, w, table);
   // int4pack_linear: torch's packed int4 matmul over its (K / G, N, 2) scales and zeros
   const int64_t group = n.ints[8];
   return at::_weight_int4pack_mm_for_cpu(h.reshape({-1, table.size(0) * group}).contiguous(), w, group, table);
@@ -268,7 +274,7 @@ class Run {
                   std::vector<ChoiceArgs> choices, std::vector<int64_t> split) {
     Node node{LINEAR, in, out, release, {}, {}, {}, {}};
     for (auto& [max_rows, kind, tensors, group, bits, isa, offset] : choices) {
-      TORCH_CHECK(kind >= DENSE && kind <= INT4X2, "unknown linear kind");
+      TORCH_CHECK(kind >= DENSE && kind <= INT8PACK, "unknown linear kind");
       node.linear.choices.push_back({max_rows, kind, tensors, group, bits, isa, offset});
     }
     TORCH_CHECK(!node.linear.choices.empty(), "a linear needs a kernel");

@@ -30,7 +30,7 @@ from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
 
-DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2 = range(6)  # step.cpp's linear kinds
+DENSE, INT4PACK, QDOT, DENSE_ROWS2, BF16DOT, INT4X2, INT8PACK = range(7)  # step.cpp's linear kinds
 DENSE_EXPERTS, INT8PACK_EXPERTS, INT4PACK_EXPERTS = range(3)  # step.cpp's moe experts
 # step.cpp's op kinds
 OPS = ("linear", "rms_norm", "add_rms_norm", "gated_act", "rope_kv_store", "attention", "add", "moe", "mla_attention")
@@ -246,6 +246,8 @@ def _choice(name: str, node: Node, impl, params) -> tuple | None:
         return DENSE, [parts["dense"]], 0, 0, 0, 0.0
     if name == "cpu.int4pack":
         return INT4PACK, [parts["int4pack"], parts["scales_and_zeros"]], fmt.group_size, 0, 0, 0.0
+    if name == "cpu.int8pack":
+        return INT8PACK, [parts["qweight"], parts["scales"]], 0, 0, 0, 0.0
     if name == "cpu.int8gf_int4x2":
         return (INT4X2, [parts["high"], parts["high_table"], parts["low"], parts["low_table"]], fmt.group_size, 0, 0,
                 0.0)

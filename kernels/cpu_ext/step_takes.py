@@ -17,7 +17,8 @@ from optc.core.ir import REFERENCE_KERNEL, Graph, Node
 
 DTYPES = ("bfloat16", "float32")  # the activations step.cpp computes in
 # what a linear node bound to each kernel runs in step.cpp (kernels/cpu_ext/step.py builds its call per kernel)
-LINEAR_KERNELS = (REFERENCE_KERNEL, "cpu.bf16dot", "cpu.widened", "cpu.int4pack", "cpu.qdot", "cpu.int8gf_int4x2")
+LINEAR_KERNELS = (REFERENCE_KERNEL, "cpu.bf16dot", "cpu.widened", "cpu.int4pack", "cpu.int8pack", "cpu.qdot",
+                  "cpu.int8gf_int4x2")
 ACTS = ("silu", "gelu_tanh")  # gated_act: ops.cpp's silu_mul (cpu.cpp_gated_act), or the reference's ATen ops
 KERNELS: dict[str, tuple[str, ...]] = {
     "linear": LINEAR_KERNELS,
