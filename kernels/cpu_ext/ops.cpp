@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <immintrin.h>
 
@@ -87,13 +88,33 @@ std::vector<at::Tensor> rms_norm(at::Tensor x, c10::optional<at::Tensor> residua
   return {out};
 }
 
+// A quantized KV cache (int8, fp8_e4m3) holds one float32 scale per (token, KV head) beside its codes:
+// optc/core/kv_cache.py's `quantize` and `dequantize`, expression for expression (so the codes and scales are
+// the reference's bits): s = amax * (1 / qmax), code = clamp(x * (qmax / amax), -qmax, qmax) (int8: rounded half
+// up), read back as code * s.
+inline float cache_qmax(at::ScalarType dtype) { return dtype == at::kChar ? 127.f : 448.f; }
+
+inline void store_code(float y, int8_t* dst) { *dst = static_cast<int8_t>(std::floor(y + 0.5f)); }
+inline void store_code(float y, c10::Float8_e4m3fn* dst) { *dst = c10::Float8_e4m3fn(y); }
+
+// one (token, head) row of d values into codes and its scale
+template <typename T, typename C>
+void quantize_row(const T* x, C* codes, float* scale, int64_t d, float qmax) {
+  float amax = 0.f;
+  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(f32(x[j])));
+  *scale = amax * static_cast<float>(1.0 / static_cast<double>(qmax));
+  const float inv = amax > 0.f ? (1.f / amax) * qmax : 0.f;
+  for (int64_t j = 0; j < d; ++j) store_code(std::min(std::max(f32(x[j]) * inv, -qmax), qmax), codes + j);
+}
+
 // rope_kv_store: q (T, Hq, D), k, v (T, Hkv, D) in one dtype, positions (T,) int64, cos_sin (P, R) fp32, cache
-// (num_blocks, 2, block_size, Hkv, D) of that dtype, slots (T,) int64 (< 0: not stored). Rotates the first R
-// dims of every head of q and k (the rest pass through), writes rotated k and v at their slots; returns q.
-template <typename T>
-void rope_store(const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin, T* cache,
-                const int64_t* slots, T* q_out, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t r,
-                int64_t block_size) {
+// (num_blocks, 2, block_size, Hkv, D) of that dtype (or int8 / fp8 codes with scales (num_blocks, 2, block_size,
+// Hkv) float32), slots (T,) int64 (< 0: not stored). Rotates the first R dims of every head of q and k (the rest
+// pass through), writes rotated k and v at their slots; returns q.
+template <typename T, typename C>
+void rope_store(const T* q, const T* k, const T* v, const int64_t* positions, const float* cos_sin, C* cache,
+                float* scales, const int64_t* slots, T* q_out, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                int64_t r, int64_t block_size, float qmax) {
   const int64_t half = r / 2;
   auto rotate = [&](const T* src, T* dst, const float* cs) {
     for (int64_t j = 0; j < half; ++j) {
@@ -105,45 +126,84 @@ void rope_store(const T* q, const T* k, const T* v, const int64_t* positions, co
     for (int64_t j = r; j < d; ++j) dst[j] = src[j];
   };
   at::parallel_for(0, tokens, GRAIN_ITEM, [&](int64_t begin, int64_t end) {
+    std::vector<T> rotated(d);
     for (int64_t t = begin; t < end; ++t) {
       const float* cs = cos_sin + positions[t] * r;
       for (int64_t h = 0; h < hq; ++h) rotate(q + (t * hq + h) * d, q_out + (t * hq + h) * d, cs);
       const int64_t slot = slots[t];
       if (slot < 0) continue;
-      // cache[block, 0 | 1, offset] is (Hkv, D): K then V of the token
-      T* key = cache + ((slot / block_size) * 2 * block_size + slot % block_size) * hkv * d;
-      T* value = key + block_size * hkv * d;
-      for (int64_t h = 0; h < hkv; ++h) rotate(k + (t * hkv + h) * d, key + h * d, cs);
-      std::copy(v + t * hkv * d, v + (t + 1) * hkv * d, value);
+      // cache[block, 0 | 1, offset] is (Hkv, D): K then V of the token; scales[block, 0 | 1, offset] (Hkv,)
+      const int64_t row = (slot / block_size) * 2 * block_size + slot % block_size;
+      C* key = cache + row * hkv * d;
+      C* value = key + block_size * hkv * d;
+      if constexpr (std::is_same_v<C, T>) {
+        for (int64_t h = 0; h < hkv; ++h) rotate(k + (t * hkv + h) * d, key + h * d, cs);
+        std::copy(v + t * hkv * d, v + (t + 1) * hkv * d, value);
+      } else {
+        float* key_scales = scales + row * hkv;
+        float* value_scales = key_scales + block_size * hkv;
+        for (int64_t h = 0; h < hkv; ++h) {
+          rotate(k + (t * hkv + h) * d, rotated.data(), cs);
+          quantize_row(rotated.data(), key + h * d, key_scales + h, d, qmax);
+          quantize_row(v + (t * hkv + h) * d, value + h * d, value_scales + h, d, qmax);
+        }
+      }
     }
   });
 }
 
+// the cache's codes and scales checked against its data: a float cache of `dtype` without scales, or int8 / fp8
+// codes with float32 scales (num_blocks, 2, block_size, Hkv); the scales' pointer (null for a float cache)
+float* checked_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& scales, at::ScalarType dtype) {
+  const auto kind = cache.scalar_type();
+  if (kind == dtype) {
+    TORCH_CHECK(!scales || !scales->defined() || scales->numel() == 0, "a float cache takes no scales");
+    return nullptr;
+  }
+  TORCH_CHECK(kind == at::kChar || kind == at::kFloat8_e4m3fn,
+              "the cache must have the activations' dtype, or be int8 / fp8_e4m3 with scales");
+  TORCH_CHECK(scales && scales->defined() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->dim() == 4 && scales->sizes() == cache.sizes().slice(0, 4),
+              "a quantized cache needs float32 scales (num_blocks, 2, block_size, Hkv)");
+  return scales->data_ptr<float>();
+}
+
 at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos_sin,
-                         at::Tensor cache, at::Tensor slots) {
+                         at::Tensor cache, at::Tensor slots, c10::optional<at::Tensor> scales) {
   for (auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"},
                           {&cos_sin, "cos_sin"}, {&cache, "cache"}, {&slots, "slot_mapping"}})
     check_cpu(*t, name);
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && cache.dim() == 5, "shapes");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                  cache.scalar_type() == q.scalar_type(), "q, k, v and the cache must share a dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k, v share a dtype");
+  float* scale_data = checked_scales(cache, scales, q.scalar_type());
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && positions.scalar_type() == at::kLong &&
                   slots.scalar_type() == at::kLong, "cos_sin float32, positions and slots int64");
   const int64_t d = q.size(2), r = cos_sin.size(1);
   TORCH_CHECK(r % 2 == 0 && r <= d && cache.size(4) == d && cache.size(3) == k.size(1), "rotary and cache dims");
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_kv_store", [&] {
-    rope_store<scalar_t>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                         positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), cache.data_ptr<scalar_t>(),
-                         slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), k.size(1), d, r,
-                         cache.size(2));
+    auto run = [&](auto* typed_cache) {
+      using C = std::remove_pointer_t<decltype(typed_cache)>;
+      rope_store<scalar_t, C>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                              positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), typed_cache, scale_data,
+                              slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), k.size(1),
+                              d, r, cache.size(2), cache_qmax(cache.scalar_type()));
+    };
+    if (cache.scalar_type() == at::kChar) {
+      run(cache.data_ptr<int8_t>());
+    } else if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+      run(cache.data_ptr<c10::Float8_e4m3fn>());
+    } else {
+      run(cache.data_ptr<scalar_t>());
+    }
   });
   return out;
 }
 
 // row attention: each query row on its own, as a decode step computes its one query, for decode (one row per
 // request) and speculative verification (k + 1 rows), so that a row's result does not depend on how many rows
-// its request or its batch has. q (T, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype,
+// its request or its batch has. q (T, Hq, D), cache (num_blocks, 2, block_size, Hkv, D) of q's dtype (or int8 /
+// fp8 codes with their scales (num_blocks, 2, block_size, Hkv), read as code * scale),
 // block_tables (B, W) int32, seq_lens (B,) int32, query_start_loc (B + 1,) int32. Row i of a request with n
 // rows sits at position seq_len - n + i and sees keys (position - window, position] (window 0: all). Scores in
 // fp32, times scale, soft-capped (softcap 0: none), softmax, times V in fp32, rounded to q's dtype. A request
@@ -151,9 +211,10 @@ at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor po
 // tree_mask (T,) int64, or null: the rows of a request are a draft tree (at most 64 rows, no window), and row i
 // sees the context (positions before seq_len - n) and the query rows j of its request whose bit j is set in
 // tree_mask[row] (its ancestors and itself): query row j's key sits at position seq_len - n + j.
-template <typename T>
-void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const int32_t* seq_lens,
-                        const int32_t* query_start, T* out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
+template <typename T, typename C>
+void row_attention_impl(const T* q, const C* cache, const float* cache_scales, const int32_t* tables,
+                        const int32_t* seq_lens, const int32_t* query_start, T* out, int64_t batch, int64_t hq,
+                        int64_t hkv, int64_t d,
                         int64_t block_size, int64_t width, float scale, float softcap, int64_t window,
                         int64_t max_rows, const int64_t* tree_mask) {
   const int64_t group = hq / hkv, vec = d / 8 * 8;  // dims [0, vec) in 8 fp32 lanes, the rest one by one
@@ -185,20 +246,33 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
         for (int64_t g = 0; g < group; ++g)
           for (int64_t j = 0; j < d; ++j)
             query[(i * group + g) * d + j] = f32(q[((t0 + i) * hq + h * group + g) * d + j]);
-      auto row = [&](int64_t pos, int kv) {  // the key (kv 0) or value (1) of position pos, head h
+      // the key (kv 0) or value (1) of position pos, head h, in fp32 (a quantized cache's: code * scale)
+      auto widen = [&](int64_t pos, int kv, float* dst) {
         const int64_t block = tables[b * width + pos / block_size];
-        return cache + (((block * 2 + kv) * block_size + pos % block_size) * hkv + h) * d;
-      };
-      auto widen = [&](const T* src, float* dst) {
-        for (int64_t j = 0; j < vec; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
-        for (int64_t j = vec; j < d; ++j) dst[j] = f32(src[j]);
+        const int64_t at = ((block * 2 + kv) * block_size + pos % block_size) * hkv + h;
+        const C* src = cache + at * d;
+        if constexpr (std::is_same_v<C, T>) {
+          for (int64_t j = 0; j < vec; j += 8) _mm256_storeu_ps(dst + j, load8(src + j));
+          for (int64_t j = vec; j < d; ++j) dst[j] = f32(src[j]);
+        } else if constexpr (std::is_same_v<C, int8_t>) {
+          const float s = cache_scales[at];
+          const __m256 s8 = _mm256_set1_ps(s);
+          for (int64_t j = 0; j < vec; j += 8) {
+            const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j));
+            _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), s8));
+          }
+          for (int64_t j = vec; j < d; ++j) dst[j] = static_cast<float>(src[j]) * s;
+        } else {
+          const float s = cache_scales[at];
+          for (int64_t j = 0; j < d; ++j) dst[j] = static_cast<float>(src[j]) * s;
+        }
       };
       // K and V of positions lo .. length - 1 in fp32, read once for all the request's rows: [(pos - lo) * d + j]
       keys.resize(span * d);
       values.resize(span * d);
       for (int64_t pos = lo; pos < length; ++pos) {
-        widen(row(pos, 0), keys.data() + (pos - lo) * d);
-        widen(row(pos, 1), values.data() + (pos - lo) * d);
+        widen(pos, 0, keys.data() + (pos - lo) * d);
+        widen(pos, 1, values.data() + (pos - lo) * d);
       }
       // a score: q . k per lane over [0, vec), the lanes summed (hsum), then the tail dims in order, scaled,
       // soft-capped; four positions at a time where a row sees all four (each score's sums are the same)
@@ -293,13 +367,13 @@ void row_attention_impl(const T* q, const T* cache, const int32_t* tables, const
 
 at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables, at::Tensor seq_lens,
                          at::Tensor query_start_loc, double scale, double softcap, int64_t window, int64_t max_rows,
-                         c10::optional<at::Tensor> tree_mask) {
+                         c10::optional<at::Tensor> tree_mask, c10::optional<at::Tensor> scales) {
   for (auto& [t, name] : {std::pair{&q, "q"}, {&cache, "cache"}, {&block_tables, "block_tables"},
                           {&seq_lens, "seq_lens"}, {&query_start_loc, "query_start_loc"}})
     check_cpu(*t, name);
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 5 && cache.size(4) == q.size(2) && q.size(1) % cache.size(3) == 0,
               "q (T, Hq, D), cache (blocks, 2, block_size, Hkv, D)");
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "the cache must have q's dtype");
+  const float* scale_data = checked_scales(cache, scales, q.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt, "block_tables, seq_lens and query_start_loc int32");
   const int64_t batch = seq_lens.size(0);
@@ -322,10 +396,20 @@ at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables
   auto out = at::empty_like(q);
   auto run = [&](auto* typed_q) {
     using T = std::remove_pointer_t<decltype(typed_q)>;
-    row_attention_impl<T>(typed_q, cache.data_ptr<T>(), block_tables.data_ptr<int32_t>(), lens, starts,
-                          out.data_ptr<T>(), batch, q.size(1), cache.size(3), q.size(2), cache.size(2),
-                          block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap), window,
-                          max_rows, mask);
+    auto with_cache = [&](auto* typed_cache) {
+      using C = std::remove_pointer_t<decltype(typed_cache)>;
+      row_attention_impl<T, C>(typed_q, typed_cache, scale_data, block_tables.data_ptr<int32_t>(), lens, starts,
+                               out.data_ptr<T>(), batch, q.size(1), cache.size(3), q.size(2), cache.size(2),
+                               block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap), window,
+                               max_rows, mask);
+    };
+    if (cache.scalar_type() == at::kChar) {
+      with_cache(cache.data_ptr<int8_t>());
+    } else if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+      with_cache(cache.data_ptr<c10::Float8_e4m3fn>());
+    } else {
+      with_cache(cache.data_ptr<T>());
+    }
   };
   if (q.scalar_type() == at::kFloat) {
     run(q.data_ptr<float>());

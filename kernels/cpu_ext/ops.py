@@ -2,13 +2,13 @@
 attention (decode and speculative verification rows), each one C++ call instead of the reference's 5-15 eager
 torch ops.
 
-At batch 1 the CPU step's non-matmul ops cost more in dispatch than in arithmetic (docs/PERF.md, "the decode
-step's host cost"): compiling each reference with torch.compile made the step slower (its guards cost more per
-call than the ops it fused), so these are plain C++ loops with the references' math and roundings. Each launcher
-has its op reference's signature and runs the reference for what ops.cpp does not take (a quantized KV cache,
-prefill attention: a request of more than MAX_ROWS query rows, an activation other than silu, a dtype other
-than bfloat16 / float32), and wherever the extension cannot be built (kernels/cpu_ext `load`), so an artifact
-bound to them runs everywhere.
+At batch 1 the CPU step's non-matmul ops cost more in dispatch than in arithmetic (docs/PERF.md, "the decode step's
+host cost"): compiling each reference with torch.compile made the step slower (its guards cost more per call than
+the ops it fused), so these are plain C++ loops with the references' math and roundings. Each launcher has its op
+reference's signature and runs the reference for what ops.cpp does not take (a KV cache of another float dtype,
+prefill attention: a request of more than MAX_ROWS query rows, an activation other than silu, a dtype other than
+bfloat16 / float32), and wherever the extension cannot be built (kernels/cpu_ext `load`), so an artifact bound to
+them runs everywhere.
 """
 
 from __future__ import annotations
@@ -71,18 +71,28 @@ def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     return ext.top_k(logits.contiguous(), k)
 
 
-def _float_cache(kv_cache: KVCache, dtype: torch.dtype) -> bool:
-    return kv_cache.scales is None and kv_cache.data.dtype == dtype and kv_cache.data.is_contiguous()
+QUANTIZED_CACHES = (torch.int8, torch.float8_e4m3fn)  # ops.cpp reads and writes their codes with their scales
+
+
+def cache_ok(kv_cache: KVCache, dtype: torch.dtype) -> bool:
+    """A contiguous CPU cache ops.cpp takes: float of the activations' dtype, or int8 / fp8 codes with their
+    scales (optc/core/kv_cache.py's `quantize` and `dequantize`, computed the same way)."""
+    data, scales = kv_cache.data, kv_cache.scales
+    if not data.is_contiguous() or data.device.type != "cpu":
+        return False
+    if scales is None:
+        return data.dtype == dtype
+    return data.dtype in QUANTIZED_CACHES and scales.dtype == torch.float32 and scales.is_contiguous()
 
 
 def rope_kv_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                   kv_cache: KVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
     ext = _ext(q)
     if (ext is None or q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype
-            or not _float_cache(kv_cache, q.dtype) or cos_sin.dtype != torch.float32):
+            or not cache_ok(kv_cache, q.dtype) or cos_sin.dtype != torch.float32):
         return rope_kv_store_ref(q, k, v, positions, cos_sin, kv_cache, slot_mapping)
     return ext.rope_kv_store(q.contiguous(), k.contiguous(), v.contiguous(), positions.long().contiguous(),
-                             cos_sin.contiguous(), kv_cache.data, slot_mapping.long().contiguous())
+                             cos_sin.contiguous(), kv_cache.data, slot_mapping.long().contiguous(), kv_cache.scales)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: KVCache,
@@ -98,14 +108,14 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
     else its batch holds: a speculative verification of k + 1 rows gives the bits plain decoding would give one
     row at a time, which keeps greedy speculative output identical to plain decoding in bfloat16 (the
     reference's prefill path, SDPA, rounds differently from its one-query path). That guarantee holds where
-    this launcher runs ops.cpp: not where the extension cannot be built, not for a quantized cache, not for a
-    request past `MAX_ROWS` rows.
+    this launcher runs ops.cpp: not where the extension cannot be built, not for a request past `MAX_ROWS` rows
+    (an int8 / fp8 cache keeps it: its codes and scales are the reference's, read as code * scale in fp32).
 
     `tree_mask` (a batch with draft trees, attention_ref's): the requests of at most MAX_TREE_NODES rows run
     row_attention under their rows' bits (`tree_attention`); the longer ones, and those of more than MAX_ROWS
     rows without bits (prefill chunks, causal), the reference, as in a step without trees."""
     ext = _ext(q)
-    if (ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype) or seq_lens.shape[0] == 0
+    if (ext is None or q.dtype not in DTYPES or not cache_ok(kv_cache, q.dtype) or seq_lens.shape[0] == 0
             or (tree_mask is not None and window)):
         return attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                              max_query_len, max_seq_len, softcap, window, tree_mask)
@@ -119,7 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k
         kv_store_ref(k, v, kv_cache, slot_mapping)
     out = ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
                             seq_lens.int().contiguous(), starts, scale, softcap or 0.0, window or 0, max_rows,
-                            None if tree_mask is None else tree_mask.long().contiguous())
+                            None if tree_mask is None else tree_mask.long().contiguous(), kv_cache.scales)
     if lengths is None:
         return out
     long = lengths > max_rows
@@ -140,16 +150,16 @@ def tree_attention(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tenso
     """Attention of draft trees whose K/V are stored: request b's n rows are tree nodes whose keys sit at positions
     seq_lens[b] - n .. seq_lens[b] - 1, and row t sees the context before them and the nodes j of its request
     whose bit j is set in tree_mask[t] (itself and its ancestors; at most 64 nodes). q (T, H_q, D) -> (T, H_q, D).
-    Each row computes as row_attention's decode row does, so a chain's mask gives decoding's bits; a quantized
-    cache, or no extension: the reference below."""
+    Each row computes as row_attention's decode row does, so a chain's mask gives decoding's bits; a cache
+    ops.cpp does not take, or no extension: the reference below."""
     if seq_lens.shape[0] and int((query_start_loc[1:] - query_start_loc[:-1]).max()) > MAX_TREE_NODES:
         raise ValueError(f"a draft tree has at most {MAX_TREE_NODES} nodes (one bit each in tree_mask)")
     ext = _ext(q)
-    if ext is None or q.dtype not in DTYPES or not _float_cache(kv_cache, q.dtype):
+    if ext is None or q.dtype not in DTYPES or not cache_ok(kv_cache, q.dtype):
         return _tree_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask, softcap)
     return ext.row_attention(q.contiguous(), kv_cache.data, block_tables.int().contiguous(),
                              seq_lens.int().contiguous(), query_start_loc.int().contiguous(), scale, softcap or 0.0,
-                             0, MAX_TREE_NODES, tree_mask.long().contiguous())
+                             0, MAX_TREE_NODES, tree_mask.long().contiguous(), kv_cache.scales)
 
 
 def _tree_attention_ref(q: torch.Tensor, kv_cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,

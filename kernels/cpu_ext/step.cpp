@@ -292,14 +292,19 @@ class Run {
   // inputs: the run's input values in slot order; num_values: every slot; outputs: the slots returned.
   // positions (T,) int64; cos_sin: the rope tables by index; tables, slots: the block tables and slot mappings by
   // KV group (index 0: the batch's own); starts (B + 1,) int32: each request's first row; tree_mask: draft trees'
-  // row bits (row_attention's), or none; caches: per layer; max_rows: row_attention's rows per request;
+  // row bits (row_attention's), or none; caches: per layer, and their scales (an empty tensor for a float cache);
+  // max_rows: row_attention's rows per request;
   // lora_slots (T,) int64: each row's LoRA adapter slot (-1: none), or none on a step without adapter rows.
   std::vector<at::Tensor> forward(std::vector<at::Tensor> inputs, int64_t num_values, std::vector<int64_t> outputs,
                                   at::Tensor positions, std::vector<at::Tensor> cos_sin,
                                   std::vector<at::Tensor> tables, std::vector<at::Tensor> slots,
                                   at::Tensor seq_lens, at::Tensor starts, c10::optional<at::Tensor> tree_mask,
-                                  std::vector<at::Tensor> caches, int64_t max_rows,
-                                  c10::optional<at::Tensor> lora_slots) {
+                                  std::vector<at::Tensor> caches, std::vector<at::Tensor> cache_scales,
+                                  int64_t max_rows, c10::optional<at::Tensor> lora_slots) {
+    auto scales_of = [&](int64_t layer) -> c10::optional<at::Tensor> {
+      const at::Tensor& s = cache_scales.at(layer);
+      return s.numel() ? c10::optional<at::Tensor>(s) : c10::nullopt;
+    };
     std::vector<at::Tensor> v(num_values);
     for (size_t i = 0; i < inputs.size(); ++i) v[i] = inputs[i];
     const int64_t t = inputs.at(0).size(0);
@@ -344,13 +349,14 @@ class Run {
           const int64_t hq = n.ints[0], hkv = n.ints[1], d = n.ints[2];
           v[n.out[0]] = rope_kv_store(x.view({t, hq, d}).contiguous(), v[n.in[1]].view({t, hkv, d}).contiguous(),
                                       v[n.in[2]].view({t, hkv, d}).contiguous(), positions, cos_sin.at(n.ints[4]),
-                                      caches.at(n.ints[3]), slots.at(n.ints[5]));
+                                      caches.at(n.ints[3]), slots.at(n.ints[5]), scales_of(n.ints[3]));
           break;
         }
         case ATTENTION: {
           const int64_t hq = n.ints[0], d = n.ints[1];
           v[n.out[0]] = row_attention(x.view({t, hq, d}).contiguous(), caches.at(n.ints[2]), tables.at(n.ints[4]),
-                                      seq_lens, starts, n.floats[0], n.floats[1], n.ints[3], max_rows, tree_mask)
+                                      seq_lens, starts, n.floats[0], n.floats[1], n.ints[3], max_rows, tree_mask,
+                                      scales_of(n.ints[2]))
                             .flatten(1);
           break;
         }

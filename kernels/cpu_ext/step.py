@@ -1,16 +1,17 @@
 """A decode or verification step's planned runs of graph nodes, each as one call into step.cpp (kernels/cpu_ext),
 in place of the nodes called one by one from Python.
 
-passes/plan_cpu_step.py records the runs in the artifact (`step_run` on each node of a run, `step_left_out` with
-the reason on every other; kernels/cpu_ext/step_takes.py says what step.cpp takes). `fuse_planned(graph, executor)`
-builds each run as a step.cpp `Run` (per node: its op kind, value slots, attributes and weights, the very tensors its
-bound kernel reads) and hands it to the executor (`Executor.fuse`); it fuses exactly the plan, and matches no
+passes/plan_cpu_step.py records the runs in the artifact (`step_run` on each node of a run, `step_left_out` with the
+reason on every other; kernels/cpu_ext/step_takes.py says what step.cpp takes). `fuse_planned(graph, executor)`
+builds each run as a step.cpp `Run` (per node: its op kind, value slots, attributes and weights, the very tensors
+its bound kernel reads) and hands it to the executor (`Executor.fuse`); it fuses exactly the plan, and matches no
 pattern. Per step whose requests bring at most MAX_ROWS query rows each (a decode step's one, a speculative
-verification's k + 1 or a draft tree's nodes, a short prompt), over float KV caches of the activations' dtype, a
-run is one call that runs each node's own kernel in node order, so its outputs equal the node-by-node step's bit for
-bit (tests/test_kernels_cpu_step.py); any other step (a longer prefill, a quantized KV cache, draft trees over
-sliding windows) runs the nodes one by one. Weights are the nodes' prepared layouts, shared with the node-by-node
-path (`PreparedImpl.params`), so nothing is held twice. Where the extension cannot be built, nothing is fused.
+verification's k + 1 or a draft tree's nodes, a short prompt), over KV caches ops.cpp takes (float of the
+activations' dtype, or int8 / fp8 with their scales), a run is one call that runs each node's own kernel in node
+order, so its outputs equal the node-by-node step's bit for bit (tests/test_kernels_cpu_step.py); any other step (a
+longer prefill, draft trees over sliding windows) runs the nodes one by one. Weights are the nodes' prepared
+layouts, shared with the node-by-node path (`PreparedImpl.params`), so nothing is held twice. Where the extension
+cannot be built, nothing is fused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from optc.core.ops.linear import one_row_as_two
 from optc.core.rope import GLOBAL
 from optc.kernels import cpu_ext
 from optc.kernels.cpu_ext import bf16dot
-from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES
+from optc.kernels.cpu_ext.ops import MAX_ROWS, MAX_TREE_NODES, cache_ok
 from optc.kernels.cpu_ext.qdot import BITS, PREPARED
 from optc.kernels.cpu_ext.step_takes import runs
 from optc.kernels.spec import PreparedImpl
@@ -54,7 +55,7 @@ class StepRun:
         self.max_rows = max_rows  # steps of more rows decline (a linear's kernel for them is not step.cpp's)
         self.windowed = windowed  # draft trees decline (the attention launcher runs the reference for them)
         self.linears = linears  # linear node name -> its index in the run (where `attach_lora` finds them)
-        self._caches: tuple[object, list[torch.Tensor] | None] = (None, None)
+        self._caches: tuple[object, tuple[list[torch.Tensor], list[torch.Tensor]] | None] = (None, None)
 
     def __call__(self, inputs: list[torch.Tensor], step) -> list[torch.Tensor] | None:
         b = step.batch
@@ -75,18 +76,20 @@ class StepRun:
                                 [t.contiguous() for t in cos_sin], [t.int().contiguous() for t, _ in groups],
                                 [s.long().contiguous() for _, s in groups], b.seq_lens.int().contiguous(),
                                 b.query_start_loc.int().contiguous(),
-                                None if tree_mask is None else tree_mask.long().contiguous(), caches,
+                                None if tree_mask is None else tree_mask.long().contiguous(), *caches,
                                 MAX_ROWS if tree_mask is None else MAX_TREE_NODES, step.lora_slots)
 
-    def _cache_data(self, kv_caches) -> list[torch.Tensor] | None:
-        """The layers' cache tensors when every one the run touches is a contiguous float cache of the activations'
-        dtype, else None; checked once per list of caches."""
+    def _cache_data(self, kv_caches) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The layers' cache tensors and their scales (an empty tensor for a float cache) when every cache the run
+        touches is one ops.cpp takes (a float cache of the activations' dtype, or int8 / fp8 codes with their
+        scales), else None; checked once per list of caches."""
         if kv_caches is None:
             return None
         if self._caches[0] is not kv_caches:
-            ok = all(c.scales is None and c.data.dtype == self.dtype and c.data.is_contiguous()
-                     and c.data.device.type == "cpu" for c in (kv_caches[i] for i in self.layers))
-            self._caches = (kv_caches, [c.data for c in kv_caches] if ok else None)
+            ok = all(cache_ok(kv_caches[i], self.dtype) for i in self.layers)
+            empty = torch.empty(0)
+            tensors = ([c.data for c in kv_caches], [empty if c.scales is None else c.scales for c in kv_caches])
+            self._caches = (kv_caches, tensors if ok else None)
         return self._caches[1]
 
 

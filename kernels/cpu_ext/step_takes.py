@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from optc.core.formats import FormatKind
 from optc.core.ir import REFERENCE_KERNEL, Graph, Node
+from optc.core.kv_cache import KV_QUANT_DTYPES
 
 DTYPES = ("bfloat16", "float32")  # the activations step.cpp computes in
 # what a linear node bound to each kernel runs in step.cpp (kernels/cpu_ext/step.py builds its call per kernel)
@@ -32,7 +33,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "mla_attention": (REFERENCE_KERNEL,),  # the reference's ATen ops (absorbed at one query row a request)
 }
 BINDING = ("kernel", "kernel_by_m", "kernel_candidates", "layer")  # every op: read by the executor, not the math
-KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_group")
+KV = ("num_heads", "num_kv_heads", "head_dim", "kv_block_size", "kv_dtype", "kv_scales", "kv_scales_at", "kv_group")
 ATTRS: dict[str, tuple[str, ...]] = {
     "linear": ("in_features", "out_features", "split"),
     "rms_norm": ("eps", "offset", "head_dim"),
@@ -79,8 +80,12 @@ def reason(graph: Graph, node: Node) -> str | None:
         a = node.attrs
         if node.op == "attention" and not a.get("kv_stored"):
             return "attention that stores K/V itself (step.cpp: after rope_kv_store, fuse_rope_kv)"
-        if a.get("kv_scales", "none") != "none" or a.get("kv_dtype", dtype) != dtype:
-            return f"a {a.get('kv_dtype')} KV cache with scales {a.get('kv_scales')} (step.cpp: {dtype}, none)"
+        kv = a.get("kv_dtype", dtype), a.get("kv_scales", "none")
+        if node.op == "mla_attention" and kv != (dtype, "none"):
+            return f"a {kv[0]} latent cache with scales {kv[1]} (step.cpp: {dtype}, none)"
+        if kv not in ((dtype, "none"), *((q, "per_token_head") for q in KV_QUANT_DTYPES)):
+            return (f"a {kv[0]} KV cache with scales {kv[1]} (step.cpp: {dtype} with none, or "
+                    f"{' / '.join(KV_QUANT_DTYPES)} with per_token_head)")
     return None
 
 
