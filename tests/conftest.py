@@ -66,6 +66,25 @@ def tiny_pp_artifact(tmp_path_factory) -> Path:
     return build_artifact(tmp_path_factory.mktemp("tiny-pp") / "a", RECIPES / "tiny.yaml", model)
 
 
+@pytest.fixture(scope="session")
+def tiny_recipe_artifact(tmp_path_factory):
+    """`tiny_recipe_artifact(recipe, *overrides)` -> random:tiny built with recipes/<recipe> and the overrides,
+    once per session: test_export.py and test_export_hf.py export the same SmolLM2 recipes on random:tiny. The
+    artifact is shared, so a test must only read it (write into copies or other folders)."""
+    from optc.testing import build_artifact
+
+    built: dict[tuple[str, ...], Path] = {}
+    root = tmp_path_factory.mktemp("tiny-recipes")
+
+    def get(recipe: str, *overrides: str) -> Path:
+        key = (recipe, *overrides)
+        if key not in built:
+            built[key] = build_artifact(root / str(len(built)), RECIPES / recipe, *overrides, model="random:tiny")
+        return built[key]
+
+    return get
+
+
 TINY_INT8_KV = "passes=[fuse_qkv, fuse_gate_up, {kv_layout: {dtype: int8}}]"
 
 

@@ -49,16 +49,16 @@ CASES = [(a, f) for a in ARTIFACTS for f in Flavor if (a, f) != ("int4-zp", Flav
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, recipes) -> dict[str, Path]:
+def artifacts(tmp_path_factory, tiny_recipe_artifact) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("export-src")
     out = {}
     for name, (recipe, overrides) in ARTIFACTS.items():
         if recipe is None:
             recipe_path = root / f"{name}.yaml"
             recipe_path.write_text(SYMMETRIC_INT4.format(group=64))
-        else:
-            recipe_path = recipes / recipe
-        out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
+            out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
+        else:  # the same build as the other export tests': made once per session
+            out[name] = tiny_recipe_artifact(recipe, *overrides)
     return out
 
 

@@ -58,7 +58,7 @@ PROMPTS = [[5, 17, 200, 3, 9, 44, 81, 2], [120, 7, 63, 1, 250, 33, 90, 11]]
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory, recipes) -> dict[str, Path]:
+def artifacts(tmp_path_factory, tiny_recipe_artifact) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-src")
     out = {}
     for name, (recipe, overrides) in ARTIFACTS.items():
@@ -66,9 +66,9 @@ def artifacts(tmp_path_factory, recipes) -> dict[str, Path]:
             recipe_path = root / f"{name}.yaml"
             dtype = "bfloat16" if "bf16" in name else "float32"
             recipe_path.write_text(RTN.format(dtype=dtype, extra=LM_HEAD.get(name, "")))
-        else:
-            recipe_path = recipes / recipe
-        out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
+            out[name] = build_artifact(root / name, recipe_path, *overrides, model="random:tiny")
+        else:  # the same build as the other export tests': made once per session
+            out[name] = tiny_recipe_artifact(recipe, *overrides)
     return out
 
 

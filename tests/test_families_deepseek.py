@@ -14,6 +14,8 @@ bound; tensor parallelism (heads split, latent replicated) equals one rank; what
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -37,9 +39,14 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
+def plain(tmp_path_factory) -> Path:
+    """MODEL in float32 without passes, built once for the module: the tests only read it."""
+    return build_artifact(tmp_path_factory.mktemp(PRESET) / "plain", None, "dtype=float32", "passes=[]", model=MODEL)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, plain):
     out = tmp_path_factory.mktemp(PRESET)
-    plain = build_artifact(out / "plain", None, "dtype=float32", "passes=[]", model=MODEL)
     fused = build_artifact(out / "fused", None, "dtype=float32", FUSED, model=MODEL)
     hf = random_hf_model(PRESET)
     prompts = _prompts()
@@ -172,8 +179,8 @@ RTN = {"int8": ("{quantize_rtn: {bits: 8}}", "int8_wo", 0.002),  # measured 0.00
        "int4": ("{quantize_rtn: {bits: 4, group_size: 32}}", "int4_g", 0.05)}  # measured 0.0167
 
 
-def test_rtn_builds_run_and_stay_within_kl_of_float32(tmp_path):
-    f32 = load_model(str(build_artifact(tmp_path / "f32", None, "dtype=float32", "passes=[]", model=MODEL)))
+def test_rtn_builds_run_and_stay_within_kl_of_float32(plain, tmp_path):
+    f32 = load_model(str(plain))
     for name, (passes, kind, bound) in RTN.items():
         artifact = build_artifact(tmp_path / name, None, "dtype=float32", f"passes=[fuse_gate_up, {passes}, "
                                   "kv_layout]", model=MODEL)
@@ -222,11 +229,10 @@ def test_tensor_parallel_splits_heads_and_equals_one_rank(family):
         engine.close()
 
 
-def test_a_saved_checkpoint_imports_with_its_experts_stacked(tmp_path):
+def test_a_saved_checkpoint_imports_with_its_experts_stacked(plain, tmp_path):
     random_hf_model(PRESET).save_pretrained(tmp_path / "hf")
     ours = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
-    want = build_artifact(tmp_path / "b", None, "dtype=float32", "passes=[]", model=MODEL)
-    first, second = read(ours), read(want)
+    first, second = read(ours), read(plain)
     assert first.graph.used_tensors() == second.graph.used_tensors()
     for name in second.graph.used_tensors():
         assert torch.equal(first.store.get(name), second.store.get(name)), name
@@ -273,7 +279,7 @@ def test_deepseek_v2_lite_config_reads_with_its_latent_cache_size():
     assert c.attention_scale == pytest.approx(192**-0.5 * mscale**2, rel=1e-12)
 
 
-def test_yarn_rope_matches_transformers(tmp_path):
+def test_yarn_rope_matches_transformers(plain, tmp_path):
     """A yarn table (attention factor from mscale / mscale_all_dim) and MLA's mscale-corrected softmax scale,
     past the original context: logits within 1e-4 and greedy tokens equal transformers'."""
     import shutil
@@ -284,8 +290,7 @@ def test_yarn_rope_matches_transformers(tmp_path):
     hf.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
                                  "mscale_all_dim": 0.5, "original_max_position_embeddings": 16}
     hf.save_pretrained(tmp_path / "hf")
-    random = build_artifact(tmp_path / "r", None, "dtype=float32", "passes=[]", model=MODEL)
-    for f in (random / "tokenizer").iterdir():
+    for f in (plain / "tokenizer").iterdir():
         shutil.copy(f, tmp_path / "hf" / f.name)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert model.model.rotary_emb.attention_scaling != 1.0
@@ -300,7 +305,7 @@ def test_yarn_rope_matches_transformers(tmp_path):
     assert got == hf_cached_greedy(model, ids, NEW_TOKENS)
 
 
-def test_the_plain_q_projection_without_q_lora_rank_matches_transformers(tmp_path):
+def test_the_plain_q_projection_without_q_lora_rank_matches_transformers(plain, tmp_path):
     """DeepSeek-V2-Lite's q path (q_lora_rank null: one q_proj), on the preset's other weights."""
     import shutil
 
@@ -319,7 +324,7 @@ def test_the_plain_q_projection_without_q_lora_rank_matches_transformers(tmp_pat
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     hf.eval().save_pretrained(tmp_path / "hf")
-    for f in (build_artifact(tmp_path / "r", None, "dtype=float32", "passes=[]", model=MODEL) / "tokenizer").iterdir():
+    for f in (plain / "tokenizer").iterdir():
         shutil.copy(f, tmp_path / "hf" / f.name)
     artifact = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
     graph = read(artifact).graph
@@ -347,7 +352,7 @@ def test_hf_export_loads_in_transformers_with_the_runtime_logits(family, tmp_pat
                  what="deepseek-v2 export: transformers vs optc")
 
 
-def test_what_mla_cannot_take_is_refused_by_name(tmp_path):
+def test_what_mla_cannot_take_is_refused_by_name(plain, tmp_path):
     from optc.commands.export import ExportOptions, export
     from optc.core.errors import UserError
     from optc.frontend.passmanager import PassContext, make_pass
@@ -358,7 +363,7 @@ def test_what_mla_cannot_take_is_refused_by_name(tmp_path):
     make_pass("cuda_graphs", {"batch_sizes": [1]}).run(graph, None, PassContext(target="cuda", progress=said.append))
     assert any("mla_attention" in s for s in said), said
     pytest.importorskip("onnx")
-    artifact = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=MODEL)
+    artifact = plain
     with pytest.raises(UserError, match="\\(mla_attention\\) of a DeepseekV2ForCausalLM graph has no ONNX lowering"):
         export(ExportOptions(artifact, tmp_path / "onnx", quiet=True))
 

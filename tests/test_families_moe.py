@@ -13,6 +13,8 @@ tensor-parallel engine at every size the shapes allow gives the one-rank engine'
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,11 +39,26 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 9, 23, 40)]
 
 
+@pytest.fixture(scope="module")
+def plain_build(tmp_path_factory):
+    """`plain_build(preset)` -> random:<preset> in float32 without passes, built once for the module: the tests
+    only read it."""
+    built: dict[str, Path] = {}
+
+    def get(preset: str) -> Path:
+        if preset not in built:
+            built[preset] = build_artifact(tmp_path_factory.mktemp(preset) / "plain", None, "dtype=float32",
+                                           "passes=[]", model=f"random:{preset}")
+        return built[preset]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=PRESETS)
-def family(request, tmp_path_factory):
+def family(request, tmp_path_factory, plain_build):
     preset = request.param
     out = tmp_path_factory.mktemp(preset)
-    plain = build_artifact(out / "plain", None, "dtype=float32", "passes=[]", model=f"random:{preset}")
+    plain = plain_build(preset)
     fused = build_artifact(out / "fused", None, "dtype=float32", FUSED, model=f"random:{preset}")
     hf = random_hf_model(preset)
     prompts = _prompts()
@@ -202,9 +219,8 @@ TP_SIZES = {"mixtral-tiny": [1, 2, 4], "qwen3-moe-tiny": [1, 2, 4]}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_quantized_builds_quantize_every_expert_and_stay_within_kl_of_float32(preset, tmp_path):
-    f32 = load_model(str(build_artifact(tmp_path / "f32", None, "dtype=float32", "passes=[]",
-                                        model=f"random:{preset}")))
+def test_quantized_builds_quantize_every_expert_and_stay_within_kl_of_float32(preset, plain_build, tmp_path):
+    f32 = load_model(str(plain_build(preset)))
     kls = {}
     for method in PRESET_METHODS[preset]:
         passes, kind, bound = METHODS[method]
@@ -306,7 +322,7 @@ def test_tensor_parallel_sizes_equal_one_rank(preset, sizes, tmp_path):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_a_saved_checkpoint_imports_with_its_experts_stacked(preset, tmp_path):
+def test_a_saved_checkpoint_imports_with_its_experts_stacked(preset, plain_build, tmp_path):
     """transformers 5 saves each expert apart (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, Qwen3-MoE's
     mlp.experts.{e}.gate_proj/up_proj/down_proj): the build from the folder holds the random build's weights."""
     random_hf_model(preset).save_pretrained(tmp_path / "hf")
@@ -315,8 +331,7 @@ def test_a_saved_checkpoint_imports_with_its_experts_stacked(preset, tmp_path):
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert not any(k.endswith("experts.gate_up_proj") for k in f.keys()), "the checkpoint is saved stacked"
     ours = build_artifact(tmp_path / "a", None, "dtype=float32", "passes=[]", model=str(tmp_path / "hf"))
-    want = build_artifact(tmp_path / "b", None, "dtype=float32", "passes=[]", model=f"random:{preset}")
-    first, second = read(ours), read(want)
+    first, second = read(ours), read(plain_build(preset))
     assert first.graph.used_tensors() == second.graph.used_tensors()
     for name in second.graph.used_tensors():
         assert torch.equal(first.store.get(name), second.store.get(name)), name
