@@ -126,23 +126,12 @@ def _decode_batch(dtype, seq_lens, block_size=4, width=6):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [None, *QUANTIZED])  # a float cache of q's dtype, int8 and fp8 codes with scales
 @pytest.mark.parametrize("softcap,window", [(None, None), (20.0, None), (None, 5)])
-def test_decode_attention_matches_the_reference(dtype, softcap, window):
-    q, tables, lens, start = _decode_batch(dtype, [1, 9, 23])
-    cache = _cache(dtype)
-    kw = {"softcap": softcap, "window": window, "max_query_len": 1, "max_seq_len": 23}
-    got = ops.attention(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
-    want = attention_ref(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
-    _close(got, want)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", list(QUANTIZED))
-@pytest.mark.parametrize("softcap,window", [(None, None), (20.0, 5)])
-def test_decode_attention_over_a_quantized_cache_matches_the_reference(dtype, kind, softcap, window, monkeypatch):
+def test_decode_attention_matches_the_reference(dtype, kind, softcap, window, monkeypatch):
     monkeypatch.setattr(ops, "attention_ref", None)  # ops.cpp's, not the launcher's fallback
     q, tables, lens, start = _decode_batch(dtype, [1, 9, 23])
-    cache = _quantized_cache(kind)
+    cache = _cache(dtype) if kind is None else _quantized_cache(kind)
     kw = {"softcap": softcap, "window": window, "max_query_len": 1, "max_seq_len": 23}
     got = ops.attention(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)
     want = attention_ref(q, None, None, cache, torch.zeros(3, dtype=torch.long), tables, lens, start, 0.17, **kw)

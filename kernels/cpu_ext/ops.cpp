@@ -168,6 +168,18 @@ float* checked_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& 
   return scales->data_ptr<float>();
 }
 
+// f(typed pointer to the cache's elements): int8 or fp8 codes, else the activations' type T (checked_scales first)
+template <typename T, typename F>
+void with_cache_elements(const at::Tensor& cache, F&& f) {
+  if (cache.scalar_type() == at::kChar) {
+    f(cache.data_ptr<int8_t>());
+  } else if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+    f(cache.data_ptr<c10::Float8_e4m3fn>());
+  } else {
+    f(cache.data_ptr<T>());
+  }
+}
+
 at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos_sin,
                          at::Tensor cache, at::Tensor slots, c10::optional<at::Tensor> scales) {
   for (auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&positions, "positions"},
@@ -182,20 +194,13 @@ at::Tensor rope_kv_store(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor po
   TORCH_CHECK(r % 2 == 0 && r <= d && cache.size(4) == d && cache.size(3) == k.size(1), "rotary and cache dims");
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rope_kv_store", [&] {
-    auto run = [&](auto* typed_cache) {
+    with_cache_elements<scalar_t>(cache, [&](auto* typed_cache) {
       using C = std::remove_pointer_t<decltype(typed_cache)>;
       rope_store<scalar_t, C>(q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                               positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(), typed_cache, scale_data,
                               slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), q.size(0), q.size(1), k.size(1),
                               d, r, cache.size(2), cache_qmax(cache.scalar_type()));
-    };
-    if (cache.scalar_type() == at::kChar) {
-      run(cache.data_ptr<int8_t>());
-    } else if (cache.scalar_type() == at::kFloat8_e4m3fn) {
-      run(cache.data_ptr<c10::Float8_e4m3fn>());
-    } else {
-      run(cache.data_ptr<scalar_t>());
-    }
+    });
   });
   return out;
 }
@@ -396,20 +401,13 @@ at::Tensor row_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables
   auto out = at::empty_like(q);
   auto run = [&](auto* typed_q) {
     using T = std::remove_pointer_t<decltype(typed_q)>;
-    auto with_cache = [&](auto* typed_cache) {
+    with_cache_elements<T>(cache, [&](auto* typed_cache) {
       using C = std::remove_pointer_t<decltype(typed_cache)>;
       row_attention_impl<T, C>(typed_q, typed_cache, scale_data, block_tables.data_ptr<int32_t>(), lens, starts,
                                out.data_ptr<T>(), batch, q.size(1), cache.size(3), q.size(2), cache.size(2),
                                block_tables.size(1), static_cast<float>(scale), static_cast<float>(softcap), window,
                                max_rows, mask);
-    };
-    if (cache.scalar_type() == at::kChar) {
-      with_cache(cache.data_ptr<int8_t>());
-    } else if (cache.scalar_type() == at::kFloat8_e4m3fn) {
-      with_cache(cache.data_ptr<c10::Float8_e4m3fn>());
-    } else {
-      with_cache(cache.data_ptr<T>());
-    }
+    });
   };
   if (q.scalar_type() == at::kFloat) {
     run(q.data_ptr<float>());
